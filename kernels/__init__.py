@@ -1,0 +1,6 @@
+"""roundpipe.kernels: Triton fused stage ops (RMSNorm, SwiGLU, RoPE, linear cross-entropy).
+
+Installed from the repository's top-level kernels/ folder.  Importing this
+package never needs Triton or a GPU: each functional form falls back to its
+PyTorch reference when Triton cannot run, and says so once.
+"""

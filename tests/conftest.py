@@ -1,0 +1,40 @@
+"""Shared test setup: Triton interpreter without a GPU, the `cuda` skip, seeding."""
+import os
+import random
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+HAS_CUDA = _has_cuda()
+if not HAS_CUDA:
+    # Must happen before any kernel module is imported (Triton reads it when decorating).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    yield
