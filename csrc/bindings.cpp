@@ -87,6 +87,7 @@ void bind_convert(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "roundpipe native core";
+  rp::simd_level();  // resolve ROUNDPIPE_SIMD now: a bad value fails the import, not a later call
   bind_cpu(m);
   bind_convert(m);
 }
