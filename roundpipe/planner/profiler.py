@@ -124,7 +124,8 @@ class Profiler:
             rows.append((str(i), f"{c.fwd_s * 1e3:.3f}" + ("*" if mf[i] else " "),
                          f"{c.bwd_s * 1e3:.3f}" + ("*" if mb[i] else " "),
                          f"{c.param_bytes / 2**20:.1f}", f"{c.act_bytes / 2**20:.1f}"))
-        rows.append(("total", f"{sum(c.fwd_s for c in costs) * 1e3:.3f} ", f"{sum(c.bwd_s for c in costs) * 1e3:.3f} ",
-                     f"{sum(c.param_bytes for c in costs) / 2**20:.1f}", f"{sum(c.act_bytes for c in costs) / 2**20:.1f}"))
+        total = lambda name: sum(getattr(c, name) for c in costs)
+        rows.append(("total", f"{total('fwd_s') * 1e3:.3f} ", f"{total('bwd_s') * 1e3:.3f} ",
+                     f"{total('param_bytes') / 2**20:.1f}", f"{total('act_bytes') / 2**20:.1f}"))
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
         return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)

@@ -33,7 +33,8 @@ def parse_partition(text: str | None, schedule: str):
         return None
     if schedule.startswith("roundpipe"):
         if text.count("|") != 1:
-            raise ValueError(f"--partition={text!r}: RoundPipe needs 'forward sizes|backward sizes', e.g. '6,6|0,4,4,4'")
+            raise ValueError(f"--partition={text!r}: RoundPipe needs 'forward sizes|backward sizes', "
+                             "e.g. '8,8|0,4,4,4,4'")
         fwd, bwd = text.split("|")
         return _sizes(fwd, "forward list"), _sizes(bwd, "backward list")
     if "|" in text:
