@@ -6,7 +6,10 @@ interleaved 1F1B and looped BFS (v = 2) with the balanced weight-bound partition
 and RoundPipe synchronous and asynchronous with the partition roundpipe.planner
 picks, and reports each schedule's bubble ratio (split into fill / switch / drain
 / steady), exposed communication, and the predicted speedup of RoundPipe sync and
-async over it.  Nothing is measured on hardware: this is roundpipe.sim.
+async over it.  Rows marked "(sim-tuned)" use the best of the planner's candidate
+partitions by simulated time (roundpipe.sim.tune) instead of the objective's
+pick, to show what the closed-form objective leaves on the table.  Nothing is
+measured on hardware: this is roundpipe.sim.
 
 Cost assumptions (all stated, all per microbatch of one sequence of --seq tokens;
 only their ratios matter for bubbles, the absolute scale sets comm vs compute):
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from roundpipe.bench.runner import Report, add_common_args  # noqa: E402
 from roundpipe.planner import LayerCost, partition  # noqa: E402
-from roundpipe.planner.partition import candidates, greedy  # noqa: E402
+from roundpipe.sim.tune import best_partition  # noqa: E402
 from roundpipe.sim import Costs, sizes_from_plan, simulate  # noqa: E402
 
 RATE = 100e12     # FLOP/s
@@ -84,18 +87,6 @@ SHAPES = {
 BASELINES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
 
 
-def tuned(costs: Costs, planner_costs: list[LayerCost], N: int, M: int, iterations: int) -> dict:
-    """RoundPipe with the partition the simulator finds best among the planner's greedy
-    candidates (one per threshold): how much the planner's closed-form objective leaves."""
-    plans = {greedy(planner_costs, float(t) * (1 + 1e-12), BUDGET / 2) for t in candidates(planner_costs)}
-    sizes = [sizes_from_plan(p, costs) for p in plans if p is not None]
-    out = {}
-    for schedule in ("roundpipe", "roundpipe-async"):
-        runs = (simulate(schedule, costs, N, M, partition=sz, iterations=iterations) for sz in sizes)
-        out[schedule + " (sim-tuned)"] = min(runs, key=lambda r: r.makespan)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/schedules.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         results["roundpipe-async"] = simulate("roundpipe-async", costs, N, M, partition=rp_sizes,
                                               iterations=args.iterations)
         if args.tuned:
-            for name, r in tuned(costs, planner_costs, N, M, args.iterations).items():
-                results[name] = r
+            for schedule in ("roundpipe", "roundpipe-async"):
+                results[schedule + " (sim-tuned)"] = best_partition(costs, N, M, schedule, BUDGET, args.iterations)[1]
         sync, asyn = results["roundpipe"].makespan, results["roundpipe-async"].makespan
         for name, r in results.items():
             s = r.summary()

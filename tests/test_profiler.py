@@ -79,3 +79,17 @@ def test_replanner_replans_only_past_threshold():
     assert rp.update() is True
     assert rp.replans == runs + 1
     assert len(rp.plan.fused) < len(first.fused) or rp.plan != first
+
+
+def test_replanner_custom_solver():
+    """A custom solver (e.g. the simulator-ranked one) is what the replanner calls."""
+    from roundpipe.planner import plan as closed_form
+
+    calls = []
+
+    def solver(costs, workers, microbatches, memory_budget):
+        calls.append(len(costs))
+        return closed_form(costs, workers, microbatches, memory_budget)
+
+    rp = Replanner(Profiler([LayerCost(1.0, 3.0)] * 6), workers=2, microbatches=4, solver=solver)
+    assert calls == [6] and rp.plan.num_layers == 6

@@ -147,3 +147,15 @@ def test_cli_roundpipe_partition(capsys):
     assert json.loads(capsys.readouterr().out)["partition"] == [[4], [0, 2, 2]]
     with pytest.raises(SystemExit):
         cli_main(["--schedule", "roundpipe", "--layers", "4", "--partition", "2,2"])
+
+
+def test_tuned_partition_never_slower_than_planner_pick():
+    """Ranking the planner's candidates by simulation finds a plan at least as fast as the objective's pick."""
+    from roundpipe.sim.tune import best_partition, tuned_plan
+
+    costs = Costs.uniform(12, 1.0, 2.0, head_fwd=6.0, head_bwd=12.0, comm=0.1)
+    picked = simulate("roundpipe-async", costs, 4, 8)
+    plan_, best = best_partition(costs, 4, 8)
+    assert best.makespan <= picked.makespan + 1e-9
+    assert tuned_plan(costs.planner_costs(), 4, 8, comm=0.1) == plan_
+    assert Costs.from_planner(costs.planner_costs(), comm=0.1) == costs

@@ -4,8 +4,9 @@ Re-planning is cheap (milliseconds) but a new plan changes which layers move
 together, so the engine should not switch plans on measurement noise.  The
 replanner re-plans only when some layer's forward or backward cost has moved by
 more than `threshold` (relative) since the costs the current plan was made from;
-then it keeps the new plan only if its predicted objective beats the current
-plan's under the new costs.
+then it keeps the new plan only if it differs from the current one.  The solver
+is roundpipe.planner.plan (the closed-form objective) unless another is given,
+e.g. roundpipe.sim.tune.tuned_plan, which ranks candidates by simulation.
 
     replanner = Replanner(profiler, workers=8, microbatches=16, memory_budget=24 << 30)
     plan = replanner.plan                    # size-based plan before any measurement
@@ -15,17 +16,22 @@ plan's under the new costs.
 """
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 from roundpipe.plan import Plan
 from roundpipe.planner.costs import LayerCost
-from roundpipe.planner.partition import check_args, objective, partition
+from roundpipe.planner.partition import check_args, plan as closed_form_plan
 from roundpipe.planner.profiler import Profiler
+
+# (costs, workers, microbatches, memory_budget) -> Plan: planner.plan, or roundpipe.sim.tune.tuned_plan
+Solver = Callable[[Sequence[LayerCost], int, int, "float | None"], Plan]
 
 
 class Replanner:
     """The current plan for a profiler's costs; re-planned only past a threshold."""
 
     def __init__(self, profiler: Profiler, workers: int, microbatches: int,
-                 memory_budget: float | None = None, threshold: float = 0.1):
+                 memory_budget: float | None = None, threshold: float = 0.1, solver: Solver | None = None):
         if not isinstance(profiler, Profiler):
             raise TypeError(f"profiler={profiler!r} must be a roundpipe.planner.Profiler")
         check_args(workers, microbatches, memory_budget)
@@ -34,13 +40,14 @@ class Replanner:
         self.profiler = profiler
         self.workers, self.microbatches, self.memory_budget = workers, microbatches, memory_budget
         self.threshold = threshold
+        self.solver: Solver = solver or closed_form_plan
         self.replans = 0  # how many times the partitioner ran
         self._basis: list[LayerCost] = profiler.costs()
         self._plan = self._solve(self._basis)
 
     def _solve(self, costs: list[LayerCost]) -> Plan:
         self.replans += 1
-        return partition(costs, self.workers, self.microbatches, self.memory_budget).plan
+        return self.solver(costs, self.workers, self.microbatches, self.memory_budget)
 
     @property
     def plan(self) -> Plan:
@@ -64,8 +71,7 @@ class Replanner:
         costs = self.profiler.costs()
         candidate = self._solve(costs)
         self._basis = costs
-        args = (costs, self.workers, self.microbatches)
-        if candidate == self._plan or objective(candidate, *args) >= objective(self._plan, *args):
+        if candidate == self._plan:
             return False
         self._plan = candidate
         return True

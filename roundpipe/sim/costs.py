@@ -67,6 +67,16 @@ class Costs:
         """Backward work of `layers`: recompute (forward again) + backward, or backward only."""
         return sum(self.bwd[i] + (self.fwd[i] if recompute else 0.0) for i in layers)
 
+    @classmethod
+    def from_planner(cls, costs: Sequence[LayerCost], comm: float = 0.0) -> "Costs":
+        """The inverse of `planner_costs`: the last planner layer becomes the LM head."""
+        costs = list(costs)
+        if len(costs) < 2:
+            raise ValueError(f"costs has {len(costs)} layers; need the layers plus the LM head as the last one")
+        *layers, head = costs
+        return cls(tuple(c.fwd_s for c in layers), tuple(max(0.0, c.bwd_s - c.fwd_s) for c in layers),
+                   head.fwd_s, max(0.0, head.bwd_s - head.fwd_s), comm)
+
     def planner_costs(self) -> list[LayerCost]:
         """The layers plus the LM head as one last layer, in the planner's cost model."""
         layers = [LayerCost(f, f + b) for f, b in zip(self.fwd, self.bwd)]
