@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                                               iterations=args.iterations)
         if args.tuned:
             for schedule in ("roundpipe", "roundpipe-async"):
-                results[schedule + " (sim-tuned)"] = best_partition(costs, N, M, schedule, BUDGET, args.iterations)[1]
+                results[schedule + " (sim-tuned)"] = best_partition(
+                    costs, N, M, schedule, BUDGET, args.iterations, layer_costs=planner_costs)[1]
         sync, asyn = results["roundpipe"].makespan, results["roundpipe-async"].makespan
         for name, r in results.items():
             s = r.summary()

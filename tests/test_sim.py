@@ -159,3 +159,15 @@ def test_tuned_partition_never_slower_than_planner_pick():
     assert best.makespan <= picked.makespan + 1e-9
     assert tuned_plan(costs.planner_costs(), 4, 8, comm=0.1) == plan_
     assert Costs.from_planner(costs.planner_costs(), comm=0.1) == costs
+
+
+def test_tuned_partition_respects_memory_budget():
+    """With layer memory sizes, every candidate the tuner simulates fits half the budget."""
+    from roundpipe.planner import LayerCost
+    from roundpipe.planner.costs import backward_memory
+    from roundpipe.sim.tune import best_partition
+
+    costs = Costs.uniform(10, 1.0, 2.0, head_fwd=3.0, head_bwd=6.0)
+    layers = [LayerCost(1.0, 3.0, 100, 10)] * 10 + [LayerCost(3.0, 9.0, 100, 10)]
+    plan_, _ = best_partition(costs, 4, 8, memory_budget=2 * 700, layer_costs=layers)
+    assert all(backward_memory(layers, r) <= 700 for r in plan_.backward)

@@ -32,12 +32,21 @@ def candidate_plans(costs: Sequence[LayerCost], memory_budget: float | None = No
 
 
 def best_partition(costs: Costs, workers: int, microbatches: int, schedule: str = "roundpipe-async",
-                   memory_budget: float | None = None, iterations: int = 6) -> tuple[Plan, Result]:
-    """The candidate plan (over `costs.planner_costs()`) with the shortest simulated iteration."""
+                   memory_budget: float | None = None, iterations: int = 6,
+                   layer_costs: Sequence[LayerCost] | None = None) -> tuple[Plan, Result]:
+    """The candidate plan with the shortest simulated iteration.
+
+    Candidates come from `layer_costs` (the planner's view: layers + head, with their
+    memory; default `costs.planner_costs()`, which carries no memory sizes, so pass
+    them whenever `memory_budget` should bind)."""
     if schedule not in ("roundpipe", "roundpipe-async"):
         raise ValueError(f"schedule={schedule!r} must be 'roundpipe' or 'roundpipe-async'")
+    layer_costs = costs.planner_costs() if layer_costs is None else check_costs(layer_costs)
+    if len(layer_costs) != costs.num_layers + 1:
+        raise ValueError(f"layer_costs has {len(layer_costs)} entries; expected {costs.num_layers + 1} "
+                         "(every layer plus the LM head)")
     best = None
-    for p in candidate_plans(costs.planner_costs(), memory_budget):
+    for p in candidate_plans(layer_costs, memory_budget):
         r = simulate(schedule, costs, workers, microbatches, sizes_from_plan(p, costs), iterations=iterations)
         if best is None or r.makespan < best[1].makespan:
             best = (p, r)
@@ -47,6 +56,7 @@ def best_partition(costs: Costs, workers: int, microbatches: int, schedule: str 
 def tuned_plan(costs: Sequence[LayerCost], workers: int, microbatches: int,
                memory_budget: float | None = None, comm: float = 0.0, asynchronous: bool = True) -> Plan:
     """Drop-in for roundpipe.planner.plan (Replanner's `solver`): the last layer is the LM head."""
+    costs = check_costs(costs)
     sim_costs = Costs.from_planner(costs, comm)
     schedule = "roundpipe-async" if asynchronous else "roundpipe"
-    return best_partition(sim_costs, workers, microbatches, schedule, memory_budget)[0]
+    return best_partition(sim_costs, workers, microbatches, schedule, memory_budget, layer_costs=costs)[0]
