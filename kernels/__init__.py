@@ -4,3 +4,7 @@ Installed from the repository's top-level kernels/ folder.  Importing this
 package never needs Triton or a GPU: each functional form falls back to its
 PyTorch reference when Triton cannot run, and says so once.
 """
+from ._triton import available, unavailable_reason
+from .rms_norm import RMSNorm, rms_norm
+
+__all__ = ["available", "unavailable_reason", "RMSNorm", "rms_norm"]
