@@ -6,5 +6,8 @@ PyTorch reference when Triton cannot run, and says so once.
 """
 from ._triton import available, unavailable_reason
 from .rms_norm import RMSNorm, rms_norm
+from .rope import RotaryEmbedding, apply_rope
+from .swiglu import SwiGLU, swiglu
 
-__all__ = ["available", "unavailable_reason", "RMSNorm", "rms_norm"]
+__all__ = ["available", "unavailable_reason", "RMSNorm", "rms_norm", "SwiGLU", "swiglu",
+           "RotaryEmbedding", "apply_rope"]
