@@ -43,7 +43,8 @@ class Sizes:
     lce_tokens: tuple = (8192, 16384, 32768)
 
 
-CPU_SANITY = Sizes(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16, vocab=1000, tokens=16, lce_tokens=(16,))
+CPU_SANITY = Sizes(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16, vocab=1000, tokens=16,
+                   lce_tokens=(16,))
 
 
 @dataclass
@@ -173,7 +174,8 @@ def _device_limits(device: str, quick: bool) -> tuple[float, float]:
     bandwidth = 2 * src.numel() / median_time(lambda: dst.copy_(src), sync=sync, repeat=9) / 1e9
     del src, dst
     n = 4096 if quick else 8192
-    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
     flops = 2 * n ** 3 / median_time(lambda: a @ b, sync=sync, repeat=9) / 1e12
     return bandwidth, flops
 

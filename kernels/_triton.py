@@ -126,3 +126,17 @@ def check_same(name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor
     if dtype and tensor.dtype != ref.dtype:
         raise TypeError(f"{name}.dtype={tensor.dtype} differs from {ref_name}.dtype={ref.dtype}; "
                         "cast one of them")
+
+
+def launch(kernel, grid: tuple, *args, **meta) -> None:
+    """kernel[grid](*args, **meta) with the first tensor argument's CUDA device made current.
+
+    Triton launches on the current device; roundpipe drives several GPUs from
+    worker threads, so a tensor on cuda:1 must not run on cuda:0's context.
+    """
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    if first.device.type == "cuda":
+        with torch.cuda.device(first.device):
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)

@@ -107,9 +107,10 @@ def _chunked(hidden, weight, labels, ignore_index, scale, *, per_row, need_dh, n
         h = hidden[start:end]
         logits = logits_buf[:end - start]
         torch.mm(h, weight.t(), out=logits)
-        _cross_entropy_kernel[(end - start,)](
-            logits, labels[start:end], loss[start:end], scale[start:end] if per_row else scale, logits.stride(0),
-            V, ignore_index, COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=per_row, BLOCK_V=block,
+        row_scale = scale[start:end] if per_row else scale
+        _triton.launch(
+            _cross_entropy_kernel, (end - start,), logits, labels[start:end], loss[start:end], row_scale,
+            logits.stride(0), V, ignore_index, COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=per_row, BLOCK_V=block,
             num_warps=_triton.num_warps(block))
         if need_dh:
             torch.mm(logits, weight, out=dh[start:end])

@@ -92,9 +92,9 @@ def _rms_norm_fwd(x, weight, eps, residual):
     s = torch.empty_like(y) if residual is not None else x2
     if n:
         block = triton.next_power_of_2(h)
-        _rms_norm_fwd_kernel[(n,)](x2, r2, s, y, weight, rstd, x2.stride(0), r2.stride(0), s.stride(0),
-                                   y.stride(0), h, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                   num_warps=_triton.num_warps(block))
+        _triton.launch(_rms_norm_fwd_kernel, (n,), x2, r2, s, y, weight, rstd, x2.stride(0), r2.stride(0),
+                       s.stride(0), y.stride(0), h, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                       num_warps=_triton.num_warps(block))
     return y, (s if residual is not None else None), rstd
 
 
@@ -107,9 +107,9 @@ def _rms_norm_bwd(dy, ds, s, weight, rstd):
     if n:
         block = triton.next_power_of_2(h)
         ds2 = ds if ds is not None else dy
-        _rms_norm_bwd_kernel[(programs,)](dy, ds2, s, weight, rstd, dx, dw_part, dy.stride(0), ds2.stride(0),
-                                          s.stride(0), dx.stride(0), n, triton.cdiv(n, programs), h,
-                                          HAS_DS=ds is not None, BLOCK=block, num_warps=_triton.num_warps(block))
+        _triton.launch(_rms_norm_bwd_kernel, (programs,), dy, ds2, s, weight, rstd, dx, dw_part, dy.stride(0),
+                       ds2.stride(0), s.stride(0), dx.stride(0), n, triton.cdiv(n, programs), h,
+                       HAS_DS=ds is not None, BLOCK=block, num_warps=_triton.num_warps(block))
     return dx, dw_part.sum(0).to(weight.dtype)
 
 

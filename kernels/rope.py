@@ -84,14 +84,15 @@ def _rope(q, k, cos, sin, backward: bool):
     B, hq, T, D = q.shape
     if q.numel() and k.numel():
         c, s = _as_btd(cos), _as_btd(sin)
-        assert c.stride() == s.stride(), "cos and sin must share a layout"
+        if c.stride() != s.stride():  # the kernel indexes both with one set of strides
+            c, s = c.contiguous(), s.contiguous()
         scb = c.stride(0) if c.shape[0] > 1 else 0
-        _rope_kernel[(B * T,)](q, k, qo, ko, c, s,
-                               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                               qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-                               scb, c.stride(1), T, hq, k.shape[1], D // 2, BACKWARD=backward,
-                               BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-                               BLOCK_D=triton.next_power_of_2(D // 2), num_warps=4)
+        _triton.launch(_rope_kernel, (B * T,), q, k, qo, ko, c, s,
+                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                       qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+                       scb, c.stride(1), T, hq, k.shape[1], D // 2, BACKWARD=backward,
+                       BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+                       BLOCK_D=triton.next_power_of_2(D // 2), num_warps=4)
     return qo, ko
 
 

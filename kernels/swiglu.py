@@ -55,7 +55,7 @@ def _launch(kernel, *tensors: torch.Tensor) -> None:
     """Runs an elementwise kernel over contiguous tensors of equal numel."""
     n = tensors[0].numel()
     if n:
-        kernel[(triton.cdiv(n, BLOCK),)](*tensors, n, BLOCK=BLOCK, num_warps=4)
+        _triton.launch(kernel, (triton.cdiv(n, BLOCK),), *tensors, n, BLOCK=BLOCK, num_warps=4)
 
 
 class SwiGLUFunction(torch.autograd.Function):
