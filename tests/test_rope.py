@@ -35,12 +35,13 @@ def test_fp32_matches_reference(B, hq, hk, T, D):
 
 
 def test_strided_layouts_and_shared_cos():
-    """A transposed [B, T, H, D] projection and a [T, D] cos/sin give the reference result."""
+    """A transposed [B, T, H, D] projection, a [T, D] cos/sin and differently strided cos/sin work."""
     B, T, H, D = 2, 5, 4, 32
     q = torch.randn(B, T, H, D).transpose(1, 2)
     k = torch.randn(B, T, 2, D).transpose(1, 2)
     cos, sin = _cos_sin(1, T, D)
-    for c, s in ((cos[0], sin[0]), (cos, sin)):
+    sin_strided = torch.cat([sin, sin], dim=-1)[..., :D]  # a different layout from cos
+    for c, s in ((cos[0], sin[0]), (cos, sin), (cos, sin_strided)):
         for a, b in zip(apply_rope(q, k, c, s), apply_rope_ref(q, k, c, s)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
