@@ -231,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
                     report.add(**row, ms="OOM")
                     torch.cuda.empty_cache()
                     continue
+                except Exception as exc:  # a peer or torch.compile failing must not end the run
+                    report.add(**row, ms="error")
+                    report.note(f"{name} {case.label} {pass_name}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
                 rate = case.work[pass_name] / seconds / (1e9 if case.unit == "GB/s" else 1e12)
                 if name == "eager":
                     eager_ms[pass_name] = seconds * 1e3
