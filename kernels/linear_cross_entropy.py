@@ -98,7 +98,7 @@ def _chunked(hidden, weight, labels, ignore_index, scale, *, per_row, need_dh, n
     V = weight.shape[0]
     compute_grad = need_dh or need_dw
     loss = torch.empty(T, dtype=torch.float32, device=hidden.device)
-    dh = torch.empty_like(hidden) if need_dh else None
+    dh = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device) if need_dh else None  # hidden may be strided
     dw = torch.zeros_like(weight) if need_dw else None
     logits_buf = torch.empty((min(chunk, T), V), dtype=hidden.dtype, device=hidden.device)
     block = min(triton.next_power_of_2(V), MAX_BLOCK_V)

@@ -104,6 +104,16 @@ def test_peak_memory_is_order_chunk_times_vocab():
     assert ours < logits_bytes / 4
 
 
+def test_strided_hidden():
+    """A non-contiguous hidden (a transposed buffer) gives the reference loss and gradients."""
+    h, w = torch.randn(64, 19), torch.randn(1000, 64) / 8
+    labels = _labels(19, 1000, "some")
+    ours = _run(linear_cross_entropy, h.t(), w, labels, "sum", chunk_size=4)
+    ref = _run(linear_cross_entropy_ref, h.t(), w, labels, "sum")
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
 def test_no_grad_and_module():
     """Without autograd the loss alone is computed; the module forwards its options."""
     h, w = torch.randn(5, 64), torch.randn(1000, 64)
