@@ -118,20 +118,19 @@ class HostArena:
 
     def empty(self, shape: int | Sequence[int] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor in an arena block (zero-size: an ordinary tensor)."""
-        if isinstance(shape, int):
-            shape = (shape,)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        shape = torch.Size(shape)
-        if any(d < 0 for d in shape):
-            raise ValueError(f"shape={tuple(shape)} has a negative dimension")
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        if nbytes == 0:
+        shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+        numel = shape.numel()
+        if numel <= 0:
+            if any(d < 0 for d in shape):
+                raise ValueError(f"shape={tuple(shape)} has a negative dimension")
             return torch.empty(shape, dtype=dtype)
-        block = self._arena.allocate(nbytes)
+        block = self._arena.allocate(numel * dtype.itemsize)
         # frombuffer keeps `block` referenced for the tensor's lifetime; when the
         # storage dies the block object dies and returns its memory.
-        return torch.frombuffer(block, dtype=torch.uint8).view(dtype).view(shape)
+        t = torch.frombuffer(block, dtype=dtype, count=numel)
+        return t if len(shape) == 1 else t.view(shape)
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         """An arena tensor with t's shape and dtype."""
