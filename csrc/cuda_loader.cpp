@@ -34,19 +34,7 @@ std::vector<std::string> runtime_candidates() {
   return names;
 }
 
-bool load_runtime(Api& a, std::string& why) {
-  void* lib = nullptr;
-  for (const std::string& name : runtime_candidates()) {
-    lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (lib) {
-      a.library = name;
-      break;
-    }
-  }
-  if (!lib) {
-    why = "no CUDA runtime (tried libcudart.so.13/.12/.11.0; set ROUNDPIPE_CUDART to a path)";
-    return false;
-  }
+bool bind_runtime(void* lib, Api& a, std::string& why) {
   int (*get_count)(int*) = nullptr;
   bool ok = resolve(lib, "cudaGetDeviceCount", get_count) && resolve(lib, "cudaSetDevice", a.cudaSetDevice) &&
             resolve(lib, "cudaGetDevice", a.cudaGetDevice) && resolve(lib, "cudaHostAlloc", a.rt_host_alloc) &&
@@ -62,11 +50,11 @@ bool load_runtime(Api& a, std::string& why) {
             resolve(lib, "cudaDeviceGetStreamPriorityRange", a.cudaDeviceGetStreamPriorityRange) &&
             resolve(lib, "cudaMemcpyAsync", a.cudaMemcpyAsync);
   if (!ok) {
-    why = a.library + " lacks a required symbol (" + dlerror() + ")";
+    why = a.library + " lacks a required symbol";
     return false;
   }
   int count = 0;
-  int err = get_count(&count);
+  const int err = get_count(&count);
   if (err != kSuccess || count == 0) {
     why = a.library + " loaded but sees no device (cudaGetDeviceCount -> error " + std::to_string(err) +
           ", count " + std::to_string(count) + ")";
@@ -75,6 +63,28 @@ bool load_runtime(Api& a, std::string& why) {
   a.device_count = count;
   a.flavor = Flavor::Runtime;
   return true;
+}
+
+// A runtime already in the process (torch's) is preferred over loading one:
+// a newer libcudart than the driver supports would otherwise shadow a working
+// older one.  Each candidate that fails is unloaded and the next one tried.
+bool load_runtime(Api& a, std::string& why) {
+  std::string reasons;
+  for (int flags : {RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD, RTLD_NOW | RTLD_LOCAL}) {
+    for (const std::string& name : runtime_candidates()) {
+      void* lib = dlopen(name.c_str(), flags);
+      if (!lib) continue;
+      a = Api{};
+      a.library = name;
+      std::string reason;
+      if (bind_runtime(lib, a, reason)) return true;
+      reasons += (reasons.empty() ? "" : "; ") + reason;
+      dlclose(lib);
+    }
+  }
+  a = Api{};
+  why = reasons.empty() ? "no CUDA runtime (tried libcudart.so.13/.12/.11.0; set ROUNDPIPE_CUDART to a path)" : reasons;
+  return false;
 }
 
 bool load_driver(Api& a, std::string& why) {

@@ -26,6 +26,7 @@ completes, so dropping a tensor right after submitting is safe.
 from __future__ import annotations
 
 import enum
+import threading
 from typing import Sequence
 
 import torch
@@ -51,6 +52,10 @@ def _queue(value: "Queue | str") -> Queue:
         return Queue(value)
     except ValueError:
         raise ValueError(f"queue={value!r} is unknown; expected one of {[q.value for q in Queue]}") from None
+
+
+def _native_queue(q: Queue):
+    return getattr(_native.require().CopyQueue, q.value)
 
 
 def pack_lpt(sizes: Sequence[int], windows: int, align: int = 256) -> list[list[tuple[int, int, int]]]:
@@ -98,6 +103,7 @@ class CopyEngine:
         else:
             raise ValueError(f"device={str(device)!r} must be 'cpu' or a CUDA device")
         self._inflight: list[tuple[object, tuple]] = []
+        self._inflight_lock = threading.Lock()
 
     @property
     def backend(self) -> str:
@@ -134,9 +140,9 @@ class CopyEngine:
 
     def _keep(self, fences: list, refs: tuple) -> None:
         # Tensors stay referenced until their copies completed (prune on every submit).
-        self._inflight = [(f, r) for f, r in self._inflight if f.state == "pending"]
-        for f in fences:
-            self._inflight.append((f, refs))
+        with self._inflight_lock:
+            self._inflight = [(f, r) for f, r in self._inflight if f.state == "pending"]
+            self._inflight.extend((f, refs) for f in fences)
 
     # -- submission ---------------------------------------------------------------------------
     def copy(self, queue: "Queue | str", dst: torch.Tensor, src: torch.Tensor, *, after=None, tag: int = -1):
@@ -151,7 +157,7 @@ class CopyEngine:
         if len(dsts) != len(srcs):
             raise ValueError(f"dsts has {len(dsts)} tensors but srcs has {len(srcs)}; they must pair up")
         ops = [self._check_pair(q, i, d, s) for i, (d, s) in enumerate(zip(dsts, srcs))]
-        fence = self._engine.submit(_native.require().CopyQueue.__members__[q.value], ops,
+        fence = self._engine.submit(_native_queue(q), ops,
                                     self._fences("after", after), tag)
         self._keep([fence], (dsts, srcs))
         return fence
@@ -174,7 +180,7 @@ class CopyEngine:
         if isinstance(align, bool) or not isinstance(align, int) or align < 1:
             raise ValueError(f"align={align!r} must be an int >= 1")
         ops = [self._check_pair(q, i, d, s) for i, (d, s) in enumerate(zip(dsts, srcs))]
-        fences = self._engine.submit_windows(_native.require().CopyQueue.__members__[q.value], ops, windows,
+        fences = self._engine.submit_windows(_native_queue(q), ops, windows,
                                              align, tag)
         self._keep(fences, (dsts, srcs))
         return fences
@@ -182,7 +188,8 @@ class CopyEngine:
     def synchronize(self) -> None:
         """Blocks until everything submitted has completed."""
         self._engine.synchronize()
-        self._inflight.clear()
+        with self._inflight_lock:
+            self._inflight = [(f, r) for f, r in self._inflight if f.state == "pending"]
 
     def record_into(self, arena: HostArena, fence, tensors: Sequence[torch.Tensor]) -> None:
         """Records `fence` against every arena tensor in `tensors` (others are skipped)."""
@@ -196,7 +203,7 @@ class CopyEngine:
         if self.backend != "cuda":
             raise ValueError(f"stream() needs a CUDA engine; this one is {self.backend!r}")
         q = _queue(queue)
-        handle = self._engine.stream(_native.require().CopyQueue.__members__[q.value])
+        handle = self._engine.stream(_native_queue(q))
         return torch.cuda.ExternalStream(handle, device=self.device)
 
     def _host(self, what: str):
