@@ -206,6 +206,21 @@ def test_reserve_then_carve_exactly():
     assert len(ts) == 3
 
 
+def test_stats_peak_and_fragmentation():
+    """Holes between live blocks show up as fragmentation; the peak survives frees."""
+    arena = small_arena(chunk_bytes=64 * KiB, alignment=256)
+    blocks = [arena._arena.allocate(8 * KiB) for _ in range(8)]
+    peak = arena.stats().in_use_bytes
+    del blocks[6], blocks[4], blocks[2], blocks[0]  # four 8 KiB holes
+    s = arena.stats()
+    assert s.peak_in_use_bytes == peak == 64 * KiB and s.in_use_bytes == 32 * KiB
+    assert s.largest_free_block == 8 * KiB and s.free_bytes == 32 * KiB
+    assert s.fragmentation == pytest.approx(0.75)
+    blocks.clear()
+    s = arena.stats()
+    assert s.fragmentation == 0.0 and s.largest_free_block == 64 * KiB and s.num_allocations == 8
+
+
 def test_thread_stress():
     """Four threads allocating, writing, verifying and freeing concurrently corrupt nothing."""
     arena = small_arena(chunk_bytes=1 * MiB)
