@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     allocators(al, sizes, gpu, args.quick)
     if not gpu:
         al.note("NO GPU: no torch pinned allocator to compare; arena serves plain memory")
+    al.note("an arena's first allocation reserves a whole chunk (64 MiB, or the block's own size when larger); "
+            "torch pinned rounds the block to a power of two")
     al.finish(args.out, save=not args.no_save)
     bw = Report("offload_bandwidth", BW_COLUMNS)
     (gpu_bandwidth if gpu else host_bandwidth)(bw, sizes, streams if gpu else [1, 2], args.quick)
