@@ -104,6 +104,7 @@ class CopyEngine:
             raise ValueError(f"device={str(device)!r} must be 'cpu' or a CUDA device")
         self._inflight: list[tuple[object, tuple]] = []
         self._inflight_lock = threading.Lock()
+        self._prune_at = 64
 
     @property
     def backend(self) -> str:
@@ -139,10 +140,13 @@ class CopyEngine:
         return out
 
     def _keep(self, fences: list, refs: tuple) -> None:
-        # Tensors stay referenced until their copies completed (prune on every submit).
+        # Tensors stay referenced until their copies completed.  Pruning polls every
+        # fence, so it runs only when the list doubled since the last prune (amortised O(1)).
         with self._inflight_lock:
-            self._inflight = [(f, r) for f, r in self._inflight if f.state == "pending"]
             self._inflight.extend((f, refs) for f in fences)
+            if len(self._inflight) >= self._prune_at:
+                self._inflight = [(f, r) for f, r in self._inflight if f.state == "pending"]
+                self._prune_at = max(64, 2 * len(self._inflight))
 
     # -- submission ---------------------------------------------------------------------------
     def copy(self, queue: "Queue | str", dst: torch.Tensor, src: torch.Tensor, *, after=None, tag: int = -1):
