@@ -21,7 +21,11 @@ memcpy on worker threads (up and down directions in parallel, activation queue
 first), which is how CI tests ordering, priority, packing and completion.
 
 The engine keeps every tensor it was given referenced until the copy's fence
-completes, so dropping a tensor right after submitting is safe.
+completes, so dropping a tensor right after submitting is safe, and an arena
+block (or a CUDA caching-allocator block) under a copy cannot be reused before
+the copy finished.  References are dropped lazily (when the in-flight list has
+doubled), so `record_into(arena, fence, tensors)` is there to make reuse
+prompt, and for copies the engine did not issue use `HostArena.record_stream`.
 """
 from __future__ import annotations
 
