@@ -253,3 +253,35 @@ def test_cuda_engine_round_trip_and_stream_wait():
         f.wait()
     assert all(torch.equal(g.cpu(), p) for g, p in zip(gpu, params))
     assert engine.stream("param_up").cuda_stream != engine.stream("act_up").cuda_stream
+
+
+def test_arena_deferral_protects_inflight_copies_with_random_delays():
+    """Blocks freed under delayed native copies are not recycled: every copy delivers its original bytes."""
+    import random
+    import threading
+
+    rng = random.Random(0)
+    arena = HostArena(ArenaConfig(backend="host", chunk_bytes=1 << 20))
+    engine = CopyEngine("cpu")
+    q = C.CopyQueue.act_up
+    n = 32 * 1024
+    dsts, gates, timers = [], [], []
+    for i in range(24):
+        src = arena.empty(n, torch.uint8).fill_(i)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        gate = C.HostFence()
+        # The native submit holds no tensor reference: only the arena's fence deferral protects src.
+        fence = engine._engine.submit(q, [(dst.data_ptr(), src.data_ptr(), n)], [gate])
+        arena.record(src, fence)
+        del src
+        arena.empty(n, torch.uint8).fill_(255)  # would overwrite src's block if it were reused early
+        timer = threading.Timer(rng.uniform(0.0, 0.02), gate.set)
+        timer.start()
+        dsts.append(dst)
+        timers.append(timer)
+    engine.synchronize()
+    for t in timers:
+        t.join()
+    assert all(bool((d == i).all()) for i, d in enumerate(dsts))
+    arena.collect()
+    assert arena.stats().num_pending == 0
