@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -44,59 +45,53 @@ def split(n: int) -> list[int]:
     return [min(CHUNK, n - i) for i in range(0, n, CHUNK)]
 
 
-def triad_gbs(n: int, repeat: int) -> float:
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    t = median_time(lambda: torch.add(b, c, alpha=3.0, out=a), repeat=repeat)
-    return 12 * n / t / 1e9
+class Bench:
+    """All providers over one shared set of weights and gradients, so they fit in memory together.
+
+    Each provider keeps its own optimizer state; sharing the weights only lets
+    them drift a little differently, which does not change the work done.
+    """
+
+    def __init__(self, n: int, ds_cls=None):
+        sizes = split(n)
+        gen = torch.Generator().manual_seed(0)
+        self.params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in sizes]
+        self.bf16 = [(torch.randn(s, generator=gen) * LOSS_SCALE).to(torch.bfloat16) for s in sizes]
+        self.fp32 = [g.float() / LOSS_SCALE for g in self.bf16]
+        for p, g in zip(self.params, self.fp32):
+            p.grad = g
+        self.shadows = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+        self.torch_fused = torch.optim.AdamW(self.params, lr=1e-4, fused=True)
+        self.torch_foreach = torch.optim.AdamW(self.params, lr=1e-4, foreach=True)
+        self.ours = AdamW(self.params, lr=1e-4)
+        self.deepspeed = ds_cls(self.params, lr=1e-4, adamw_mode=True) if ds_cls is not None else None
+
+    @torch.no_grad()
+    def torch_seq(self) -> None:
+        """(a): what a torch offload loop does with a downloaded bf16 gradient."""
+        for p, g in zip(self.params, self.bf16):
+            p.grad.copy_(g)
+        torch._foreach_mul_([p.grad for p in self.params], 1.0 / LOSS_SCALE)
+        self.torch_fused.step()
+        for s, p in zip(self.shadows, self.params):
+            s.copy_(p)
+
+    def ours_bf16(self) -> None:
+        self.ours.fused_step(self.bf16, shadows=self.shadows, grad_scale=LOSS_SCALE, found_inf=False)
+
+    def ours_fp32(self) -> None:
+        self.ours.fused_step(self.fp32)
 
 
-def masters(sizes):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=g) for s in sizes]
-
-
-def bf16_grads(sizes):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(s, generator=g) * LOSS_SCALE).to(torch.bfloat16) for s in sizes]
-
-
-def time_torch_seq(sizes, repeat):
-    params = [torch.nn.Parameter(m) for m in masters(sizes)]
-    grads = bf16_grads(sizes)
-    for p in params:
-        p.grad = torch.empty_like(p)
-    shadows = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-
-    def step():
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                p.grad.copy_(g)
-            torch._foreach_mul_([p.grad for p in params], 1.0 / LOSS_SCALE)
-            opt.step()
-            for s, p in zip(shadows, params):
-                s.copy_(p)
-    return median_time(step, repeat=repeat)
-
-
-def time_torch_fp32(sizes, repeat, impl):
-    params = [torch.nn.Parameter(m) for m in masters(sizes)]
-    for p, g in zip(params, bf16_grads(sizes)):
-        p.grad = g.float() / LOSS_SCALE
-    opt = torch.optim.AdamW(params, lr=1e-4, **{impl: True})
-    return median_time(opt.step, repeat=repeat)
-
-
-def time_ours(sizes, repeat, lowp):
-    params = masters(sizes)
-    opt = AdamW(params, lr=1e-4)
-    if lowp:
-        grads = bf16_grads(sizes)
-        shadows = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
-        return median_time(lambda: opt.fused_step(grads, shadows=shadows, grad_scale=LOSS_SCALE, found_inf=False),
-                           repeat=repeat)
-    grads = [g.float() / LOSS_SCALE for g in bf16_grads(sizes)]
-    return median_time(lambda: opt.fused_step(grads), repeat=repeat)
+def with_level(fn, level: str):
+    def run() -> None:
+        best = _native.simd_level()
+        _native.set_simd_level(level)
+        try:
+            fn()
+        finally:
+            _native.set_simd_level(best)
+    return run
 
 
 def load_deepspeed(peer_path: str | None):
@@ -112,14 +107,6 @@ def load_deepspeed(peer_path: str | None):
         return None, f"DeepSpeedCPUAdam skipped: import from {peer_path} failed ({type(exc).__name__}: {exc})"
 
 
-def time_deepspeed(cls, sizes, repeat):
-    params = [torch.nn.Parameter(m) for m in masters(sizes)]
-    for p, g in zip(params, bf16_grads(sizes)):
-        p.grad = g.float() / LOSS_SCALE
-    opt = cls(params, lr=1e-4, adamw_mode=True)
-    return median_time(opt.step, repeat=repeat)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/cpu_adam.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,45 +118,53 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser)
     args = parser.parse_args(argv)
     counts = [int(float(x) * 1e6) for x in (args.params or ("10" if args.quick else "10,50,100")).split(",")]
-    repeat = 3 if args.quick else 7
+    rounds = 3 if args.quick else 7
 
     report = Report("cpu_adam", columns=["params", "provider", "ms", "Mparam/s", "vs (a)", "B/param", "GB/s", "% BW"],
                     device="cpu")
-    bw = triad_gbs((64 << 20) if args.quick else (256 << 20), repeat)
-    report.note(f"STREAM-style triad (torch, fp32, {'64M' if args.quick else '256M'} elements x 3 buffers): "
-                f"{bw:.1f} GB/s")
     ds_cls, ds_reason = load_deepspeed(args.peer_path)
     if ds_reason:
         report.note(ds_reason)
     if not _native.available():
         report.note(f"native core unavailable ({_native.unavailable_reason()}): roundpipe rows use the torch fallback")
+    triad_n = (64 << 20) if args.quick else (256 << 20)
+    triad = [torch.empty(triad_n), torch.rand(triad_n), torch.rand(triad_n)]
+    bws = []
     for n in counts:
-        sizes = split(n)
-        runs = [("a", "(a) torch seq bf16", lambda: time_torch_seq(sizes, repeat)),
-                ("b", "(b) torch foreach fp32", lambda: time_torch_fp32(sizes, repeat, "foreach")),
-                ("b'", "(b') torch fused fp32", lambda: time_torch_fp32(sizes, repeat, "fused")),
-                ("c", f"(c) roundpipe bf16 [{_native.simd_level()}]", lambda: time_ours(sizes, repeat, True)),
-                ("c'", f"(c') roundpipe fp32 [{_native.simd_level()}]", lambda: time_ours(sizes, repeat, False))]
+        bench = Bench(n, ds_cls)
+        level = _native.simd_level()
+        runs = [("a", "(a) torch seq bf16", bench.torch_seq),
+                ("b", "(b) torch foreach fp32", bench.torch_foreach.step),
+                ("b'", "(b') torch fused fp32", bench.torch_fused.step),
+                ("c", f"(c) roundpipe bf16 [{level}]", bench.ours_bf16),
+                ("c'", f"(c') roundpipe fp32 [{level}]", bench.ours_fp32)]
         if args.levels and _native.available():
-            best = _native.simd_level()
-            for level in [lv for lv in ("avx2", "scalar") if lv != best]:
-                def timed(level=level):
-                    _native.set_simd_level(level)
-                    try:
-                        return time_ours(sizes, repeat, True)
-                    finally:
-                        _native.set_simd_level(best)
-                runs.append(("c", f"(c) roundpipe bf16 [{level}]", timed))
-        if ds_cls is not None:
-            runs.append(("d", "(d) DeepSpeedCPUAdam fp32", lambda: time_deepspeed(ds_cls, sizes, repeat)))
-        t_a = None
-        for key, name, fn in runs:
-            t = fn()
-            gc.collect()
-            t_a = t if key == "a" else t_a
+            runs += [("c", f"(c) roundpipe bf16 [{lv}]", with_level(bench.ours_bf16, lv))
+                     for lv in ("avx2", "scalar") if lv != level]
+        if bench.deepspeed is not None:
+            runs.append(("d", "(d) DeepSpeedCPUAdam fp32", bench.deepspeed.step))
+        # Interleaved rounds: on a shared machine the load changes over seconds, so
+        # every provider (and the bandwidth probe) is sampled in every round and
+        # the median over rounds is reported.
+        samples: dict[str, list[float]] = {name: [] for _, name, _ in runs}
+        for _ in range(rounds):
+            bws.append(12 * triad_n / median_time(lambda: torch.add(triad[1], triad[2], alpha=3.0, out=triad[0]),
+                                                  warmup=1, repeat=3) / 1e9)
+            for _, name, fn in runs:
+                samples[name].append(median_time(fn, warmup=1, repeat=3))
+        bw = statistics.median(bws)
+        t_a = statistics.median(samples[runs[0][1]])
+        for key, name, _ in runs:
+            t = statistics.median(samples[name])
             gbs = BYTES[key] * n / t / 1e9
             report.add(params=f"{n / 1e6:.0f}M", provider=name, ms=t * 1e3, **{
                 "Mparam/s": n / t / 1e6, "vs (a)": t_a / t, "B/param": BYTES[key], "GB/s": gbs, "% BW": 100 * gbs / bw})
+        del bench
+        gc.collect()
+    report.note(f"STREAM-style triad a = b + 3c (torch, fp32, {triad_n >> 20}M elements x 3 buffers; median of "
+                f"{len(bws)} samples interleaved with the providers): {statistics.median(bws):.1f} GB/s "
+                f"(min {min(bws):.1f}, max {max(bws):.1f})")
+    report.note(f"{rounds} interleaved rounds x 3 timed calls per provider and size; ms = median over rounds")
     report.note(f"threads: torch {torch.get_num_threads()}, roundpipe "
                 f"{_native._C.num_threads() if _native.available() else 'n/a'}; loss scale {LOSS_SCALE:g}")
     report.finish(args.out, save=not args.no_save)

@@ -213,3 +213,18 @@ def test_fused_step_rejection_leaves_state_unchanged():
         opt.fused_step(grads, shadows=bad)
     assert all(torch.equal(a, b) for a, b in zip(masters, start))
     assert all(float(opt.state[m]["step"]) == 1.0 for m in masters)
+
+
+def test_fused_step_runs_step_hooks_and_satisfies_lr_schedulers(recwarn):
+    """fused_step counts as optimizer.step(): post-hooks fire and a scheduler sees no out-of-order step."""
+    masters, grads = engine_setup()
+    opt = rpo.AdamW(masters, lr=1.0)
+    calls = []
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(1))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+    for _ in range(3):
+        opt.fused_step(grads)
+        sched.step()
+    assert calls == [1, 1, 1] and opt.param_groups[0]["lr"] == 0.125
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+    assert opt.fused_step(grads, found_inf=True) is False and calls == [1, 1, 1]

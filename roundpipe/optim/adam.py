@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from roundpipe import _native
 from roundpipe.optim.fused import AdamConfig, _torch_step, adam_step
 from roundpipe.optim.gradients import grad_sumsq
 
@@ -47,6 +48,7 @@ class Adam(torch.optim.Optimizer):
                         maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=None,
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
+        self._fused_call: tuple | None = None
 
     @staticmethod
     def _config(group: dict[str, Any]) -> AdamConfig:
@@ -76,6 +78,12 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._fused_call is not None:  # fused_step routed through here for hooks and lr schedulers
+            params, grads, shadows, grad_mul = self._fused_call
+            for gi, idx in self._by_group(params).items():
+                self._update(self.param_groups[gi], [params[i] for i in idx], [grads[i] for i in idx],
+                             [shadows[i] for i in idx], grad_mul)
+            return loss
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
@@ -117,18 +125,26 @@ class Adam(torch.optim.Optimizer):
             raise ValueError(f"clip_coef={clip_coef!r} must be a finite number > 0")
         if found_inf is None and grad_scale != 1.0:
             found_inf = not math.isfinite(grad_sumsq(grads))
+        self._by_group(params)  # rejects foreign parameters before anything runs
         if found_inf:
             return False
+        # Through step(), so that step hooks run and lr schedulers see an optimizer step.
+        self._fused_call = (params, grads, shadows, clip_coef / grad_scale)
+        try:
+            self.step()
+        finally:
+            self._fused_call = None
+        return True
+
+    def _by_group(self, params: Sequence[torch.Tensor]) -> dict[int, list[int]]:
+        """Indices into `params` per param-group index; ValueError for a parameter not in this optimizer."""
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         members: dict[int, list[int]] = {}
         for i, p in enumerate(params):
             if id(p) not in group_of:
                 raise ValueError(f"params[{i}] (shape {tuple(p.shape)}) is not a parameter of this optimizer")
             members.setdefault(group_of[id(p)], []).append(i)
-        for gi, idx in members.items():
-            self._update(self.param_groups[gi], [params[i] for i in idx], [grads[i] for i in idx],
-                         [shadows[i] for i in idx], clip_coef / grad_scale)
-        return True
+        return members
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
                 shadows: list[torch.Tensor | None] | None, grad_mul: float) -> None:
@@ -158,8 +174,6 @@ class Adam(torch.optim.Optimizer):
 
 def _native_ok(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> bool:
     """Whether the native kernel can take this parameter (else the torch path runs)."""
-    from roundpipe import _native
-
     tensors = [p, grad, state["exp_avg"], state["exp_avg_sq"]] + ([state["max_exp_avg_sq"]]
                                                                   if "max_exp_avg_sq" in state else [])
     return (_native.available() and p.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16,
