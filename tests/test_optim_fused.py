@@ -119,8 +119,8 @@ def test_low_precision_grads_equal_torch_on_upcast(dtype):
 
 @pytest.mark.parametrize("shadow_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_shadow_is_the_rounded_weight(shadow_dtype):
-    """The shadow copy equals torch's conversion of the updated fp32 weight, bit for bit."""
-    sizes = [1, 7, 1023, 5000]
+    """The shadow copy equals torch's conversion of the updated fp32 weight, bit for bit (empty tensors too)."""
+    sizes = [0, 1, 7, 1023, 5000]
     grads = grads_for(sizes, 3, torch.bfloat16)
     params, _, shadows = run_ours(sizes, grads, AdamConfig(lr=0.1), shadow_dtype)
     for p, s in zip(params, shadows):
