@@ -11,12 +11,13 @@ Providers, side by side in one run, each stepping the same fp32 master weights
   (d) DeepSpeedCPUAdam on fp32 grads, only when importable from --peer-path or
       $ROUNDPIPE_PEER_PATH (a separate environment; never installed here)
 
-Bandwidth: two STREAM-style kernels over fp32 buffers far larger than the
-last-level cache (torch, all threads), sampled in the same run between the
-providers: triad a = b + 3c (12 B/element) and an in-place scale a *= s
-(8 B/element, read then write of the same lines: the optimizer's own access
-pattern, which pays no write-allocate reads).  The higher of the two medians
-is the physical limit "% BW" is taken against.  "B/param" counts the bytes each provider's passes read and
+Bandwidth: three STREAM-style kernels over fp32 buffers far larger than the
+last-level cache, sampled in the same run between the providers: torch triad
+a = b + 3c (12 B/element), torch in-place scale a *= s (8 B/element), and
+roundpipe's native a += b (accumulate_, 12 B/element, the same OpenMP threads
+as the optimizer).  The in-place kernels read then write the same lines, the
+optimizer's own pattern, which pays no write-allocate reads.  The highest of
+the three medians is the physical limit "% BW" is taken against.  "B/param" counts the bytes each provider's passes read and
 write (no write-allocate traffic, as STREAM counts): (c) 28 = read w, m, v (12)
 + bf16 grad (2), write w, m, v (12) + bf16 copy (2); (a) 48 = convert 6 +
 unscale 8 + fused step 28 + copy 6; fp32 steps 28; foreach ~84 (its nine
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from roundpipe import _native  # noqa: E402
 from roundpipe.bench.runner import Report, add_common_args, median_time  # noqa: E402
-from roundpipe.optim import AdamW  # noqa: E402
+from roundpipe.optim import AdamW, accumulate_  # noqa: E402
 
 CHUNK = 16 << 20
 LOSS_SCALE = 1024.0
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         report.note(f"native core unavailable ({_native.unavailable_reason()}): roundpipe rows use the torch fallback")
     triad_n = (64 << 20) if args.quick else (256 << 20)
     triad = [torch.empty(triad_n), torch.rand(triad_n), torch.rand(triad_n)]
-    triads: list[float] = []
-    scales: list[float] = []
+    probes: dict[str, list[float]] = {"triad a = b + 3c (torch)": [], "in-place scale a *= s (torch)": [],
+                                      "in-place add a += b (roundpipe native)": []}
     for n in counts:
         bench = Bench(n, ds_cls)
         level = _native.simd_level()
@@ -153,12 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         # the median over rounds is reported.
         samples: dict[str, list[float]] = {name: [] for _, name, _ in runs}
         for _ in range(rounds):
-            triads.append(12 * triad_n / median_time(
-                lambda: torch.add(triad[1], triad[2], alpha=3.0, out=triad[0]), warmup=1, repeat=3) / 1e9)
-            scales.append(8 * triad_n / median_time(lambda: triad[1].mul_(1.0), warmup=1, repeat=3) / 1e9)
+            for (name, values), nbytes, fn in zip(probes.items(), (12, 8, 12), (
+                    lambda: torch.add(triad[1], triad[2], alpha=3.0, out=triad[0]),
+                    lambda: triad[1].mul_(1.0),
+                    lambda: accumulate_(triad[0], triad[2]))):
+                values.append(nbytes * triad_n / median_time(fn, warmup=1, repeat=3) / 1e9)
             for _, name, fn in runs:
                 samples[name].append(median_time(fn, warmup=1, repeat=3))
-        bw = max(statistics.median(triads[-rounds:]), statistics.median(scales[-rounds:]))
+        bw = max(statistics.median(values[-rounds:]) for values in probes.values())
         t_a = statistics.median(samples[runs[0][1]])
         for key, name, _ in runs:
             t = statistics.median(samples[name])
@@ -167,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                 "Mparam/s": n / t / 1e6, "vs (a)": t_a / t, "B/param": BYTES[key], "GB/s": gbs, "% BW": 100 * gbs / bw, "BW GB/s": bw})
         del bench
         gc.collect()
-    for name, values in (("triad a = b + 3c", triads), ("in-place scale a *= s", scales)):
-        report.note(f"STREAM-style {name} (torch, fp32, {triad_n >> 20}M-element buffers): median "
+    for name, values in probes.items():
+        report.note(f"STREAM-style {name}, fp32, {triad_n >> 20}M-element buffers: median "
                     f"{statistics.median(values):.1f} GB/s of {len(values)} samples interleaved with the providers "
-                    f"(min {min(values):.1f}, max {max(values):.1f}); BW GB/s = the higher median of the rounds of that size")
+                    f"(min {min(values):.1f}, max {max(values):.1f}); BW GB/s = the highest probe median over the rounds of that size")
     report.note(f"{rounds} interleaved rounds x 3 timed calls per provider and size; ms = median over rounds")
     report.note(f"threads: torch {torch.get_num_threads()}, roundpipe "
                 f"{_native._C.num_threads() if _native.available() else 'n/a'}; loss scale {LOSS_SCALE:g}")
