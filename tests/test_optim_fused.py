@@ -238,3 +238,20 @@ def test_native_binding_validates_directly():
     with pytest.raises(ValueError, match="beta2=1.0"):
         _native._C.adam_step([], [], [], [], [], [], [], [], [], [], **{**common, "beta2": 1.0})
     assert fused._check_no_overlap([x[:2]], [x[2:]], [], [], [], []) is None
+
+
+@native
+def test_thread_count_does_not_change_results():
+    """One OpenMP thread and all of them give the same bits (ranges split across tensor boundaries)."""
+    sizes = [1_000_003] + [1 + (i * 53) % 700 for i in range(100)]
+    grads = grads_for(sizes, 2, torch.bfloat16)
+    threads = _native._C.num_threads()
+    outs = []
+    try:
+        for n in (1, max(2, threads)):
+            _native._C.set_num_threads(n)
+            params, st, shadows = run_ours(sizes, grads, AdamConfig(weight_decay=0.01), torch.bfloat16)
+            outs.append(params + st["exp_avg_sqs"] + shadows)
+    finally:
+        _native._C.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

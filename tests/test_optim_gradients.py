@@ -116,3 +116,16 @@ def test_accumulate_rejects_bad_inputs():
         accumulate_(torch.zeros(4), torch.zeros(8)[::2])
     same = torch.ones(8)
     assert torch.equal(accumulate_(same, same), torch.full((8,), 2.0))
+
+
+def test_fallback_without_native_core(monkeypatch):
+    """Without the extension, grad_sumsq and accumulate_ give the same values through torch."""
+    gs = grads(torch.bfloat16, sizes=(7, 1023))
+    native_sum = grad_sumsq(gs)
+    dst, src = torch.randn(1023), torch.randn(1023).to(torch.float16)
+    want = dst + src.float()
+    monkeypatch.setattr(_native, "_C", None)
+    assert grad_sumsq(gs) == pytest.approx(native_sum, rel=1e-12)
+    assert torch.equal(accumulate_(dst, src), want)
+    with pytest.raises(ValueError, match="overlap"):
+        accumulate_(dst[:8], dst[4:12])
