@@ -75,11 +75,12 @@ void adam_typed(const rp::AdamTensor& t, const rp::AdamCoeffs& c, size_t begin, 
     adam_vector<GK, SK>(k, p + i, g + i, m + i, v + i, k.amsgrad ? vmax + i : nullptr, s ? s + i : nullptr);
   if (i == end) return;
   // Tail: the same vector code on a zero-padded copy (zero lanes are harmless:
-  // sqrt(0) / bc2 + eps > 0).
+  // sqrt(0) / bc2 + eps > 0).  Aligned, because a shadow kind may use
+  // streaming stores, which fault on unaligned addresses.
   const size_t r = end - i;
-  float tp[kWidth] = {}, tm[kWidth] = {}, tv[kWidth] = {}, tx[kWidth] = {};
-  G tg[kWidth] = {};
-  S ts[kWidth] = {};
+  alignas(64) float tp[kWidth] = {}, tm[kWidth] = {}, tv[kWidth] = {}, tx[kWidth] = {};
+  alignas(64) G tg[kWidth] = {};
+  alignas(64) S ts[kWidth] = {};
   std::memcpy(tp, p + i, r * sizeof(float));
   std::memcpy(tg, g + i, r * sizeof(G));
   std::memcpy(tm, m + i, r * sizeof(float));

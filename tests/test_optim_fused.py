@@ -127,6 +127,17 @@ def test_shadow_is_the_rounded_weight(shadow_dtype):
         assert torch.equal(s, p.to(shadow_dtype))
 
 
+@pytest.mark.parametrize("offset", [0, 1, 16])
+def test_shadow_at_any_alignment(offset):
+    """Aligned shadows (streaming stores) and shadows offset by 1 or 16 elements get the same correct bits."""
+    n = 4096 + 21
+    p = torch.randn(n)
+    shadow = torch.empty(n + offset, dtype=torch.bfloat16)[offset:]
+    adam_step([p], [torch.randn(n).to(torch.bfloat16)], [torch.zeros(n)], [torch.zeros(n)], 1, AdamConfig(lr=0.1),
+              shadows=[shadow])
+    assert torch.equal(shadow, p.to(torch.bfloat16))
+
+
 @native
 @pytest.mark.parametrize("level", LEVELS)
 def test_shadow_rounding_of_special_values(level, restore_level):
