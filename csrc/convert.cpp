@@ -6,29 +6,7 @@
 #include "cpu_features.h"
 #include "half.h"
 #include "parallel.h"
-
-namespace {
-
-constexpr size_t kWidth = 1;
-using Vec = float;
-
-struct F32K {
-  using T = float;
-  static Vec load(const T* p) { return *p; }
-  static void store(T* p, Vec v) { *p = v; }
-};
-struct BF16K {
-  using T = uint16_t;
-  static Vec load(const T* p) { return rp::bf16_to_f32(*p); }
-  static void store(T* p, Vec v) { *p = rp::f32_to_bf16(v); }
-};
-struct F16K {
-  using T = uint16_t;
-  static Vec load(const T* p) { return rp::f16_to_f32(*p); }
-  static void store(T* p, Vec v) { *p = rp::f32_to_f16(v); }
-};
-
-}  // namespace
+#include "vec_scalar.h"
 
 #include "convert_body.h"
 

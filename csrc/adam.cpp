@@ -1,0 +1,69 @@
+// Scalar Adam kernel, the per-step coefficients and the group entry point.
+//
+// GCC contracts a * b + c into an fma whenever the target has one, even in
+// ISO mode; the kernels must round each operation as torch does, so every
+// Adam translation unit turns contraction off before any code.
+#pragma GCC optimize("fp-contract=off")
+
+#include "adam.h"
+
+#include <cmath>
+
+#include "cpu_features.h"
+#include "multi_tensor.h"
+#include "vec_scalar.h"
+
+#include "adam_body.h"
+
+namespace rp {
+
+AdamCoeffs adam_coeffs(const AdamOptions& o, double step) {
+  // torch: bias_correction1 = 1 - beta1 ** step, step_size = lr / bias_correction1,
+  // bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5, all in double; each
+  // scalar is rounded to fp32 where it meets the fp32 tensor.
+  const double bc1 = 1.0 - std::pow(o.beta1, step);
+  const double bc2 = 1.0 - std::pow(o.beta2, step);
+  AdamCoeffs c{};
+  c.grad_mul = static_cast<float>(o.grad_mul);
+  c.maximize = o.maximize;
+  c.l2 = o.weight_decay != 0.0 && !o.decoupled;
+  c.decay_weight = o.weight_decay != 0.0 && o.decoupled;
+  c.l2_decay = static_cast<float>(o.weight_decay);
+  c.weight_scale = static_cast<float>(1.0 - o.lr * o.weight_decay);
+  c.lerp_w = static_cast<float>(1.0 - o.beta1);
+  c.lerp_w_m1 = c.lerp_w - 1.0f;
+  c.lerp_small = std::fabs(c.lerp_w) < 0.5f;
+  c.beta2 = static_cast<float>(o.beta2);
+  c.sq_w = static_cast<float>(1.0 - o.beta2);
+  c.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+  c.neg_step = static_cast<float>(-(o.lr / bc1));
+  c.eps = static_cast<float>(o.eps);
+  c.amsgrad = o.amsgrad;
+  return c;
+}
+
+void adam_range_scalar(const AdamTensor& t, const AdamCoeffs& c, size_t begin, size_t end) {
+  adam_dispatch<BF16K>(t, c, begin, end);
+}
+
+void adam_step(const AdamTensor* tensors, size_t count, const AdamOptions& opt) {
+  using Fn = void (*)(const AdamTensor&, const AdamCoeffs&, size_t, size_t);
+  Fn fn = adam_range_scalar;
+  switch (simd_level()) {
+    case SimdLevel::Avx512: fn = adam_range_avx512; break;
+    case SimdLevel::Avx2: fn = adam_range_avx2; break;
+    default: break;
+  }
+  std::vector<size_t> sizes(count);
+  std::vector<AdamCoeffs> coeffs(count);
+  for (size_t k = 0; k < count; ++k) {
+    sizes[k] = tensors[k].n;
+    coeffs[k] = adam_coeffs(opt, tensors[k].step);
+  }
+  // 32 elements = one cache line of the bf16 shadow, two of the fp32 state.
+  // 32K elements (~0.9 MB of traffic) per thread before a second one helps.
+  TensorRanges ranges(sizes.data(), count, 32, size_t{1} << 15);
+  ranges.run([&](int, size_t k, size_t b, size_t e) { fn(tensors[k], coeffs[k], b, e); });
+}
+
+}  // namespace rp

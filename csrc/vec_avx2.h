@@ -1,0 +1,62 @@
+// AVX2 + FMA + F16C primitives (8 fp32 lanes) for the *_avx2.cpp kernels.
+//
+// Same names as vec_scalar.h (see there).  bf16 stores round to nearest even
+// with integer arithmetic and turn NaN into 0x7FC0, as rp::f32_to_bf16 does.
+// Include only from translation units built with the AVX2 flags.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "half.h"
+
+namespace {
+
+constexpr size_t kWidth = 8;
+using Vec = __m256;
+
+struct F32K {
+  using T = float;
+  static Vec load(const T* p) { return _mm256_loadu_ps(p); }
+  static void store(T* p, Vec v) { _mm256_storeu_ps(p, v); }
+};
+
+struct BF16K {
+  using T = uint16_t;
+  static Vec load(const T* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static void store(T* p, Vec v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+};
+
+struct F16K {
+  using T = uint16_t;
+  static Vec load(const T* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(T* p, Vec v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+inline Vec vset(float x) { return _mm256_set1_ps(x); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vsqrt(Vec a) { return _mm256_sqrt_ps(a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmax_nan(Vec a, Vec b) {
+  return _mm256_or_ps(_mm256_max_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+}
+
+}  // namespace

@@ -1,0 +1,52 @@
+// Scalar "vector" primitives (one lane) for the baseline kernels.
+//
+// The same names as vec_avx2.h / vec_avx512.h, so one kernel body compiles at
+// every level: the width `kWidth`, the lane type `Vec`, the element kinds
+// F32K/BF16K/F16K (load to and store from fp32, RNE rounding) and the lane-wise
+// arithmetic v*().  Each operation rounds once, like the vector instruction it
+// stands for, which is what keeps the levels bit-identical.  Anonymous namespace:
+// see the ODR note in half.h.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "half.h"
+
+namespace {
+
+constexpr size_t kWidth = 1;
+using Vec = float;
+
+struct F32K {
+  using T = float;
+  static Vec load(const T* p) { return *p; }
+  static void store(T* p, Vec v) { *p = v; }
+};
+struct BF16K {
+  using T = uint16_t;
+  static Vec load(const T* p) { return rp::bf16_to_f32(*p); }
+  static void store(T* p, Vec v) { *p = rp::f32_to_bf16(v); }
+};
+struct F16K {
+  using T = uint16_t;
+  static Vec load(const T* p) { return rp::f16_to_f32(*p); }
+  static void store(T* p, Vec v) { *p = rp::f32_to_f16(v); }
+};
+
+inline Vec vset(float x) { return x; }
+inline Vec vadd(Vec a, Vec b) { return a + b; }
+inline Vec vsub(Vec a, Vec b) { return a - b; }
+inline Vec vmul(Vec a, Vec b) { return a * b; }
+inline Vec vdiv(Vec a, Vec b) { return a / b; }
+inline Vec vsqrt(Vec a) { return std::sqrt(a); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return std::fma(a, b, c); }  // a * b + c, one rounding
+// max(a, b) with NaN propagation as torch.maximum's vector path: an unordered
+// pair gives the all-ones NaN; otherwise b unless a > b (maxps semantics).
+inline Vec vmax_nan(Vec a, Vec b) {
+  if (a != a || b != b) return rp::bits_f32(0xffffffffu);
+  return a > b ? a : b;
+}
+
+}  // namespace
