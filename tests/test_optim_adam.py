@@ -245,3 +245,32 @@ def test_drop_in_without_native_core_matches_torch(monkeypatch):
     train(ref_net, ref, 10)
     for a, b in zip(ours_net.parameters(), ref_net.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("upload_dtype", [torch.float32, torch.bfloat16])
+def test_step_layer_equals_step_and_writes_upload(upload_dtype):
+    """step_layer over the layers one by one equals one step(), and writes each upload copy."""
+    torch.manual_seed(3)
+    layers = [[torch.nn.Parameter(torch.randn(37, 5)), torch.nn.Parameter(torch.randn(5))],
+              [torch.nn.Parameter(torch.randn(1001))]]
+    frozen = torch.nn.Parameter(torch.randn(3))
+    twins = [[torch.nn.Parameter(p.detach().clone()) for p in layer] for layer in layers]
+    flat, twin_flat = [p for l in layers for p in l] + [frozen], [p for l in twins for p in l]
+    ours = rpo.AdamW(flat, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(twin_flat, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        for p, q in zip(flat, twin_flat):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        uploads = [[torch.empty_like(p, dtype=upload_dtype) for p in layer] for layer in layers]
+        for layer, up in zip(reversed(layers), reversed(uploads)):   # tail first, as the engine does
+            ours.step_layer(layer, up)
+        ours.step_layer([frozen], [None])
+        ref.step()
+        for p, q in zip(flat, twin_flat):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        for layer, up in zip(layers, uploads):
+            for p, u in zip(layer, up):
+                assert torch.equal(u, p.detach().to(upload_dtype))
+    with pytest.raises(ValueError, match="upload has 1 entries but params has 2"):
+        ours.step_layer(layers[0], [None])
