@@ -87,6 +87,7 @@ class TrainConfig:
             raise ValueError(f"microbatches={self.microbatches}: engine='torch' runs the whole batch at once")
         if self.batch_size is not None and self.microbatches is not None and self.microbatches > self.batch_size:
             raise ValueError(f"microbatches={self.microbatches} must be <= batch_size={self.batch_size}")
+        self.model_config()  # the model's shape is checked here, not after the data is loaded
 
     @property
     def uses_cuda(self) -> bool:
