@@ -1,0 +1,269 @@
+"""`RoundPipe`: the public wrapper around a CPU-resident sequence of layers.
+
+    model = RoundPipe(layers, devices=["cuda:0", "cuda:1"])
+    for x, y in data:
+        loss = model.forward_backward(x, labels=y, loss_fn=F.cross_entropy)
+        model.step(optimizer)          # asynchronous by default: overlaps the next call
+    model.synchronize()                # masters, p.grad and buffers are now consistent
+
+The wrapped module (an nn.Sequential of the layers) holds the fp32 master
+weights; `parameters()`, `state_dict()` etc. are its.  `forward_backward`
+splits the batch into microbatches, runs the round-robin schedule over the
+worker pool (roundpipe/dispatcher.py) and returns the batch loss: the
+microbatch losses weighted by microbatch size, so with a `loss_fn` that is a
+mean over samples the loss and the gradients equal the whole batch's.
+Gradients accumulate into `p.grad` across calls until `step()`, which runs the
+optimizer and then clears them (do not call `optimizer.zero_grad()` yourself:
+with an asynchronous step it would race with the update).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from roundpipe.async_step import HostThread, LayerSync, run_step
+from roundpipe.board import Board
+from roundpipe.dispatcher import Dispatcher, default_plan
+from roundpipe.host_state import HostState
+from roundpipe.microbatch import SplitFn, merge, split, tree_map
+from roundpipe.plan import Plan
+from roundpipe.recompute import CallerRng
+from roundpipe.replica import Replica
+from roundpipe.stage import CallContext
+from roundpipe.trace import Trace
+from roundpipe.workers import COMPUTE_DTYPES, default_compute_dtype, make_workers, parse_devices
+from roundpipe.workers.base import Handoff
+
+TimingFn = Callable[[str, str, int, int, float, float], None]
+
+
+def _as_layers(layers: object) -> nn.Sequential:
+    if isinstance(layers, nn.Sequential):
+        seq = layers
+    elif isinstance(layers, (list, tuple, nn.ModuleList)):
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"layers[{i}] must be an nn.Module, got {type(layer).__name__}")
+        seq = nn.Sequential(*layers)
+    else:
+        raise TypeError(f"layers must be an nn.Sequential or a list of nn.Module, got {type(layers).__name__}")
+    if len(seq) == 0:
+        raise ValueError("layers is empty; give at least one nn.Module")
+    return seq
+
+
+class RoundPipe:
+    """A model kept in host memory whose stages are dispatched round-robin to a pool of workers."""
+
+    def __init__(self, layers, devices=None, num_microbatches: int | None = None,
+                 compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
+                 microbatches_per_round: int | None = None, split_fn: SplitFn | None = None):
+        self.module = _as_layers(layers)
+        self.devices = parse_devices(devices)
+        n = len(self.devices)
+        for name, v in (("num_microbatches", num_microbatches), ("microbatches_per_round", microbatches_per_round)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name}={v!r} must be None or an int >= 1")
+        if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype={compute_dtype!r} must be one of {COMPUTE_DTYPES} or None")
+        if split_fn is not None and not callable(split_fn):
+            raise TypeError(f"split_fn must be callable, got {type(split_fn).__name__}")
+        L = len(self.module)
+        if plan is None:
+            plan = default_plan(L, n)
+        elif not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a roundpipe.Plan or None, got {type(plan).__name__}")
+        self.plan = plan.check(L)
+        self.num_microbatches = num_microbatches
+        self.round_size = microbatches_per_round or n + 1
+        self.split_fn = split_fn
+        self.compute_dtype = compute_dtype or default_compute_dtype(self.devices)
+        self._cuda = self.devices[0].type == "cuda"
+        layers = list(self.module)
+        self.host = HostState(layers, self.compute_dtype, pinned=self._cuda)
+        self.sync = LayerSync(L)
+        self.host_thread = HostThread()
+        self.workers = make_workers(self.devices, self.compute_dtype)
+        self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
+                                  for layer, st in zip(layers, self.host.layers)] for w in self.workers}
+        self.dispatcher = Dispatcher(self.workers)
+        self.stage_timing: TimingFn | None = None   # profiler seam: (worker, kind, first_layer, mb, t0, t1)
+        self._trace: Trace | None = None
+        self._check_recompute = False
+        self._api = threading.RLock()
+        self._closed = False
+
+    # ---- state of the wrapped module
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self.module.buffers(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.module.named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        self.synchronize()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        with self._api:
+            self.synchronize()
+            result = self.module.load_state_dict(state_dict, strict=strict)
+            for l in range(len(self.host)):
+                self.host.pcopy(l)
+            return result
+
+    def train(self, mode: bool = True) -> "RoundPipe":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "RoundPipe":
+        return self.train(False)
+
+    # ---- calls
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this RoundPipe is closed; create a new one (calls after close() are not allowed)")
+        self.host_thread.raise_error()
+
+    def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
+        """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor."""
+        with self._api:
+            self._check_open()
+            if loss_fn is not None and not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+            if labels is not None and loss_fn is None:
+                raise ValueError("labels were given but loss_fn is None; pass loss_fn(output, labels)")
+            mb = split(args, kwargs, labels, self.num_microbatches, self.round_size, self.split_fn)
+            ctx = self._run(mb, training=True, loss_fn=loss_fn)
+            losses = [ctx.losses[m] * w for m, w in enumerate(mb.weights)]
+            total = losses[0].clone()
+            for x in losses[1:]:
+                total += x
+            return total
+
+    def __call__(self, *args, **kwargs) -> Any:
+        """Forward only (no state kept for backward); outputs are concatenated along dim 0 on the CPU."""
+        with self._api:
+            self._check_open()
+            self.sync.flush()   # a forward after step() sees the updated weights
+            mb = split(args, kwargs, None, self.num_microbatches, self.round_size, self.split_fn)
+            ctx = self._run(mb, training=False, loss_fn=None)
+            outs = []
+            for m in range(len(mb)):
+                h = ctx.outputs[m]
+                if h.host_ready is not None:
+                    h.host_ready.synchronize()
+                outs.append(h.host)
+            return merge(outs)
+
+    forward = __call__
+
+    def _run(self, mb, training: bool, loss_fn: Callable | None) -> CallContext:
+        sched = self.dispatcher.schedule(self.plan, training, len(mb), self.round_size)
+        rng = CallerRng(self.devices)
+        ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, rng.base,
+                          [layer.training for layer in self.module], labels=mb.labels, weights=mb.weights,
+                          loss_fn=loss_fn, trace=self._trace, on_timing=self.stage_timing,
+                          check_recompute={} if self._check_recompute else None)
+        pin = (lambda t: t.pin_memory() if isinstance(t, torch.Tensor) else t) if self._cuda else (lambda t: t)
+        for m in range(len(mb)):
+            ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m]))),
+                          sched.input_consumers)
+        self.sync.begin_iteration(sched.uploads)
+        ok = False
+        try:
+            self.dispatcher.run(ctx, sched)
+            ok = True
+        finally:
+            self.sync.end_iteration()
+            rng.restore()
+            if ok and training:
+                self._issue_gcopy()
+        return ctx
+
+    def _issue_gcopy(self) -> None:
+        layers = list(range(len(self.host)))
+        self.sync.mark_gcopy_pending(layers)
+
+        def gcopy() -> None:
+            for l in layers:
+                try:
+                    self.host.gcopy(l)
+                finally:
+                    self.sync.gcopy_done(l)
+        self.host_thread.submit(gcopy)
+
+    def step(self, optimizer, asynchronous: bool = True) -> None:
+        """Applies the accumulated gradients with a torch optimizer (or a zero-argument callable),
+        then clears them.  asynchronous=True overlaps the update with the next call (one step stale)."""
+        with self._api:
+            self._check_open()
+            if isinstance(optimizer, torch.optim.Optimizer):
+                fn = optimizer.step
+            elif callable(optimizer):
+                fn = optimizer
+            else:
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer or a zero-argument callable, "
+                                f"got {type(optimizer).__name__}")
+            rec = self.sync.new_step()
+
+            def step_layers() -> list[int]:
+                with torch.no_grad():
+                    fn()
+                return list(range(len(self.host)))
+            self.host_thread.submit(lambda: run_step(self.sync, rec, step_layers, self.host.pcopy,
+                                                     self.host.clear_grads))
+            if not asynchronous:
+                self.synchronize()
+
+    def synchronize(self) -> None:
+        """Waits for pending gradient copies and optimizer steps; masters and p.grad are then consistent."""
+        with self._api:
+            self._check_open()
+            self.sync.flush()
+            self.host_thread.wait_idle()
+            self.host_thread.raise_error()
+
+    @contextlib.contextmanager
+    def record_trace(self) -> Iterator[Trace]:
+        """Records every stage-microbatch run on every worker into a Trace while the block runs."""
+        trace = Trace(metadata={"devices": [str(d) for d in self.devices], "plan": repr(self.plan)})
+        self._trace = trace
+        try:
+            yield trace
+        finally:
+            self._trace = None
+
+    def close(self) -> None:
+        with self._api:
+            if self._closed:
+                return
+            self._closed = True
+            self.sync.flush()
+            try:
+                self.host_thread.wait_idle()
+            finally:
+                self.host_thread.close()
+                for w in self.workers:
+                    w.close()
+            self.host_thread.raise_error()
+
+    def __enter__(self) -> "RoundPipe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"RoundPipe({len(self.module)} layers, devices={[str(d) for d in self.devices]}, "
+                f"compute_dtype={self.compute_dtype}, plan={self.plan})")
