@@ -147,10 +147,11 @@ class Dispatcher:
     def _work_fn(ctx: CallContext, w: Worker, tasks: list[StageTask], progress: _Progress) -> Callable[[], None]:
         def work() -> None:
             try:
-                for task in tasks:
+                pre = None
+                for i, task in enumerate(tasks):
                     if ctx.board.aborted:
                         break
-                    run_stage(ctx, w, task)
+                    pre = run_stage(ctx, w, task, pre, tasks[i + 1] if i + 1 < len(tasks) else None)
                 w.drain()
             except Aborted:
                 pass

@@ -145,7 +145,7 @@ class RoundPipe:
                 raise ValueError("labels were given but loss_fn is None; pass loss_fn(output, labels)")
             mb = split(args, kwargs, labels, self.num_microbatches, self.round_size, self.split_fn)
             ctx = self._run(mb, training=True, loss_fn=loss_fn)
-            losses = [ctx.losses[m] * w for m, w in enumerate(mb.weights)]
+            losses = [ctx.losses[m].cpu() * w for m, w in enumerate(mb.weights)]
             total = losses[0].clone()
             for x in losses[1:]:
                 total += x
@@ -172,7 +172,7 @@ class RoundPipe:
         sched = self.dispatcher.schedule(self.plan, training, len(mb), self.round_size)
         rng = CallerRng(self.devices)
         ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, rng.base,
-                          [layer.training for layer in self.module], labels=mb.labels, weights=mb.weights,
+                          labels=mb.labels, weights=mb.weights,
                           loss_fn=loss_fn, trace=self._trace, on_timing=self.stage_timing,
                           check_recompute={} if self._check_recompute else None)
         pin = (lambda t: t.pin_memory() if isinstance(t, torch.Tensor) else t) if self._cuda else (lambda t: t)

@@ -40,9 +40,12 @@ class Replica:
         self._buffers = _slots(self.module, buffer_names, "buffer")
         self._meta_params = [owner._parameters[leaf] for owner, leaf in self._params]
         self._meta_buffers = [owner._buffers[leaf] for owner, leaf in self._buffers]
+        # Train/eval flags are read from the master's submodules at every bind; other attributes
+        # are copied once, here, so change a layer's configuration before wrapping it.
+        self._modes = list(zip(self.module.modules(), layer.modules()))
 
-    def bind(self, params: list[torch.Tensor], requires_grad: list[bool], buffers: list[torch.Tensor],
-             training: bool) -> list[nn.Parameter]:
+    def bind(self, params: list[torch.Tensor], requires_grad: list[bool],
+             buffers: list[torch.Tensor]) -> list[nn.Parameter]:
         """Installs device tensors as this replica's weights; returns the bound leaf parameters."""
         bound = []
         for (owner, leaf), t, rg in zip(self._params, params, requires_grad):
@@ -51,7 +54,8 @@ class Replica:
             bound.append(p)
         for (owner, leaf), t in zip(self._buffers, buffers):
             owner._buffers[leaf] = t
-        self.module.train(training)
+        for rep, master in self._modes:
+            rep.training = master.training
         return bound
 
     def bound_buffers(self) -> list[torch.Tensor]:

@@ -67,7 +67,6 @@ class CallContext:
     replicas: dict[str, list]          # worker name -> Replica per layer
     points: frozenset[int]              # boundaries where activations are saved and RNG reseeded
     rng_base: int
-    training: list[bool]
     labels: list[Any] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     loss_fn: Callable | None = None
@@ -126,19 +125,21 @@ class StageRun:
         self.bound: list[list[torch.nn.Parameter]] = []
         self.acc: list[list[torch.Tensor | None]] = []
 
-    def upload(self) -> None:
+    def upload(self, prefetched: dict[int, list[torch.Tensor]] | None) -> None:
         ctx, task, w = self.ctx, self.task, self.w
         grad = task.kind != "F"
         for l, rep in zip(task.layers, self.reps):
             st = ctx.host.layers[l]
             if st.buffers and task.kind != "B" and task.round > 0:
                 ctx.board.get(("buf", l, task.round - 1))   # buffers of the previous round's forward
-            ctx.sync.wait_upload(l, ctx.abort_requested)
-            params, done = w.upload_params(st.upload)
+            if prefetched is not None:
+                params = prefetched[l]
+            else:
+                ctx.sync.wait_upload(l, ctx.abort_requested)
+                params, done = w.upload_params(st.upload)
+                ctx.sync.uploaded(l, done)
             bufs = w.upload_buffers(st.buffers)
-            ctx.sync.uploaded(l, done)
-            self.bound.append(rep.bind(params, [grad and p.requires_grad for p in st.params], bufs,
-                                       ctx.training[l]))
+            self.bound.append(rep.bind(params, [grad and p.requires_grad for p in st.params], bufs))
             self.acc.append([None] * len(st.trainable))
 
     def release(self) -> None:
@@ -263,14 +264,31 @@ class StageRun:
         return land
 
 
-def run_stage(ctx: CallContext, w: Worker, task: StageTask) -> None:
-    """Runs one slot of the schedule on worker w: all of the slot's microbatches in order."""
+def prefetch(ctx: CallContext, w: Worker, task: StageTask) -> dict[int, list[torch.Tensor]] | None:
+    """Issues the uploads of a stage's parameters now if no layer waits for a P-copy, else None."""
+    if not all(ctx.sync.upload_ready(l) for l in task.layers):
+        return None
+    out = {}
+    for l in task.layers:
+        out[l], done = w.upload_params(ctx.host.layers[l].upload)
+        ctx.sync.uploaded(l, done)
+    return out
+
+
+def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: dict | None = None,
+              next_task: StageTask | None = None) -> dict | None:
+    """Runs one slot of the schedule on worker w: all of the slot's microbatches in order.
+
+    Workers that copy asynchronously (`w.prefetches`) issue the next slot's parameter uploads
+    right after the first microbatch, so they overlap this stage's compute; that prefetch is returned.
+    """
     run = StageRun(ctx, w, task)
     step = {"F": run.forward, "fused": run.fused, "B": run.backward}[task.kind]
+    nxt = None
     with w.compute():
         try:
-            run.upload()
-            for m in task.mbs:
+            run.upload(prefetched)
+            for i, m in enumerate(task.mbs):
                 t0 = time.perf_counter()
                 step(m)
                 t1 = time.perf_counter()
@@ -279,6 +297,9 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask) -> None:
                                   layers=f"{task.layers.start}-{task.layers.stop - 1}", round=task.round)
                 if ctx.on_timing is not None:
                     ctx.on_timing(w.name, task.kind, task.layers.start, m, t0, t1)
+                if i == 0 and next_task is not None and w.prefetches:
+                    nxt = prefetch(ctx, w, next_task)
             run.finish()
         finally:
             run.release()
+    return nxt

@@ -77,6 +77,11 @@ class Worker(ABC):
     def pinned_host(self) -> bool:
         return False
 
+    @property
+    def prefetches(self) -> bool:
+        """True when uploads run asynchronously, so issuing the next stage's early overlaps compute."""
+        return False
+
     @abstractmethod
     def upload_params(self, host: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
         """Device copies of host tensors in compute dtype; also returns a wait for the copy's end."""
