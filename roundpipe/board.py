@@ -42,6 +42,13 @@ class Board:
                 del self._items[key]
             return entry[0]
 
+    def poll(self, key: Hashable) -> tuple[bool, Any]:
+        """Like get, but returns (False, None) at once when the value is not there yet."""
+        with self._cv:
+            if key not in self._items:
+                return False, None
+        return True, self.get(key)
+
     def abort(self) -> None:
         with self._cv:
             self._aborted = True

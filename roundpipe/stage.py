@@ -124,6 +124,18 @@ class StageRun:
         self.reps = [ctx.replicas[w.name][l] for l in task.layers]
         self.bound: list[list[torch.nn.Parameter]] = []
         self.acc: list[list[torch.Tensor | None]] = []
+        self.early: dict[int, Any] = {}   # microbatch -> input already uploaded one microbatch early
+
+    def _input(self, m: int) -> Any:
+        if m in self.early:
+            return self.early.pop(m)
+        return self.w.receive(self.ctx.board.get(("act", self.task.layers.start, m)))
+
+    def upload_input_early(self, m: int) -> None:
+        """Issues microbatch m's input upload now if it has arrived (it then overlaps m-1's compute)."""
+        found, h = self.ctx.board.poll(("act", self.task.layers.start, m))
+        if found:
+            self.early[m] = self.w.receive(h)
 
     def upload(self, prefetched: dict[int, list[torch.Tensor]] | None) -> None:
         ctx, task, w = self.ctx, self.task, self.w
@@ -166,12 +178,12 @@ class StageRun:
         self.ctx.board.put(key, w.send(x, need_host, keep) if cons else None, len(cons))
 
     def forward(self, m: int) -> None:
-        x = self.w.receive(self.ctx.board.get(("act", self.task.layers.start, m)))
+        x = self._input(m)
         with torch.no_grad():
             run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m))
 
     def _input_with_grad(self, m: int) -> tuple[Any, list[torch.Tensor]]:
-        x = self.w.receive(self.ctx.board.get(("act", self.task.layers.start, m)))
+        x = self._input(m)
         leaves = _float_leaves(x) if self.task.layers.start > 0 else []
         for t in leaves:
             t.requires_grad_(True)
@@ -279,8 +291,9 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: dict | N
               next_task: StageTask | None = None) -> dict | None:
     """Runs one slot of the schedule on worker w: all of the slot's microbatches in order.
 
-    Workers that copy asynchronously (`w.prefetches`) issue the next slot's parameter uploads
-    right after the first microbatch, so they overlap this stage's compute; that prefetch is returned.
+    Workers that copy asynchronously (`w.prefetches`) issue microbatch m+1's input upload right
+    after issuing m's compute, and the next slot's parameter uploads right after the first
+    microbatch, so both overlap this stage's compute; the parameter prefetch is returned.
     """
     run = StageRun(ctx, w, task)
     step = {"F": run.forward, "fused": run.fused, "B": run.backward}[task.kind]
@@ -297,6 +310,8 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: dict | N
                                   layers=f"{task.layers.start}-{task.layers.stop - 1}", round=task.round)
                 if ctx.on_timing is not None:
                     ctx.on_timing(w.name, task.kind, task.layers.start, m, t0, t1)
+                if w.prefetches and i + 1 < len(task.mbs):
+                    run.upload_input_early(task.mbs[i + 1])
                 if i == 0 and next_task is not None and w.prefetches:
                     nxt = prefetch(ctx, w, next_task)
             run.finish()

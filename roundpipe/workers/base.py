@@ -77,10 +77,10 @@ class Worker(ABC):
     def pinned_host(self) -> bool:
         return False
 
-    @property
-    def prefetches(self) -> bool:
-        """True when uploads run asynchronously, so issuing the next stage's early overlaps compute."""
-        return False
+    # True when uploads run asynchronously, so issuing the next stage's weights and the next
+    # microbatch's input early overlaps compute.  CPU workers copy synchronously and gain nothing,
+    # but tests switch it on to run the prefetch paths in CI.
+    prefetches: bool = False
 
     @abstractmethod
     def upload_params(self, host: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:

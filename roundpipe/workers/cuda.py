@@ -100,9 +100,7 @@ class CudaWorker(Worker):
     def pinned_host(self) -> bool:
         return True
 
-    @property
-    def prefetches(self) -> bool:
-        return True
+    prefetches = True
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:

@@ -1,0 +1,159 @@
+"""The optimizer step: synchronous equals PyTorch, asynchronous equals a one-step-late reference."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import roundpipe as rp
+from rp_models import MODELS, Slow, max_rel_err, reference
+from roundpipe.async_step import LayerSync
+from roundpipe.testing import inject_delays, random_sleeps
+
+
+def batches(n, batch=6, width=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)) for _ in range(n)]
+
+
+def assert_params_close(model, ref, tol=1e-5):
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert max_rel_err(p.detach(), q.detach()) <= tol, (n, max_rel_err(p.detach(), q.detach()))
+
+
+def test_synchronous_adamw_matches_pytorch():
+    """20 synchronous AdamW steps over 3 workers equal plain PyTorch training."""
+    layers = MODELS["residual"]()
+    ref = reference(layers)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with rp.RoundPipe(layers, devices=["cpu"] * 3, num_microbatches=5) as model:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches(20):
+            loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.step(opt, asynchronous=False)
+            ref_loss = F.mse_loss(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert max_rel_err(loss, ref_loss.detach()) <= 1e-5
+        assert_params_close(model, ref)
+
+
+def one_step_late_reference(layers, data, lr):
+    """Pure PyTorch: the gradient of iteration t is taken at the weights before step t-1's update."""
+    cur = reference(layers)
+    opt = torch.optim.AdamW(cur.parameters(), lr=lr)
+    stale = copy.deepcopy(cur)
+    losses = []
+    for x, y in data:
+        stale.zero_grad()
+        loss = F.mse_loss(stale(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        for p, q in zip(cur.parameters(), stale.parameters()):
+            p.grad = q.grad.clone()
+        weights_t = copy.deepcopy(cur.state_dict())
+        opt.step()
+        opt.zero_grad()
+        stale.load_state_dict(weights_t)
+    return cur, losses
+
+
+def run_async(layers, data, lr, workers, num_mb):
+    with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb) as model:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        losses = []
+        for x, y in data:
+            losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
+            model.step(opt)   # asynchronous
+        model.synchronize()
+    return losses
+
+
+@pytest.mark.parametrize("workers, num_mb", [(1, 2), (3, 5), (2, 6)])
+def test_asynchronous_is_exactly_one_step_stale(workers, num_mb):
+    """Async training equals the one-step-late reference, losses included (several rounds for 2x6)."""
+    layers = MODELS["mlp"]()
+    data = batches(6)
+    ref, ref_losses = one_step_late_reference(layers, data, lr=5e-2)
+    losses = run_async(layers, data, 5e-2, workers, num_mb)
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), ref)
+
+
+def nn_seq(layers):
+    return torch.nn.Sequential(*layers)
+
+
+def test_asynchronous_under_random_delays():
+    """Random sleeps in copies, the optimizer and layers do not change the one-step-late result."""
+    layers = [Slow(m, 0.001) for m in MODELS["mlp"](5)]
+    data = batches(5)
+    ref, ref_losses = one_step_late_reference(layers, data, lr=5e-2)
+    copies, host = random_sleeps(0.002, seed=3), random_sleeps(0.02, seed=4, prob=0.7)
+
+    def hook(kind):   # the host side slow enough that the next call races it
+        (host if kind in ("pcopy", "gcopy", "optimizer") else copies)(kind)
+    with inject_delays(hook):
+        losses = run_async(layers, data, 5e-2, workers=3, num_mb=4)
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), ref)
+
+
+def test_synchronize_makes_the_next_call_fresh():
+    """After synchronize() the pending step is applied, so the next call uses the new weights."""
+    layers = MODELS["mlp"](3)
+    x, y = batches(1)[0]
+    with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.step(opt)
+        model.synchronize()
+        out = model(x)
+    torch.testing.assert_close(out, reference(layers)(x).detach())
+
+
+def test_protocol_orders_pcopy_after_next_iterations_uploads():
+    """A P-copy waits for the next iteration's uploads of that layer, and the upload after it waits for it."""
+    sync = LayerSync(2)
+    sync.begin_iteration([1, 1])
+    sync.uploaded(0, None)
+    sync.uploaded(1, None)
+    sync.end_iteration()
+    rec = sync.new_step()
+    assert not sync._pcopy_gate(rec, 0)          # iteration 2 has not uploaded yet
+    sync.begin_iteration([2, 1])
+    assert sync.upload_ready(0)                  # iteration 2 may read the old weights
+    sync.uploaded(1, None)
+    assert sync._pcopy_gate(rec, 1) and not sync._pcopy_gate(rec, 0)
+    sync.uploaded(0, None)
+    sync.uploaded(0, None)
+    assert sync._pcopy_gate(rec, 0)
+    sync.end_iteration()
+    sync.begin_iteration([1, 1])
+    assert not sync.upload_ready(0)              # iteration 3 must see step 1's weights
+    sync.pcopy_done(rec, 0)
+    assert sync.upload_ready(0) and not sync.upload_ready(1)
+
+
+def test_prefetch_paths_keep_the_protocol():
+    """Parameter prefetch and early input uploads (the CUDA paths, forced on CPU) stay one step stale."""
+    layers = [Slow(m, 0.001) for m in MODELS["mlp"](5)]
+    data = batches(5)
+    ref, ref_losses = one_step_late_reference(layers, data, lr=5e-2)
+    host = random_sleeps(0.02, seed=5, prob=0.7)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model, \
+            inject_delays(lambda kind: host(kind) if kind in ("pcopy", "optimizer") else None):
+        for w in model.workers:
+            w.prefetches = True
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+        losses = []
+        for x, y in data:
+            losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
+            model.step(opt)
+        model.synchronize()
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), ref)
