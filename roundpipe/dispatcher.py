@@ -36,7 +36,7 @@ from roundpipe.workers.base import Worker
 
 def default_plan(num_layers: int, num_workers: int) -> Plan:
     """About three forward layers per backward layer, one-backward-stage fused tail, <= ~16 backward stages."""
-    per_stage = max(1, num_layers // 16)
+    per_stage = max(1, -(-num_layers // 16))
     return Plan.uniform(num_layers, backward_per_stage=per_stage, forward_ratio=3)
 
 

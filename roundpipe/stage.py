@@ -126,16 +126,23 @@ class StageRun:
         self.acc: list[list[torch.Tensor | None]] = []
         self.early: dict[int, Any] = {}   # microbatch -> input already uploaded one microbatch early
 
+    def _receive(self, handoff: Handoff) -> Any:
+        """The handoff on this worker, floating tensors in compute dtype (uploads carry low precision)."""
+        x = self.w.receive(handoff)
+        dt = self.w.compute_dtype
+        return tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                        and t.dtype != dt else t, x)
+
     def _input(self, m: int) -> Any:
         if m in self.early:
             return self.early.pop(m)
-        return self.w.receive(self.ctx.board.get(("act", self.task.layers.start, m)))
+        return self._receive(self.ctx.board.get(("act", self.task.layers.start, m)))
 
     def upload_input_early(self, m: int) -> None:
         """Issues microbatch m's input upload now if it has arrived (it then overlaps m-1's compute)."""
         found, h = self.ctx.board.poll(("act", self.task.layers.start, m))
         if found:
-            self.early[m] = self.w.receive(h)
+            self.early[m] = self._receive(h)
 
     def upload(self, prefetched: dict[int, list[torch.Tensor]] | None) -> None:
         ctx, task, w = self.ctx, self.task, self.w
@@ -242,7 +249,7 @@ class StageRun:
             exp = [t for t in tree_leaves(ref) if isinstance(t, torch.Tensor)]
             assert len(got) == len(exp) and all(torch.equal(a, b) for a, b in zip(got, exp)), \
                 f"recompute of layers {r.start}-{r.stop - 1} microbatch {m} differs from its forward"
-        grads = self.w.receive(ctx.board.get(("grad", r.stop, m)))
+        grads = self._receive(ctx.board.get(("grad", r.stop, m)))
         pairs = [(o, g) for o, g in zip(tree_leaves(out), grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         self._backward([o for o, _ in pairs], [g for _, g in pairs])
