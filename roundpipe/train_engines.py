@@ -6,6 +6,7 @@ for losses and tokens/s).  Both offer what the training loop needs and nothing m
 
     engine.forward_backward(x, labels=y, loss_fn=f) -> 0-dim CPU loss
     engine.step(optimizer, lr=..., asynchronous=...)   # sets the learning rate, steps, clears grads
+                                                       # (RoundPipe clears them itself after the step)
     engine(x) -> output;  engine.named_parameters();  engine.synchronize()
     engine.devices;  engine.save_trace(path or None);  with engine: ...
 
@@ -31,7 +32,6 @@ def _step_with_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> Callabl
             for group in optimizer.param_groups:
                 group["lr"] = lr
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     return run
 
@@ -71,6 +71,7 @@ class TorchReference:
     def step(self, optimizer: torch.optim.Optimizer, *, lr: float | None = None, asynchronous: bool = False) -> None:
         start = time.perf_counter()
         _step_with_lr(optimizer, lr)()
+        optimizer.zero_grad(set_to_none=True)
         if self.trace is not None:
             self.synchronize()
             self.trace.add(self.devices[0], f"step {self._step}", start, time.perf_counter(), "optimizer")
@@ -104,9 +105,10 @@ class RoundPipeEngine:
                  dtype: torch.dtype | None, trace: bool = False):
         from roundpipe.model import RoundPipe
 
-        self.trace = Trace(metadata={"engine": "roundpipe"}) if trace else None
         self.model = RoundPipe(layers, devices=devices, num_microbatches=microbatches, compute_dtype=dtype)
-        self.devices = [str(d) for d in getattr(self.model, "devices", devices or [])]
+        self.devices = [str(d) for d in self.model.devices]
+        self._recording = self.model.record_trace() if trace else None
+        self.trace = self._recording.__enter__() if trace else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -128,6 +130,9 @@ class RoundPipeEngine:
             self.trace.save(path)
 
     def close(self) -> None:
+        if self._recording is not None:
+            self._recording.__exit__(None, None, None)
+            self._recording = None
         self.model.close()
 
     def __enter__(self):
