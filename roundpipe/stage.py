@@ -243,13 +243,13 @@ class StageRun:
         x, leaves = self._input_with_grad(m)
         with torch.enable_grad():
             out = run_layers(ctx, self.w, r, x, m)
-        if ctx.check_recompute is not None:
+        grads = self._receive(ctx.board.get(("grad", r.stop, m)))
+        if ctx.check_recompute is not None:   # after the gradient: its forward has surely run
             ref = ctx.check_recompute.get((r.stop, m))
             got = [t.detach().cpu() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             exp = [t for t in tree_leaves(ref) if isinstance(t, torch.Tensor)]
             assert len(got) == len(exp) and all(torch.equal(a, b) for a, b in zip(got, exp)), \
                 f"recompute of layers {r.start}-{r.stop - 1} microbatch {m} differs from its forward"
-        grads = self._receive(ctx.board.get(("grad", r.stop, m)))
         pairs = [(o, g) for o, g in zip(tree_leaves(out), grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         self._backward([o for o, _ in pairs], [g for _, g in pairs])
