@@ -10,19 +10,9 @@ from roundpipe.data import ByteCorpus
 TINY = dict(hidden=32, layers=2, heads=2, seq_len=32, batch_size=8, steps=40, lr=1e-2, eval_batches=2, progress=False)
 
 
-def _engine_available() -> bool:
-    try:
-        import roundpipe.model  # noqa: F401
-    except ModuleNotFoundError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("engine, devices", [("torch", None), ("roundpipe", ["cpu", "cpu"])])
 def test_tiny_model_learns(engine, devices):
     """40 steps on the stdlib bytes take the loss from ~ln 256 clearly down, train and held-out."""
-    if engine == "roundpipe" and not _engine_available():
-        pytest.skip("roundpipe.model is not in this build yet")
     result = rt.train(rt.TrainConfig(engine=engine, devices=devices, **TINY))
     assert len(result.losses) == 40 and all(torch.isfinite(torch.tensor(result.losses)))
     assert abs(result.start_loss - 5.545) < 0.15
@@ -31,11 +21,21 @@ def test_tiny_model_learns(engine, devices):
     assert result.tokens == 40 * 8 * 32 and result.tokens_per_s > 0
 
 
-def test_main_prints_start_and_end_loss(capsys, tmp_path):
+def test_sync_roundpipe_matches_the_torch_reference():
+    """With the synchronous step, RoundPipe on CPU workers trains exactly like the plain PyTorch loop."""
+    cfg = dict(TINY, steps=6, eval_batches=1)
+    ref = rt.train(rt.TrainConfig(engine="torch", **cfg))
+    ours = rt.train(rt.TrainConfig(engine="roundpipe", devices=["cpu", "cpu"], microbatches=3, asynchronous=False, **cfg))
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+    assert ours.val_end == pytest.approx(ref.val_end, rel=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["roundpipe", "torch"])
+def test_main_prints_start_and_end_loss(capsys, tmp_path, engine):
     """The CLI prints the model, the data, and the loss at the start and at the end; --trace writes JSON."""
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
     trace = tmp_path / "run.json"
-    argv = ["--engine", "torch", "--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "16",
+    argv = ["--engine", engine, "--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "16",
             "--batch-size", "4", "--steps", "25", "--lr", "1e-2", "--data-dir", str(tmp_path),
             "--no-progress", "--trace", str(trace)]
     assert rt.main(argv) == 0

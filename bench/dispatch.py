@@ -1,0 +1,140 @@
+"""Engine overhead per stage-microbatch, and CPU-worker training throughput against PyTorch.
+
+Two measurements, both on CPU workers so they run anywhere:
+
+1. Overhead.  A model of near-zero-cost layers (y = x * w on a [M, 4] batch, one
+   scalar weight each) makes a RoundPipe `forward_backward` (+ `synchronize`) all
+   engine: dispatch, microbatch split, host copies of stage inputs, recompute
+   bookkeeping, gradient accumulation, thread hand-offs.  The plain-PyTorch time of
+   the same work (every microbatch through the layers, forward + backward, gradients
+   accumulated) is subtracted and the rest divided by the number of stage-microbatch
+   executions, (forward stages + backward stages) * microbatches.  Target: < 100 us.
+
+       overhead = (t_roundpipe - t_torch) / ((S_fwd + S_bwd) * M)
+
+2. Throughput.  The `roundpipe train` default model (tiny decoder, 16 x 128 bytes per
+   step, AdamW) trained for a few steps by the plain PyTorch loop and by RoundPipe on
+   1 and 2 CPU workers, sync and async step; tokens/s and the ratio to PyTorch.
+
+    python bench/dispatch.py [--quick] [--no-save]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from roundpipe.bench.runner import Report, add_common_args, median_time
+from roundpipe.data import ByteCorpus
+from roundpipe.model import RoundPipe
+from roundpipe.models.tiny_decoder import build_layers, loss_fn
+from roundpipe.train import TrainConfig, lr_at, make_optimizer
+from roundpipe.train_engines import RoundPipeEngine, TorchReference
+
+
+class Scale(nn.Module):
+    """y = x * w: one multiply, so the layer costs next to nothing and still has a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def _mse(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return (out - labels).pow(2).mean()
+
+
+def _torch_microbatches(layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m: int) -> None:
+    """The same work in plain PyTorch: each microbatch forward and backward, gradients accumulated."""
+    for xm, ym in zip(x.chunk(m), y.chunk(m)):
+        h = xm
+        for layer in layers:
+            h = layer(h)
+        (_mse(h, ym) * (len(xm) / len(x))).backward()
+
+
+def _stage_count(model: RoundPipe, num_layers: int) -> int:
+    plan = getattr(model, "plan", None)
+    if plan is None:
+        raise RuntimeError("RoundPipe does not expose .plan; cannot count stage executions")
+    plan.check(num_layers)
+    return len(plan.forward) + len(plan.backward)
+
+
+def overhead(report: Report, workers: int, num_layers: int, m: int, repeat: int) -> None:
+    layers = [Scale() for _ in range(num_layers)]
+    x, y = torch.randn(m, 4), torch.randn(m, 4)
+    t_torch = median_time(lambda: _torch_microbatches(layers, x, y, m), repeat=repeat)
+    with RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=m) as model:
+        stages = _stage_count(model, num_layers)
+
+        def run():
+            model.forward_backward(x, labels=y, loss_fn=_mse)
+            model.synchronize()
+
+        t_rp = median_time(run, warmup=3, repeat=repeat)
+    executions = stages * m
+    report.add(case=f"{num_layers} trivial layers, {workers} cpu workers, M={m}", provider="roundpipe",
+               stages=stages, **{"stage-mb": executions, "ms": t_rp * 1e3, "torch ms": t_torch * 1e3,
+                                 "us/stage-mb": (t_rp - t_torch) / executions * 1e6})
+
+
+def _train_rate(engine, corpus: ByteCorpus, cfg: TrainConfig, steps: int, asynchronous: bool) -> float:
+    """tokens/s from the median wall time between consecutive steps, after two warmup steps.
+
+    The median of per-step periods (not total time over steps) because the machine this
+    runs on is shared: one descheduled step should not move the result.  With the
+    asynchronous step the period still counts the optimizer, which overlaps the next step.
+    """
+    optimizer = make_optimizer(engine.named_parameters(), cfg.lr, cfg.weight_decay)
+    batches = corpus.batches(cfg.batch_size, cfg.seq_len, seed=0)
+    ends = []
+    for step in range(steps + 2):
+        x, y = next(batches)
+        engine.forward_backward(x, labels=y, loss_fn=loss_fn)
+        engine.step(optimizer, lr=lr_at(step, cfg), asynchronous=asynchronous)
+        ends.append(time.perf_counter())
+    engine.synchronize()
+    return cfg.batch_size * cfg.seq_len / statistics.median(b - a for a, b in zip(ends[1:], ends[2:]))
+
+
+def throughput(report: Report, steps: int) -> None:
+    cfg = TrainConfig(devices=["cpu"], steps=steps).resolved()
+    corpus = ByteCorpus.load()
+    case = f"tiny decoder {cfg.model_config().num_parameters() / 1e6:.2f}M, {cfg.batch_size}x{cfg.seq_len}"
+    with TorchReference(build_layers(cfg.model_config(), seed=0), "cpu", torch.float32) as ref:
+        base = _train_rate(ref, corpus, cfg, steps, False)
+    report.add(case=case, provider="torch (1 device)", **{"tokens/s": base, "vs torch": 1.0})
+    for workers in (1, 2):
+        for asynchronous in (False, True):
+            layers = build_layers(cfg.model_config(), seed=0)
+            with RoundPipeEngine(layers, ["cpu"] * workers, None, None) as engine:
+                rate = _train_rate(engine, corpus, cfg, steps, asynchronous)
+            report.add(case=case, provider=f"roundpipe {workers} cpu worker{'s' * (workers > 1)} "
+                       f"{'async' if asynchronous else 'sync'}", **{"tokens/s": rate, "vs torch": rate / base})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench/dispatch.py", description=__doc__.split("\n\n")[0])
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    repeat = 5 if args.quick else 15
+
+    report = Report("dispatch", columns=["case", "provider", "stages", "stage-mb", "ms", "torch ms", "us/stage-mb",
+                                         "tokens/s", "vs torch"], device="cpu")
+    for workers, num_layers, m in [(1, 16, 2), (2, 16, 3), (4, 16, 5), (2, 32, 8)][: 2 if args.quick else None]:
+        overhead(report, workers, num_layers, m, repeat)
+    throughput(report, steps=8 if args.quick else 30)
+    report.note(f"{torch.get_num_threads()} torch threads; overhead target < 100 us per stage-microbatch")
+    report.finish(args.out, save=not args.no_save)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
