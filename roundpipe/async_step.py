@@ -21,12 +21,12 @@ Time, N workers busy with iteration j+1 while the host thread steps iteration j:
 
 Everything is per layer with one condition variable, so layer 0 of j+2 can
 start while the deep layers of step j+1 are still being copied.  The host
-thread runs G-copies, optimizer steps and P-copies in FIFO order; its errors
-are re-raised in the caller at the next call.
+thread (a roundpipe.executor.SerialExecutor) runs G-copies, optimizer steps
+and P-copies in FIFO order; its errors are re-raised in the caller at the next
+call.
 """
 from __future__ import annotations
 
-import queue
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -158,51 +158,6 @@ class LayerSync:
                 self.steps.remove(rec)
                 self.retired += 1
             self.cv.notify_all()
-
-
-class HostThread:
-    """One FIFO thread for G-copies, optimizer steps and P-copies; errors surface at the next call."""
-
-    def __init__(self, name: str = "roundpipe-host"):
-        self._q: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._idle = threading.Condition()
-        self._pending = 0
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            try:
-                job()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller by raise_error()
-                if self._error is None:
-                    self._error = e
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._idle:
-            self._pending += 1
-        self._q.put(job)
-
-    def wait_idle(self) -> None:
-        with self._idle:
-            while self._pending:
-                self._idle.wait(0.1)
-
-    def raise_error(self) -> None:
-        err, self._error = self._error, None
-        if err is not None:
-            raise err
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
 
 
 def run_step(sync: LayerSync, rec: _StepRecord, step_layers: Callable[[], list[int]],

@@ -25,9 +25,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from roundpipe.async_step import HostThread, LayerSync, run_step
+from roundpipe.async_step import LayerSync, run_step
 from roundpipe.board import Board
 from roundpipe.dispatcher import Dispatcher, default_plan
+from roundpipe.executor import SerialExecutor
 from roundpipe.host_state import HostState
 from roundpipe.microbatch import SplitFn, merge, split, tree_map
 from roundpipe.plan import Plan
@@ -86,7 +87,7 @@ class RoundPipe:
         layers = list(self.module)
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda)
         self.sync = LayerSync(L)
-        self.host_thread = HostThread()
+        self.host_thread = SerialExecutor("roundpipe-host")
         self.workers = make_workers(self.devices, self.compute_dtype)
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
                                   for layer, st in zip(layers, self.host.layers)] for w in self.workers}

@@ -20,14 +20,13 @@ round trip is skipped.
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from roundpipe.executor import SerialExecutor
 from roundpipe.recompute import RngDomain
 
 
@@ -50,24 +49,14 @@ class Worker(ABC):
         self.name = name
         self.compute_dtype = compute_dtype
         self.rng = RngDomain.of(device)
-        self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=f"roundpipe-{name}", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            fn = self._q.get()
-            if fn is None:
-                return
-            fn()
+        self._thread = SerialExecutor(f"roundpipe-{name}")
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Runs fn on this worker's thread after everything submitted before (fn handles its errors)."""
-        self._q.put(fn)
+        self._thread.submit(fn)
 
     def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
+        self._thread.close()
 
     def compute(self) -> contextlib.AbstractContextManager:
         """Context in which stage compute is issued (the compute stream on CUDA)."""

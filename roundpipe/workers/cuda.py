@@ -21,64 +21,15 @@ again before the other stream is done with it.  Pinned host buffers come from
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
 from typing import Any, Callable, Iterator
 
 import torch
 
-from roundpipe.async_step import Aborted
+from roundpipe.executor import SerialExecutor
 from roundpipe.host_state import HostState
 from roundpipe.microbatch import tree_map
 from roundpipe.testing import delay_point
 from roundpipe.workers.base import Handoff, Worker
-
-
-class _Completer:
-    """A thread that waits for CUDA events and then runs host callbacks, in order."""
-
-    def __init__(self, name: str):
-        self._q: queue.Queue = queue.Queue()
-        self._cv = threading.Condition()
-        self._pending = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"roundpipe-{name}-completer", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            event, fn = item
-            try:
-                event.synchronize()
-                fn()
-            except Aborted:
-                pass
-            except BaseException as e:  # noqa: BLE001 - re-raised by drain() on the worker thread
-                if self._error is None:
-                    self._error = e
-            with self._cv:
-                self._pending -= 1
-                self._cv.notify_all()
-
-    def put(self, event: torch.cuda.Event, fn: Callable[[], None]) -> None:
-        with self._cv:
-            self._pending += 1
-        self._q.put((event, fn))
-
-    def drain(self) -> None:
-        with self._cv:
-            while self._pending:
-                self._cv.wait(0.05)
-        err, self._error = self._error, None
-        if err is not None:
-            raise err
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
 
 
 def _pinned_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -93,7 +44,7 @@ class CudaWorker(Worker):
             self.s_act_up = torch.cuda.Stream(device)
             self.s_act_down = torch.cuda.Stream(device)
             self.s_grad_down = torch.cuda.Stream(device)
-        self._completer = _Completer(name)
+        self._completer = SerialExecutor(f"roundpipe-{name}-completer")
         super().__init__(device, name, compute_dtype)
 
     @property
@@ -173,12 +124,17 @@ class CudaWorker(Worker):
 
     def download_grads(self, grads: list[torch.Tensor | None], then: Callable[[list], None]) -> None:
         delay_point("grad_down")
-        host, done = self._down(self.s_grad_down, grads, torch.float32)
-        self._completer.put(done, lambda: then(host))
+        self._land(*self._down(self.s_grad_down, grads, torch.float32), then)
 
     def download_buffers(self, device_bufs: list[torch.Tensor], then: Callable[[list], None]) -> None:
-        host, done = self._down(self.s_grad_down, device_bufs)
-        self._completer.put(done, lambda: then(host))
+        self._land(*self._down(self.s_grad_down, device_bufs), then)
+
+    def _land(self, host: list, done: torch.cuda.Event, then: Callable[[list], None]) -> None:
+        """Runs then(host) on the completion thread once the download's event has fired."""
+        def job() -> None:
+            done.synchronize()
+            then(host)
+        self._completer.submit(job)
 
     def scalar(self, t: torch.Tensor) -> torch.Tensor:
         # Stays on the device: the caller reads it after drain() synchronised the streams.
@@ -190,14 +146,12 @@ class CudaWorker(Worker):
 
     def drain(self) -> None:
         self._sync_streams()
-        self._completer.drain()
+        self._completer.wait_idle(raise_errors=True)
 
     def abandon(self) -> None:
         self._sync_streams()
-        try:
-            self._completer.drain()
-        except BaseException:  # noqa: BLE001 - the call already failed with its first error
-            pass
+        self._completer.wait_idle()
+        self._completer.discard_error()   # the call already failed with its first error
 
     def close(self) -> None:
         super().close()
