@@ -159,13 +159,17 @@ def test_state_dict_round_trip_and_names():
 
 
 def test_trace_and_rotation():
-    """Every stage-microbatch is traced and the rotation continues across calls."""
+    """Every stage-microbatch is traced and timed, and the rotation continues across calls."""
     layers = mlp(4)
     plan = rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])
     with rp.RoundPipe(layers, devices=["cpu"] * 2, plan=plan, num_microbatches=3) as model:
+        timings = []
+        model.stage_timing = lambda *a: timings.append(a)   # the profiler seam
         with model.record_trace() as trace:
             model.forward_backward(torch.randn(3, 8), labels=torch.randn(3, 8), loss_fn=F.mse_loss)
-        assert len(trace.events) == 3 * 3
+        assert len(trace.events) == len(timings) == 3 * 3
+        assert sorted((w, k, first, m) for w, k, first, m, t0, t1 in timings if k == "B") == \
+            [("cpu:0", "B", 0, m) for m in range(3)]
         placed = {(e.cat, e.args["layers"], e.worker) for e in trace.events}
         assert placed == {("F", "0-1", "cpu:0"), ("fused", "2-3", "cpu:1"), ("B", "0-1", "cpu:0")}
         with model.record_trace() as trace2:
@@ -303,3 +307,19 @@ def test_ctrl_c_in_the_caller_leaves_state_unchanged():
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
         model.synchronize()
         assert_grads_equal(model, ref)
+
+
+def test_frozen_parameters_get_no_gradient():
+    """Parameters with requires_grad=False stay without .grad; the others are exact."""
+    layers = mlp(4)
+    for p in layers[1].parameters():
+        p.requires_grad_(False)
+    x, y = torch.randn(5, 8), torch.randn(5, 8)
+    _, ref = ref_grads(layers, x, y)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (p.grad is None) == (not p.requires_grad)
+            if p.requires_grad:
+                assert max_rel_err(p.grad, q.grad) <= 1e-5
