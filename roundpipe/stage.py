@@ -189,12 +189,13 @@ class StageRun:
         with torch.no_grad():
             run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m))
 
-    def _input_with_grad(self, m: int) -> tuple[Any, list[torch.Tensor]]:
+    def _input_with_grad(self, m: int) -> Any:
+        """The stage input with its floating leaves requiring grad (none for layer 0: data needs none)."""
         x = self._input(m)
-        leaves = _float_leaves(x) if self.task.layers.start > 0 else []
-        for t in leaves:
-            t.requires_grad_(True)
-        return x, leaves
+        if self.task.layers.start > 0:
+            for t in _float_leaves(x):
+                t.requires_grad_(True)
+        return x
 
     def _publish_input_grad(self, m: int, x: Any) -> None:
         if self.task.layers.start == 0:
@@ -221,7 +222,7 @@ class StageRun:
 
     def fused(self, m: int) -> None:
         ctx = self.ctx
-        x, leaves = self._input_with_grad(m)
+        x = self._input_with_grad(m)
         with torch.enable_grad():
             out = run_layers(ctx, self.w, self.task.layers, x, m)
             labels = self.w.receive(Handoff(host=ctx.labels[m])) if ctx.labels[m] is not None else None
@@ -240,7 +241,7 @@ class StageRun:
 
     def backward(self, m: int) -> None:
         ctx, r = self.ctx, self.task.layers
-        x, leaves = self._input_with_grad(m)
+        x = self._input_with_grad(m)
         with torch.enable_grad():
             out = run_layers(ctx, self.w, r, x, m)
         grads = self._receive(ctx.board.get(("grad", r.stop, m)))
