@@ -14,13 +14,15 @@ Two measurements, both on CPU workers so they run anywhere:
 
 2. Throughput.  The `roundpipe train` default model (tiny decoder, 16 x 128 bytes per
    step, AdamW) trained for a few steps by the plain PyTorch loop and by RoundPipe on
-   1 and 2 CPU workers, sync and async step; tokens/s and the ratio to PyTorch.
+   1 and 2 CPU workers, sync and async step; tokens/s and the ratio to PyTorch (median
+   of interleaved rounds).
 
     python bench/dispatch.py [--quick] [--no-save]
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -67,10 +69,10 @@ def _stage_count(model: RoundPipe, num_layers: int) -> int:
     return len(plan.forward) + len(plan.backward)
 
 
-def overhead(report: Report, workers: int, num_layers: int, m: int, repeat: int) -> None:
+def overhead(report: Report, workers: int, num_layers: int, m: int, repeat: int, rounds: int) -> None:
     layers = [Scale() for _ in range(num_layers)]
+    plain = copy.deepcopy(layers)
     x, y = torch.randn(m, 4), torch.randn(m, 4)
-    t_torch = median_time(lambda: _torch_microbatches(layers, x, y, m), repeat=repeat)
     with RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=m) as model:
         stages = _stage_count(model, num_layers)
 
@@ -78,7 +80,13 @@ def overhead(report: Report, workers: int, num_layers: int, m: int, repeat: int)
             model.forward_backward(x, labels=y, loss_fn=_mse)
             model.synchronize()
 
-        t_rp = median_time(run, warmup=3, repeat=repeat)
+        # Interleaved rounds, median of each: a burst of load from another process then
+        # shows up in one round of both timings instead of in one of them.
+        t_torch, t_rp = [], []
+        for _ in range(rounds):
+            t_torch.append(median_time(lambda: _torch_microbatches(plain, x, y, m), repeat=repeat))
+            t_rp.append(median_time(run, warmup=3, repeat=repeat))
+    t_torch, t_rp = statistics.median(t_torch), statistics.median(t_rp)
     executions = stages * m
     report.add(case=f"{num_layers} trivial layers, {workers} cpu workers, M={m}", provider="roundpipe",
                stages=stages, **{"stage-mb": executions, "ms": t_rp * 1e3, "torch ms": t_torch * 1e3,
@@ -104,20 +112,28 @@ def _train_rate(engine, corpus: ByteCorpus, cfg: TrainConfig, steps: int, asynch
     return cfg.batch_size * cfg.seq_len / statistics.median(b - a for a, b in zip(ends[1:], ends[2:]))
 
 
-def throughput(report: Report, steps: int) -> None:
+def throughput(report: Report, steps: int, rounds: int) -> None:
+    """Providers interleaved over `rounds` rounds, median rate per provider: load from other
+    processes on a shared machine then hits every provider alike instead of one."""
     cfg = TrainConfig(devices=["cpu"], steps=steps).resolved()
     corpus = ByteCorpus.load()
-    case = f"tiny decoder {cfg.model_config().num_parameters() / 1e6:.2f}M, {cfg.batch_size}x{cfg.seq_len}"
-    with TorchReference(build_layers(cfg.model_config(), seed=0), "cpu", torch.float32) as ref:
-        base = _train_rate(ref, corpus, cfg, steps, False)
-    report.add(case=case, provider="torch (1 device)", **{"tokens/s": base, "vs torch": 1.0})
+    providers = {"torch (1 device)": lambda: TorchReference(build_layers(cfg.model_config(), seed=0), "cpu",
+                                                              torch.float32)}
     for workers in (1, 2):
         for asynchronous in (False, True):
-            layers = build_layers(cfg.model_config(), seed=0)
-            with RoundPipeEngine(layers, ["cpu"] * workers, None, None) as engine:
-                rate = _train_rate(engine, corpus, cfg, steps, asynchronous)
-            report.add(case=case, provider=f"roundpipe {workers} cpu worker{'s' * (workers > 1)} "
-                       f"{'async' if asynchronous else 'sync'}", **{"tokens/s": rate, "vs torch": rate / base})
+            name = f"roundpipe {workers} cpu worker{'s' * (workers > 1)} {'async' if asynchronous else 'sync'}"
+            providers[name] = (lambda w=workers: RoundPipeEngine(build_layers(cfg.model_config(), seed=0),
+                                                                 ["cpu"] * w, None, None))
+    rates: dict[str, list[float]] = {name: [] for name in providers}
+    for _ in range(rounds):
+        for name, make in providers.items():
+            with make() as engine:
+                rates[name].append(_train_rate(engine, corpus, cfg, steps, asynchronous=name.endswith("async")))
+    base = statistics.median(rates["torch (1 device)"])
+    case = f"tiny decoder {cfg.model_config().num_parameters() / 1e6:.2f}M, {cfg.batch_size}x{cfg.seq_len}"
+    for name, values in rates.items():
+        rate = statistics.median(values)
+        report.add(case=case, provider=name, **{"tokens/s": rate, "vs torch": rate / base})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("dispatch", columns=["case", "provider", "stages", "stage-mb", "ms", "torch ms", "us/stage-mb",
                                          "tokens/s", "vs torch"], device="cpu")
     for workers, num_layers, m in [(1, 16, 2), (2, 16, 3), (4, 16, 5), (2, 32, 8)][: 2 if args.quick else None]:
-        overhead(report, workers, num_layers, m, repeat)
-    throughput(report, steps=8 if args.quick else 30)
+        overhead(report, workers, num_layers, m, repeat, rounds=1 if args.quick else 3)
+    throughput(report, steps=8 if args.quick else 20, rounds=1 if args.quick else 3)
     report.note(f"{torch.get_num_threads()} torch threads; overhead target < 100 us per stage-microbatch")
     report.finish(args.out, save=not args.no_save)
     return 0
