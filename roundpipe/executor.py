@@ -37,6 +37,7 @@ class SerialExecutor:
             except BaseException as e:  # noqa: BLE001 - handed to the caller by raise_error()
                 if self._error is None:
                     self._error = e
+            job = None   # an idle thread must not keep the last job's closure (and its model) alive
             with self._cv:
                 self._pending -= 1
                 self._cv.notify_all()
@@ -61,6 +62,10 @@ class SerialExecutor:
     def discard_error(self) -> None:
         self._error = None
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Asks the thread to exit after the queued jobs, without waiting (safe from a finalizer)."""
         self._q.put(None)
+
+    def close(self) -> None:
+        self.stop()
         self._thread.join()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -55,6 +56,11 @@ def _as_layers(layers: object) -> nn.Sequential:
     if len(seq) == 0:
         raise ValueError("layers is empty; give at least one nn.Module")
     return seq
+
+
+def _stop_threads(executors: list[SerialExecutor]) -> None:
+    for e in executors:
+        e.stop()
 
 
 class RoundPipe:
@@ -97,6 +103,9 @@ class RoundPipe:
         self._check_recompute = False
         self._api = threading.RLock()
         self._closed = False
+        # A model dropped without close() (a notebook cell re-run) still lets its threads exit.
+        self._finalizer = weakref.finalize(self, _stop_threads,
+                                           [e for w in self.workers for e in w.executors()] + [self.host_thread])
 
     # ---- state of the wrapped module
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -250,6 +259,7 @@ class RoundPipe:
             if self._closed:
                 return
             self._closed = True
+            self._finalizer.detach()
             self.sync.flush()
             try:
                 self.host_thread.wait_idle()

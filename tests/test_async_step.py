@@ -157,3 +157,19 @@ def test_prefetch_paths_keep_the_protocol():
     for a, b in zip(losses, ref_losses):
         assert max_rel_err(a, b) <= 1e-5
     assert_params_close(nn_seq(layers), ref)
+
+
+def test_optimizer_error_surfaces_at_the_next_call():
+    """An exception inside an asynchronous step reaches the caller at its next call, with its type."""
+    layers = MODELS["mlp"](3)
+    x, y = batches(1)[0]
+
+    def bad_step():
+        raise FloatingPointError("non-finite gradient")
+    with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.step(bad_step)
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            model.synchronize()
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)   # usable afterwards
+        model.step(torch.optim.SGD(model.parameters(), lr=0.1), asynchronous=False)

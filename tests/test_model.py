@@ -323,3 +323,18 @@ def test_frozen_parameters_get_no_gradient():
             assert (p.grad is None) == (not p.requires_grad)
             if p.requires_grad:
                 assert max_rel_err(p.grad, q.grad) <= 1e-5
+
+
+def test_dropped_model_stops_its_threads():
+    """A model garbage-collected without close() lets its worker and host threads exit."""
+    import gc
+    before = threading.active_count()
+    model = rp.RoundPipe(mlp(2), devices=["cpu"] * 3)
+    model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=F.mse_loss)
+    assert threading.active_count() == before + 4
+    del model
+    gc.collect()
+    deadline = time.time() + 2
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before

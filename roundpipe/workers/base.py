@@ -58,6 +58,10 @@ class Worker(ABC):
     def close(self) -> None:
         self._thread.close()
 
+    def executors(self) -> list[SerialExecutor]:
+        """The threads this worker owns (stopped by the model's finalizer if it is never closed)."""
+        return [self._thread]
+
     def compute(self) -> contextlib.AbstractContextManager:
         """Context in which stage compute is issued (the compute stream on CUDA)."""
         return contextlib.nullcontext()

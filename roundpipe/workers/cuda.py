@@ -156,3 +156,6 @@ class CudaWorker(Worker):
     def close(self) -> None:
         super().close()
         self._completer.close()
+
+    def executors(self) -> list[SerialExecutor]:
+        return super().executors() + [self._completer]
