@@ -160,25 +160,31 @@ class LayerSync:
             self.cv.notify_all()
 
 
-def run_step(sync: LayerSync, rec: _StepRecord, step_layers: Callable[[], list[int]],
-             pcopy: Callable[[int], None], clear_grads: Callable[[], None]) -> None:
-    """Host-thread job: the optimizer step, then each layer's P-copy as soon as its gate opens.
+def run_step(sync: LayerSync, rec: _StepRecord, step_all: Callable[[], None] | None,
+             per_layer: Callable[[int], None], clear_grads: Callable[[int], None]) -> None:
+    """Host-thread job: one optimizer step, with each layer's upload copy written once its gate opens.
 
-    `step_layers()` runs the update and returns the layers it updated: the seam for a fused
-    optimizer, which may update (and P-copy) layer by layer.
+    Two shapes of optimizer fit this seam:
+      torch optimizer / callable   step_all() updates every master, per_layer(l) is the P-copy
+      fused per-layer step         step_all is None, per_layer(l) updates layer l's masters and
+                                   writes its upload copy in one pass (so it, too, waits for the gate)
+    Layers go in the order their gates open (tail first during the next iteration's backward).
     """
+    pending = set(range(sync.L))
     try:
         delay_point("optimizer")
-        step_layers()
-        clear_grads()
+        if step_all is not None:
+            step_all()
     finally:
         # Even after a failed step the upload copies must follow the masters and the records
         # must retire, or the next iteration would wait forever.
-        pending = set(range(sync.L))
         while pending:
             layer, waits = sync.wait_pcopy_gate(rec, pending)
             for w in waits:
                 w()
-            pcopy(layer)
-            pending.discard(layer)
-            sync.pcopy_done(rec, layer)
+            try:
+                per_layer(layer)
+                clear_grads(layer)
+            finally:
+                pending.discard(layer)
+                sync.pcopy_done(rec, layer)

@@ -129,7 +129,6 @@ class HostState:
             else:
                 dst.add_(g)
 
-    def clear_grads(self) -> None:
-        for st in self.layers:
-            for p in st.params:
-                p.grad = None
+    def clear_grads(self, layer: int) -> None:
+        for p in self.layers[layer].params:
+            p.grad = None

@@ -214,25 +214,34 @@ class RoundPipe:
         self.host_thread.submit(gcopy)
 
     def step(self, optimizer, asynchronous: bool = True) -> None:
-        """Applies the accumulated gradients with a torch optimizer (or a zero-argument callable),
-        then clears them.  asynchronous=True overlaps the update with the next call (one step stale)."""
+        """Applies the accumulated gradients, then clears them; asynchronous=True overlaps the
+        update with the next call (one step stale).
+
+        optimizer: a torch.optim.Optimizer over `parameters()`, a zero-argument callable, or a
+        per-layer fused optimizer (an object with `step_layer(params, upload)` that updates one
+        layer's fp32 masters from their `.grad` and writes their low-precision upload copies).
+        """
         with self._api:
             self._check_open()
-            if isinstance(optimizer, torch.optim.Optimizer):
-                fn = optimizer.step
-            elif callable(optimizer):
-                fn = optimizer
-            else:
-                raise TypeError(f"optimizer must be a torch.optim.Optimizer or a zero-argument callable, "
-                                f"got {type(optimizer).__name__}")
-            rec = self.sync.new_step()
+            host = self.host
+            if callable(getattr(optimizer, "step_layer", None)):
+                step_all = None
 
-            def step_layers() -> list[int]:
-                with torch.no_grad():
-                    fn()
-                return list(range(len(self.host)))
-            self.host_thread.submit(lambda: run_step(self.sync, rec, step_layers, self.host.pcopy,
-                                                     self.host.clear_grads))
+                def per_layer(l: int) -> None:
+                    with torch.no_grad():
+                        optimizer.step_layer(host.layers[l].params, host.layers[l].upload)
+            elif isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer):
+                fn = optimizer.step if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+
+                def step_all() -> None:
+                    with torch.no_grad():
+                        fn()
+                per_layer = host.pcopy
+            else:
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer, a zero-argument callable or an "
+                                f"object with step_layer(params, upload), got {type(optimizer).__name__}")
+            rec = self.sync.new_step()
+            self.host_thread.submit(lambda: run_step(self.sync, rec, step_all, per_layer, host.clear_grads))
             if not asynchronous:
                 self.synchronize()
 

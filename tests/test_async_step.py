@@ -173,3 +173,42 @@ def test_optimizer_error_surfaces_at_the_next_call():
             model.synchronize()
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)   # usable afterwards
         model.step(torch.optim.SGD(model.parameters(), lr=0.1), asynchronous=False)
+
+
+class LayerwiseSGD:
+    """A per-layer optimizer in the shape of the fused-step seam: update masters, write upload copies."""
+
+    def __init__(self, lr):
+        self.lr = lr
+
+    def step_layer(self, params, upload):
+        for p, u in zip(params, upload):
+            if p.grad is not None:
+                p.sub_(self.lr * p.grad)
+            u.copy_(p)
+
+
+def test_per_layer_optimizer_seam_is_one_step_stale():
+    """A step_layer optimizer runs through the per-layer gates and matches one-step-late SGD."""
+    layers = [Slow(m, 0.001) for m in MODELS["mlp"](4)]
+    data = batches(4)
+    cur, stale = reference(layers), reference(layers)
+    ref_losses = []
+    for x, y in data:
+        stale.zero_grad()
+        loss = F.mse_loss(stale(x), y)
+        loss.backward()
+        ref_losses.append(loss.detach())
+        stale.load_state_dict(cur.state_dict())   # keeps stale's .grad: g_t taken at W_{t-1}
+        with torch.no_grad():
+            for p, g in zip(cur.parameters(), [q.grad for q in stale.parameters()]):
+                p.sub_(0.1 * g)
+    losses = []
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
+        for x, y in data:
+            losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
+            model.step(LayerwiseSGD(0.1))
+        model.synchronize()
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), cur)
