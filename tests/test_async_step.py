@@ -39,10 +39,10 @@ def test_synchronous_adamw_matches_pytorch():
         assert_params_close(model, ref)
 
 
-def one_step_late_reference(layers, data, lr):
+def one_step_late_reference(layers, data, lr, opt_class=torch.optim.AdamW):
     """Pure PyTorch: the gradient of iteration t is taken at the weights before step t-1's update."""
     cur = reference(layers)
-    opt = torch.optim.AdamW(cur.parameters(), lr=lr)
+    opt = opt_class(cur.parameters(), lr=lr)
     stale = copy.deepcopy(cur)
     losses = []
     for x, y in data:
@@ -59,9 +59,11 @@ def one_step_late_reference(layers, data, lr):
     return cur, losses
 
 
-def run_async(layers, data, lr, workers, num_mb):
+def run_async(layers, data, lr, workers, num_mb, prefetch=False, make_opt=None):
     with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb) as model:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        for w in model.workers:
+            w.prefetches = prefetch   # the CUDA paths (weight prefetch, early input upload), forced on
+        opt = make_opt(model) if make_opt else torch.optim.AdamW(model.parameters(), lr=lr)
         losses = []
         for x, y in data:
             losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
@@ -86,7 +88,8 @@ def nn_seq(layers):
     return torch.nn.Sequential(*layers)
 
 
-def test_asynchronous_under_random_delays():
+@pytest.mark.parametrize("workers, prefetch", [(3, False), (2, True)])
+def test_asynchronous_under_random_delays(workers, prefetch):
     """Random sleeps in copies, the optimizer and layers do not change the one-step-late result."""
     layers = [Slow(m, 0.001) for m in MODELS["mlp"](5)]
     data = batches(5)
@@ -96,7 +99,7 @@ def test_asynchronous_under_random_delays():
     def hook(kind):   # the host side slow enough that the next call races it
         (host if kind in ("pcopy", "gcopy", "optimizer") else copies)(kind)
     with inject_delays(hook):
-        losses = run_async(layers, data, 5e-2, workers=3, num_mb=4)
+        losses = run_async(layers, data, 5e-2, workers, num_mb=4, prefetch=prefetch)
     for a, b in zip(losses, ref_losses):
         assert max_rel_err(a, b) <= 1e-5
     assert_params_close(nn_seq(layers), ref)
@@ -138,27 +141,6 @@ def test_protocol_orders_pcopy_after_next_iterations_uploads():
     assert sync.upload_ready(0) and not sync.upload_ready(1)
 
 
-def test_prefetch_paths_keep_the_protocol():
-    """Parameter prefetch and early input uploads (the CUDA paths, forced on CPU) stay one step stale."""
-    layers = [Slow(m, 0.001) for m in MODELS["mlp"](5)]
-    data = batches(5)
-    ref, ref_losses = one_step_late_reference(layers, data, lr=5e-2)
-    host = random_sleeps(0.02, seed=5, prob=0.7)
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model, \
-            inject_delays(lambda kind: host(kind) if kind in ("pcopy", "optimizer") else None):
-        for w in model.workers:
-            w.prefetches = True
-        opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
-        losses = []
-        for x, y in data:
-            losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
-            model.step(opt)
-        model.synchronize()
-    for a, b in zip(losses, ref_losses):
-        assert max_rel_err(a, b) <= 1e-5
-    assert_params_close(nn_seq(layers), ref)
-
-
 def test_optimizer_error_surfaces_at_the_next_call():
     """An exception inside an asynchronous step reaches the caller at its next call, with its type."""
     layers = MODELS["mlp"](3)
@@ -192,23 +174,8 @@ def test_per_layer_optimizer_seam_is_one_step_stale():
     """A step_layer optimizer runs through the per-layer gates and matches one-step-late SGD."""
     layers = [Slow(m, 0.001) for m in MODELS["mlp"](4)]
     data = batches(4)
-    cur, stale = reference(layers), reference(layers)
-    ref_losses = []
-    for x, y in data:
-        stale.zero_grad()
-        loss = F.mse_loss(stale(x), y)
-        loss.backward()
-        ref_losses.append(loss.detach())
-        stale.load_state_dict(cur.state_dict())   # keeps stale's .grad: g_t taken at W_{t-1}
-        with torch.no_grad():
-            for p, g in zip(cur.parameters(), [q.grad for q in stale.parameters()]):
-                p.sub_(0.1 * g)
-    losses = []
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
-        for x, y in data:
-            losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
-            model.step(LayerwiseSGD(0.1))
-        model.synchronize()
+    ref, ref_losses = one_step_late_reference(layers, data, 0.1, torch.optim.SGD)
+    losses = run_async(layers, data, 0.1, workers=2, num_mb=3, make_opt=lambda model: LayerwiseSGD(0.1))
     for a, b in zip(losses, ref_losses):
         assert max_rel_err(a, b) <= 1e-5
-    assert_params_close(nn_seq(layers), cur)
+    assert_params_close(nn_seq(layers), ref)
