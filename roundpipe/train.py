@@ -27,6 +27,7 @@ import torch
 from roundpipe.data import ByteCorpus
 from roundpipe.models.tiny_decoder import PRESETS, DecoderConfig, build_layers, loss_fn
 from roundpipe.train_engines import make_engine
+from roundpipe.workers import parse_devices
 
 ENGINES = ("roundpipe", "torch")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,7 +45,7 @@ class TrainConfig:
     batch_size: int | None = None        # sequences per step; None: 16 on CPU, 32 with GPUs
     seq_len: int | None = None           # bytes per sequence; None: 128 on CPU, 1024 with GPUs
     microbatches: int | None = None      # None: the engine's default (workers + 1)
-    devices: list[str] | None = None     # None: every GPU, else the engine's CPU default
+    devices: list[str] | None = None     # None: every GPU, else one CPU worker
     lr: float = 3e-3
     weight_decay: float = 0.1
     warmup: int | None = None            # linear warmup steps; None: 10% of steps, at most 50
@@ -110,10 +111,11 @@ class TrainConfig:
         out.batch_size = self.batch_size or (32 if cuda else 16)
         out.seq_len = self.seq_len or (1024 if cuda else 128)
         out.warmup = self.warmup if self.warmup is not None else min(50, self.steps // 10)
-        if self.devices is None and cuda:
-            out.devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        if self.devices is None:
+            out.devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else ["cpu"]
             if self.engine == "torch":
                 out.devices = out.devices[:1]
+        parse_devices(out.devices)  # unknown names, or CUDA where there is none: ValueError now
         out.__post_init__()
         return out
 
@@ -233,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--engine", choices=ENGINES, default="roundpipe",
                    help="roundpipe, or torch: a plain PyTorch loop on one device for comparison")
     e.add_argument("--devices", default=None, help="comma-separated workers, e.g. cuda:0,cuda:1 or cpu,cpu "
-                   "(default: every GPU, else the engine's CPU default)")
+                   "(default: every GPU, else one CPU worker)")
     e.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: workers + 1)")
     e.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     mode = e.add_mutually_exclusive_group()
@@ -261,7 +263,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _describe(cfg: TrainConfig, corpus: ByteCorpus) -> str:
     m = cfg.model_config()
     mode = "" if cfg.engine == "torch" else (", async step" if cfg.asynchronous else ", sync step")
-    devices = ",".join(cfg.devices) if cfg.devices else "engine default"
+    devices = ",".join(cfg.devices)
     return (f"model: decoder, {m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
             f"{m.num_parameters() / 1e6:.2f}M parameters\n"
             f"data:  {corpus.source}, {len(corpus) / 1e6:.1f} MB\n"
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus = ByteCorpus.load(cfg.data_dir)
         # Data errors (seq_len longer than the held-out split, ...) before any model is built.
         next(corpus.batches(cfg.batch_size, cfg.seq_len, split="val" if cfg.eval_batches else "train"))
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     print(_describe(cfg, corpus), flush=True)
     result = train(cfg, corpus)

@@ -55,10 +55,11 @@ def test_same_seed_gives_the_same_losses():
     assert a != rt.train(rt.TrainConfig(**{**cfg, "seed": 1})).losses
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
 def test_defaults_fit_the_machine():
     """Without GPUs the default is the tiny preset on CPU with 16 x 128 batches."""
-    cfg = rt.TrainConfig(devices=["cpu"]).resolved()
-    assert (cfg.batch_size, cfg.seq_len, cfg.warmup) == (16, 128, 30)
+    cfg = rt.TrainConfig().resolved()
+    assert (cfg.batch_size, cfg.seq_len, cfg.warmup, cfg.devices) == (16, 128, 30, ["cpu"])
     assert cfg.model_config() == rt.PRESETS["tiny"]
     assert rt.TrainConfig(hidden=256, devices=["cpu"]).model_config().heads == 4
 
@@ -94,6 +95,7 @@ def test_optimizer_decays_matrices_only():
     (["--engine", "torch", "--async"], "--async needs --engine roundpipe"),
     (["--engine", "torch", "--devices", "cpu,cpu"], "exactly one device"),
     (["--devices", "cpu,,cpu"], "devices=.* must be a non-empty list"),
+    (["--devices", "foo"], "'foo' is not a device name"),
     (["--seq-len", "100000000"], "seq_len=100000000 needs at least"),
     (["--size", "huge"], "invalid choice: 'huge'"),
     (["--sync", "--async"], "not allowed with argument"),
@@ -105,6 +107,14 @@ def test_bad_flags_exit_with_a_message(capsys, argv, match):
         rt.main(argv + ["--no-progress"])
     assert exc.value.code == 2
     assert pytest.importorskip("re").search(match, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_exits_with_a_message(capsys):
+    """--devices cuda:0 where there is no CUDA exits with status 2 before loading anything."""
+    with pytest.raises(SystemExit):
+        rt.main(["--devices", "cuda:0", "--no-progress"])
+    assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_data_dir_errors_exit_with_a_message(capsys, tmp_path):
