@@ -51,7 +51,7 @@ class TrainConfig:
     warmup: int | None = None            # linear warmup steps; None: 10% of steps, at most 50
     data_dir: str | None = None          # None: the standard library's *.py files
     seed: int = 0
-    asynchronous: bool = True            # RoundPipe's one-step-stale optimizer step
+    asynchronous: bool | None = None     # one-step-stale optimizer step; None: with GPUs only (below)
     engine: Literal["roundpipe", "torch"] = "roundpipe"
     dtype: Literal["fp32", "bf16", "fp16"] | None = None  # compute dtype; None: bf16 on CUDA, fp32 on CPU
     eval_batches: int = 4                # held-out batches evaluated before and after training
@@ -84,6 +84,10 @@ class TrainConfig:
             self.devices = list(self.devices)
             if self.engine == "torch" and len(self.devices) != 1:
                 raise ValueError(f"devices={self.devices!r}: engine='torch' runs on exactly one device")
+        if self.asynchronous not in (None, True, False):
+            raise ValueError(f"asynchronous={self.asynchronous!r} must be True, False or None")
+        if self.engine == "torch" and self.asynchronous:
+            raise ValueError("asynchronous=True needs engine='roundpipe' (the torch reference steps synchronously)")
         if self.engine == "torch" and self.microbatches not in (None, 1):
             raise ValueError(f"microbatches={self.microbatches}: engine='torch' runs the whole batch at once")
         if self.batch_size is not None and self.microbatches is not None and self.microbatches > self.batch_size:
@@ -111,6 +115,12 @@ class TrainConfig:
         out.batch_size = self.batch_size or (32 if cuda else 16)
         out.seq_len = self.seq_len or (1024 if cuda else 128)
         out.warmup = self.warmup if self.warmup is not None else min(50, self.steps // 10)
+        # The asynchronous step pays off when the CPU optimizer overlaps GPU compute.  CPU
+        # workers share the cores with the optimizer: bench/dispatch.py measured no gain
+        # (tiny decoder, 2-core Xeon: 8,686 tokens/s async vs 9,204 sync on one worker),
+        # while the one-step staleness cost learning (300 steps: loss 2.56 vs 1.87).
+        if self.asynchronous is None:
+            out.asynchronous = cuda and self.engine == "roundpipe"
         if self.devices is None:
             out.devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else ["cpu"]
             if self.engine == "torch":
@@ -240,8 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     mode = e.add_mutually_exclusive_group()
     mode.add_argument("--async", dest="asynchronous", action="store_true", default=None,
-                      help="one-step-stale optimizer step overlapping the next iteration (the default)")
-    mode.add_argument("--sync", dest="asynchronous", action="store_false", help="synchronous optimizer step")
+                      help="one-step-stale optimizer step overlapping the next iteration "
+                           "(default with GPUs; on CPU workers it shares the cores and gains nothing)")
+    mode.add_argument("--sync", dest="asynchronous", action="store_false",
+                      help="synchronous optimizer step, equal to --engine torch (default on CPU)")
     e.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace of the run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -249,13 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from parsed flags; raises ValueError naming the flag's field for bad values."""
-    if args.asynchronous and args.engine == "torch":
-        raise ValueError("--async needs --engine roundpipe (the torch reference steps synchronously)")
     devices = None if args.devices is None else [d.strip() for d in args.devices.split(",")]
     return TrainConfig(size=args.size, layers=args.layers, hidden=args.hidden, heads=args.heads, steps=args.steps,
                        batch_size=args.batch_size, seq_len=args.seq_len, microbatches=args.microbatches,
                        devices=devices, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
-                       data_dir=args.data_dir, seed=args.seed, asynchronous=args.asynchronous is not False,
+                       data_dir=args.data_dir, seed=args.seed, asynchronous=args.asynchronous,
                        engine=args.engine, dtype=args.dtype, eval_batches=args.eval_batches, trace=args.trace,
                        progress=not args.no_progress)
 

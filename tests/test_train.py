@@ -10,10 +10,10 @@ from roundpipe.data import ByteCorpus
 TINY = dict(hidden=32, layers=2, heads=2, seq_len=32, batch_size=8, steps=40, lr=1e-2, eval_batches=2, progress=False)
 
 
-@pytest.mark.parametrize("engine, devices", [("torch", None), ("roundpipe", ["cpu", "cpu"])])
-def test_tiny_model_learns(engine, devices):
+@pytest.mark.parametrize("engine, devices, asynchronous", [("torch", None, None), ("roundpipe", ["cpu", "cpu"], True)])
+def test_tiny_model_learns(engine, devices, asynchronous):
     """40 steps on the stdlib bytes take the loss from ~ln 256 clearly down, train and held-out."""
-    result = rt.train(rt.TrainConfig(engine=engine, devices=devices, **TINY))
+    result = rt.train(rt.TrainConfig(engine=engine, devices=devices, asynchronous=asynchronous, **TINY))
     assert len(result.losses) == 40 and all(torch.isfinite(torch.tensor(result.losses)))
     assert abs(result.start_loss - 5.545) < 0.15
     assert result.end_loss < result.start_loss - 1.5
@@ -60,6 +60,7 @@ def test_defaults_fit_the_machine():
     """Without GPUs the default is the tiny preset on CPU with 16 x 128 batches."""
     cfg = rt.TrainConfig().resolved()
     assert (cfg.batch_size, cfg.seq_len, cfg.warmup, cfg.devices) == (16, 128, 30, ["cpu"])
+    assert cfg.asynchronous is False and rt.TrainConfig(asynchronous=True).resolved().asynchronous is True
     assert cfg.model_config() == rt.PRESETS["tiny"]
     assert rt.TrainConfig(hidden=256, devices=["cpu"]).model_config().heads == 4
 
@@ -92,7 +93,7 @@ def test_optimizer_decays_matrices_only():
     (["--lr", "nan"], "lr=nan"),
     (["--hidden", "30", "--heads", "4"], "hidden=30 must be divisible by heads=4"),
     (["--microbatches", "9", "--batch-size", "8"], "microbatches=9 must be <= batch_size=8"),
-    (["--engine", "torch", "--async"], "--async needs --engine roundpipe"),
+    (["--engine", "torch", "--async"], "asynchronous=True needs engine='roundpipe'"),
     (["--engine", "torch", "--devices", "cpu,cpu"], "exactly one device"),
     (["--devices", "cpu,,cpu"], "devices=.* must be a non-empty list"),
     (["--devices", "foo"], "'foo' is not a device name"),
