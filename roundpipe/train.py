@@ -220,30 +220,30 @@ def train(cfg: TrainConfig, corpus: ByteCorpus | None = None) -> TrainResult:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="roundpipe train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="roundpipe train", description=__doc__.split("\n\n")[0])
     m = p.add_argument_group("model")
-    m.add_argument("--size", choices=sorted(PRESETS), default=None,
+    m.add_argument("--size", choices=list(PRESETS), default=None,
                    help="model preset (default: tiny on CPU, small with GPUs); "
                         + ", ".join(f"{k}={v.num_parameters() / 1e6:.1f}M" for k, v in PRESETS.items()))
     m.add_argument("--layers", type=int, default=None, help="decoder blocks (overrides the preset)")
     m.add_argument("--hidden", type=int, default=None, help="hidden width (overrides the preset)")
     m.add_argument("--heads", type=int, default=None, help="attention heads (overrides the preset)")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps")
+    t.add_argument("--steps", type=int, default=TrainConfig.steps, help=f"optimizer steps (default {TrainConfig.steps})")
     t.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16 on CPU, 32 with GPUs)")
     t.add_argument("--seq-len", type=int, default=None, help="bytes per sequence (default 128 on CPU, 1024 with GPUs)")
-    t.add_argument("--lr", type=float, default=TrainConfig.lr, help="peak AdamW learning rate (warmup, cosine decay)")
-    t.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
+    t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"peak AdamW learning rate; linear warmup, cosine decay to 10%% (default {TrainConfig.lr:g})")
+    t.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay,
+                   help=f"AdamW weight decay of the matrices (default {TrainConfig.weight_decay:g})")
     t.add_argument("--warmup", type=int, default=None, help="warmup steps (default 10%% of --steps, at most 50)")
-    t.add_argument("--seed", type=int, default=TrainConfig.seed, help="seed of the initial weights and the batches")
+    t.add_argument("--seed", type=int, default=TrainConfig.seed, help="seed of the initial weights and the batches (default 0)")
     t.add_argument("--data-dir", default=None, help="train on the text files under this folder "
                    "instead of the Python standard library's sources")
     t.add_argument("--eval-batches", type=int, default=TrainConfig.eval_batches,
-                   help="held-out batches evaluated before and after training (0: none)")
+                   help=f"held-out batches evaluated before and after training, 0 for none (default {TrainConfig.eval_batches})")
     e = p.add_argument_group("engine")
     e.add_argument("--engine", choices=ENGINES, default="roundpipe",
-                   help="roundpipe, or torch: a plain PyTorch loop on one device for comparison")
+                   help="roundpipe (default), or torch: a plain PyTorch loop on one device for comparison")
     e.add_argument("--devices", default=None, help="comma-separated workers, e.g. cuda:0,cuda:1 or cpu,cpu "
                    "(default: every GPU, else one CPU worker)")
     e.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: workers + 1)")
