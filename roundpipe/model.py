@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from roundpipe.async_step import LayerSync, run_step
+from roundpipe.async_step import LayerSync, run_gcopy, run_step
 from roundpipe.board import Board
 from roundpipe.dispatcher import Dispatcher, default_plan
 from roundpipe.executor import SerialExecutor
@@ -93,7 +93,8 @@ class RoundPipe:
         layers = list(self.module)
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda)
         self.sync = LayerSync(L)
-        self.host_thread = SerialExecutor("roundpipe-host")
+        self.host_thread = SerialExecutor("roundpipe-step")      # optimizer steps and P-copies
+        self.gcopy_thread = SerialExecutor("roundpipe-gcopy")    # G-copies
         self.workers = make_workers(self.devices, self.compute_dtype)
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
                                   for layer, st in zip(layers, self.host.layers)] for w in self.workers}
@@ -105,7 +106,10 @@ class RoundPipe:
         self._closed = False
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit.
         self._finalizer = weakref.finalize(self, _stop_threads,
-                                           [e for w in self.workers for e in w.executors()] + [self.host_thread])
+                                           [e for w in self.workers for e in w.executors()] + self._host_threads())
+
+    def _host_threads(self) -> list[SerialExecutor]:
+        return [self.host_thread, self.gcopy_thread]
 
     # ---- state of the wrapped module
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -143,7 +147,8 @@ class RoundPipe:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("this RoundPipe is closed; create a new one (calls after close() are not allowed)")
-        self.host_thread.raise_error()
+        for t in self._host_threads():
+            t.raise_error()
 
     def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
         """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor."""
@@ -202,16 +207,8 @@ class RoundPipe:
         return ctx
 
     def _issue_gcopy(self) -> None:
-        layers = list(range(len(self.host)))
-        self.sync.mark_gcopy_pending(layers)
-
-        def gcopy() -> None:
-            for l in layers:
-                try:
-                    self.host.gcopy(l)
-                finally:
-                    self.sync.gcopy_done(l)
-        self.host_thread.submit(gcopy)
+        after = self.sync.issue_gcopy(list(range(len(self.host))))
+        self.gcopy_thread.submit(lambda: run_gcopy(self.sync, after, self.host.gcopy))
 
     def step(self, optimizer, asynchronous: bool = True) -> None:
         """Applies the accumulated gradients, then clears them; asynchronous=True overlaps the
@@ -250,8 +247,10 @@ class RoundPipe:
         with self._api:
             self._check_open()
             self.sync.flush()
-            self.host_thread.wait_idle()
-            self.host_thread.raise_error()
+            for t in self._host_threads():
+                t.wait_idle()
+            for t in self._host_threads():
+                t.raise_error()
 
     @contextlib.contextmanager
     def record_trace(self) -> Iterator[Trace]:
@@ -271,12 +270,15 @@ class RoundPipe:
             self._finalizer.detach()
             self.sync.flush()
             try:
-                self.host_thread.wait_idle()
+                for t in self._host_threads():
+                    t.wait_idle()
             finally:
-                self.host_thread.close()
+                for t in self._host_threads():
+                    t.close()
                 for w in self.workers:
                     w.close()
-            self.host_thread.raise_error()
+            for t in self._host_threads():
+                t.raise_error()
 
     def __enter__(self) -> "RoundPipe":
         return self

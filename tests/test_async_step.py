@@ -94,10 +94,10 @@ def test_asynchronous_under_random_delays(workers, prefetch):
     layers = [Slow(m, 0.001) for m in MODELS["mlp"](5)]
     data = batches(5)
     ref, ref_losses = one_step_late_reference(layers, data, lr=5e-2)
-    copies, host = random_sleeps(0.002, seed=3), random_sleeps(0.02, seed=4, prob=0.7)
+    copies, host, opt = random_sleeps(0.002, seed=3), random_sleeps(0.02, seed=4, prob=0.7), random_sleeps(0.06, seed=5)
 
     def hook(kind):   # the host side slow enough that the next call races it
-        (host if kind in ("pcopy", "gcopy", "optimizer") else copies)(kind)
+        {"optimizer": opt, "pcopy": host, "gcopy": host}.get(kind, copies)(kind)
     with inject_delays(hook):
         losses = run_async(layers, data, 5e-2, workers, num_mb=4, prefetch=prefetch)
     for a, b in zip(losses, ref_losses):
@@ -179,3 +179,35 @@ def test_per_layer_optimizer_seam_is_one_step_stale():
     for a, b in zip(losses, ref_losses):
         assert max_rel_err(a, b) <= 1e-5
     assert_params_close(nn_seq(layers), ref)
+
+
+def test_gradient_accumulation_is_one_step_stale():
+    """With k calls per step, every call of a group sees the weights from before the previous step."""
+    layers = MODELS["mlp"](4)
+    data = batches(8)
+    k = 2
+    cur, stale = reference(layers), reference(layers)
+    opt = torch.optim.AdamW(cur.parameters(), lr=5e-2)
+    ref_losses = []
+    for g in range(0, len(data), k):
+        stale.zero_grad()
+        for x, y in data[g:g + k]:
+            loss = F.mse_loss(stale(x), y)
+            loss.backward()
+            ref_losses.append(loss.detach())
+        for p, q in zip(cur.parameters(), stale.parameters()):
+            p.grad = q.grad.clone()
+        stale.load_state_dict(cur.state_dict())
+        opt.step()
+        opt.zero_grad()
+    with rp.RoundPipe(layers, devices=["cpu"] * 3, num_microbatches=3) as model:
+        ropt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+        losses = []
+        for i, (x, y) in enumerate(data):
+            losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
+            if i % k == k - 1:
+                model.step(ropt)
+        model.synchronize()
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), cur)
