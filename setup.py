@@ -56,7 +56,7 @@ ext = Pybind11Extension(
     depends=sorted(glob.glob("csrc/*.h")),
     cxx_std=17,
     extra_compile_args=BASE_FLAGS,
-    extra_link_args=["-fopenmp"],
+    extra_link_args=["-fopenmp", "-ldl"],  # dlopen of the CUDA runtime (separate libdl before glibc 2.34)
 )
 
 if sys.platform == "darwin":  # Apple clang has no -fopenmp without libomp

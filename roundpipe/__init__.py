@@ -24,6 +24,7 @@ _LAZY = {
     "kernels": "roundpipe.kernels",
     "hostops": "roundpipe.hostops",
     "planner": "roundpipe.planner",
+    "offload": "roundpipe.offload",
 }
 
 native_available = _native.available

@@ -42,6 +42,7 @@ class Diagnosis:
     gpus: list[GpuInfo] = field(default_factory=list)
     cuda_note: str = ""
     triton: str = ""
+    offload: str = ""                                   # which CUDA runtime the pinned arena / copy engine use
     problems: list[str] = field(default_factory=list)   # the library cannot work
     advice: list[str] = field(default_factory=list)     # it works, but something is missing
 
@@ -145,6 +146,10 @@ def diagnose() -> Diagnosis:
                  "native_threads": _native._C.num_threads() if _native.available() else None}
 
     d.gpus, d.cuda_note = _gpus(torch)
+    if _native.available():
+        from roundpipe.offload import cuda_status
+
+        d.offload = cuda_status()
     triton_version = d.versions["triton"]
     interpret = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
     if triton_version is None:
@@ -190,6 +195,8 @@ def render(d: Diagnosis) -> str:
             lines.append(f"    cuda:{g.index}  {g.name}, {g.memory_gib} GiB, sm_{g.capability.replace('.', '')}, {link}")
     elif d.cuda_note:
         lines.append(f"  cuda       none: {d.cuda_note}")
+    if d.offload:
+        lines.append(f"  offload    {d.offload}")
     if d.triton:
         lines.append(f"  kernels    {d.triton}")
     for p in d.problems:

@@ -99,7 +99,7 @@ class Plan:
                         ("forward_ratio", forward_ratio)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
-        fused_layers = backward_per_stage if fused_layers is None else fused_layers
+        fused_layers = min(backward_per_stage, num_layers) if fused_layers is None else fused_layers
         if not isinstance(fused_layers, int) or not 1 <= fused_layers <= num_layers:
             raise ValueError(f"fused_layers={fused_layers!r} must be an int in [1, {num_layers}]")
         head = num_layers - fused_layers

@@ -9,9 +9,11 @@ draw a simulated and a measured iteration the same way.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,17 @@ class Trace:
             raise ValueError(f"event {name!r} on {worker!r} ends ({end}) before it starts ({start})")
         with self._lock:
             self.events.append(Event(str(worker), name, float(start), float(end), cat, args))
+
+    @contextlib.contextmanager
+    def span(self, worker: str, name: str, cat: str = "", **args: Any):
+        """Records the wall-clock time (time.perf_counter) of the `with` body as one event.
+
+        For host-side work; GPU work should be timed with CUDA events and passed to `add`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(worker, name, start, time.perf_counter(), cat, **args)
 
     def workers(self) -> list[str]:
         return list(dict.fromkeys(e.worker for e in self.events))

@@ -1,0 +1,99 @@
+#include "fence.h"
+
+#include <chrono>
+#include <stdexcept>
+
+namespace rp {
+
+bool Fence::done() {
+  const FenceState s = poll();
+  if (s == FenceState::Failed) throw std::runtime_error(std::string(kind()) + " fence failed: " + error());
+  return s == FenceState::Done;
+}
+
+void Fence::wait() {
+  if (block() == FenceState::Failed) throw std::runtime_error(std::string(kind()) + " fence failed: " + error());
+}
+
+FenceState HostFence::poll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_;
+}
+
+FenceState HostFence::block() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return state_ != FenceState::Pending; });
+  return state_;
+}
+
+FenceState HostFence::block_for(double seconds) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return state_ != FenceState::Pending; });
+  return state_;
+}
+
+std::string HostFence::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+void HostFence::set() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ == FenceState::Pending) state_ = FenceState::Done;
+  }
+  cv_.notify_all();
+}
+
+void HostFence::fail(const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ == FenceState::Pending) {
+      state_ = FenceState::Failed;
+      error_ = message;
+    }
+  }
+  cv_.notify_all();
+}
+
+std::shared_ptr<CudaEventFence> CudaEventFence::borrow(cuda::Event event) {
+  const cuda::Api* api = cuda::api();
+  if (!api) throw std::runtime_error("a CUDA event fence needs CUDA, which is unavailable: " + cuda::status());
+  if (!event) throw std::invalid_argument("event is a null cudaEvent_t");
+  return std::shared_ptr<CudaEventFence>(new CudaEventFence(*api, event, false));
+}
+
+std::shared_ptr<CudaEventFence> CudaEventFence::record(cuda::Stream stream, int device) {
+  const cuda::Api& api = cuda::require_runtime("recording a CUDA event");
+  cuda::DeviceGuard guard(api, device);
+  cuda::Event event = nullptr;
+  constexpr unsigned kDisableTiming = 2;  // cudaEventDisableTiming: cheaper record and query
+  api.check(api.cudaEventCreateWithFlags(&event, kDisableTiming), "cudaEventCreateWithFlags");
+  auto fence = std::shared_ptr<CudaEventFence>(new CudaEventFence(api, event, true));
+  api.check(api.cudaEventRecord(event, stream), "cudaEventRecord");
+  return fence;
+}
+
+CudaEventFence::~CudaEventFence() {
+  if (owned_ && api_.cudaEventDestroy) api_.cudaEventDestroy(event_);
+}
+
+FenceState CudaEventFence::from_code(int code) {
+  if (code == cuda::kSuccess) return FenceState::Done;
+  if (code == cuda::kNotReady) return FenceState::Pending;
+  last_error_ = code;
+  return FenceState::Failed;
+}
+
+FenceState CudaEventFence::poll() { return from_code(api_.event_query(event_)); }
+
+FenceState CudaEventFence::block() { return from_code(api_.event_synchronize(event_)); }
+
+std::string CudaEventFence::error() const { return last_error_ ? api_.error_string(last_error_) : std::string(); }
+
+void CudaEventFence::make_stream_wait(cuda::Stream stream) const {
+  const cuda::Api& api = cuda::require_runtime("making a stream wait on an event");
+  api.check(api.cudaStreamWaitEvent(stream, event_, 0), "cudaStreamWaitEvent");
+}
+
+}  // namespace rp

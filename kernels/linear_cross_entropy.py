@@ -1,0 +1,231 @@
+"""LM head + cross-entropy in token chunks, never holding the [T, V] logits.
+
+Shapes: hidden [T, H] (or [..., H]); weight [V, H] (the lm_head / tied
+embedding); labels [T] (or [...]) int, `ignore_index` where no loss is wanted;
+logits chunk [C, V] in hidden's dtype; loss [T] fp32.
+
+For each chunk of C tokens (torch does the matmuls, Triton the softmax):
+
+    logits = h_c @ W^T                     [C, V]   one reused buffer
+    kernel: online max/sum-exp over V -> loss_t = lse_t - logit_t[label_t];
+            second pass overwrites logits in place with
+            dlogits = (softmax - onehot(label)) * scale_t   (0 for ignored rows)
+    dh_c   = dlogits @ W                   [C, H]
+    dW    += dlogits^T @ h_c               [V, H]
+
+With reduction "mean"/"sum" the gradients are produced during the forward
+(scale = 1/n_valid or 1) and the backward only multiplies them by the incoming
+scalar, so the logits are computed once.  With "none" the per-token incoming
+gradient is only known in the backward, which then recomputes the chunks.
+Extra peak memory is C*V (logits) + T*H (dh) + V*H (dW, accumulated in the
+weight's dtype like Liger-Kernel) instead of eager's several [T, V] tensors.
+The default C makes the logits chunk about as large as `hidden`
+(C = next_pow2(ceil(T*H/V))), the same rule Liger-Kernel uses.
+
+"mean" divides by the number of non-ignored labels; with every label ignored
+the loss is 0 with zero gradients (F.cross_entropy gives nan, and a padding-only
+micro-batch must not poison the step).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _triton
+from ._triton import jit, tl, triton
+
+Reduction = Literal["mean", "sum", "none"]
+MAX_BLOCK_V = 8192
+
+
+def linear_cross_entropy_ref(hidden, weight, labels, ignore_index: int = -100, reduction: Reduction = "mean"):
+    """fp32 reference: F.cross_entropy(hidden @ weight.T) with the all-ignored mean defined as 0."""
+    logits = hidden.reshape(-1, hidden.shape[-1]).float() @ weight.float().t()
+    flat = labels.reshape(-1)
+    losses = F.cross_entropy(logits, flat, ignore_index=ignore_index, reduction="none")
+    if reduction == "none":
+        return losses.view(labels.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (flat != ignore_index).sum().clamp(min=1)
+
+
+@jit
+def _cross_entropy_kernel(LOGITS, LABELS, LOSS, SCALE, stride_row, V, ignore_index,
+                          COMPUTE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ptr = LOGITS + row * stride_row
+    label = tl.load(LABELS + row).to(tl.int64)
+    # Out-of-range labels are rejected on CPU; on CUDA they are treated as ignored
+    # rather than read out of bounds (validating would cost a device sync).
+    valid = (label != ignore_index) & (label >= 0) & (label < V)
+    m = float("-inf")
+    d = 0.0
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(d)
+    target = tl.load(ptr + tl.where(valid, label, 0)).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse - target, 0.0))
+    if COMPUTE_GRAD:
+        if SCALE_PER_ROW:
+            scale = tl.load(SCALE + row).to(tl.float32)
+        else:
+            scale = tl.load(SCALE).to(tl.float32)
+        scale = tl.where(valid, scale, 0.0)
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            x = tl.load(ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            grad = (tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)) * scale
+            tl.store(ptr + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
+
+
+def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk so that the [C, V] logits are about as large as hidden [T, H]."""
+    return max(1, min(tokens, triton.next_power_of_2(triton.cdiv(tokens * hidden, vocab))))
+
+
+def _chunked(hidden, weight, labels, ignore_index, scale, *, per_row, need_dh, need_dw, chunk):
+    """Loss [T] fp32 and, if asked, dh [T, H] and dW [V, H] scaled by `scale` (1 value or [T])."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    compute_grad = need_dh or need_dw
+    loss = torch.empty(T, dtype=torch.float32, device=hidden.device)
+    dh = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device) if need_dh else None  # hidden may be strided
+    dw = torch.zeros_like(weight) if need_dw else None
+    logits_buf = torch.empty((min(chunk, T), V), dtype=hidden.dtype, device=hidden.device)
+    block = min(triton.next_power_of_2(V), MAX_BLOCK_V)
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        h = hidden[start:end]
+        logits = logits_buf[:end - start]
+        torch.mm(h, weight.t(), out=logits)
+        row_scale = scale[start:end] if per_row else scale
+        _triton.launch(
+            _cross_entropy_kernel, (end - start,), logits, labels[start:end], loss[start:end], row_scale,
+            logits.stride(0), V, ignore_index, COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=per_row, BLOCK_V=block,
+            num_warps=_triton.num_warps(block))
+        if need_dh:
+            torch.mm(logits, weight, out=dh[start:end])
+        if need_dw:
+            dw.addmm_(logits.t(), h)
+    return loss, dh, dw
+
+
+def _scale(labels, ignore_index, reduction):
+    """The per-token gradient factor of the summed loss: 1/n_valid (on device, no sync) or 1."""
+    if reduction == "mean":
+        return (labels != ignore_index).sum().clamp(min=1).to(torch.float32).reciprocal().reshape(1)
+    return torch.ones(1, dtype=torch.float32, device=labels.device)
+
+
+def _reduce(loss, scale, reduction):
+    return loss if reduction == "none" else (loss.sum() * scale[0] if reduction == "mean" else loss.sum())
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd for linear_cross_entropy on flat [T, H] / [T] inputs.
+
+    The saved gradients are scaled in place in the backward, so (as with
+    Liger-Kernel) the graph supports one backward pass, not retain_graph reuse.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk):
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        now = reduction != "none"
+        scale = _scale(labels, ignore_index, reduction)
+        loss, dh, dw = _chunked(hidden, weight, labels, ignore_index, scale, per_row=False,
+                                need_dh=need_dh and now, need_dw=need_dw and now, chunk=chunk)
+        ctx.args = (ignore_index, reduction, chunk, need_dh, need_dw)
+        ctx.save_for_backward(*((dh, dw) if now else (hidden, weight, labels)))
+        return _reduce(loss, scale, reduction)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        ignore_index, reduction, chunk, need_dh, need_dw = ctx.args
+        if reduction == "none":
+            hidden, weight, labels = ctx.saved_tensors
+            _, dh, dw = _chunked(hidden, weight, labels, ignore_index, grad.float().contiguous(), per_row=True,
+                                 need_dh=need_dh, need_dw=need_dw, chunk=chunk)
+        else:
+            dh, dw = ctx.saved_tensors
+            for g in (dh, dw):
+                if g is not None:
+                    g.mul_(grad)
+        return dh, dw, None, None, None, None
+
+
+def _check(hidden, weight, labels, ignore_index, reduction, chunk_size) -> None:
+    _triton.check_float("hidden", hidden)
+    _triton.check_float("weight", weight)
+    _triton.check_same("weight", weight, "hidden", hidden)
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be an int64 or int32 tensor, got {getattr(labels, 'dtype', type(labels))}")
+    _triton.check_same("labels", labels, "hidden", hidden, dtype=False)
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight.shape={tuple(weight.shape)} must be [V, {hidden.shape[-1] if hidden.dim() else 'H'}]"
+                         f" to match hidden.shape={tuple(hidden.shape)}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels.shape={tuple(labels.shape)} must equal hidden.shape[:-1]={tuple(hidden.shape[:-1])}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index={ignore_index!r} must be an int")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+    if labels.device.type == "cpu" and labels.numel():
+        bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
+        if bad.any():
+            raise ValueError(f"labels contain {labels[bad][0].item()}, outside [0, {weight.shape[0]}) "
+                             f"and not ignore_index={ignore_index}")
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                         reduction: Reduction = "mean", chunk_size: int | None = None) -> torch.Tensor:
+    """Cross-entropy of hidden @ weight.T against labels without materialising all logits; fp32 loss.
+
+    hidden [..., H] and weight [V, H] share a float dtype; labels [...] int.
+    Returns a scalar ("mean", "sum") or labels.shape ("none").  chunk_size
+    overrides the tokens per chunk (default: default_chunk_size).
+    """
+    _check(hidden, weight, labels, ignore_index, reduction, chunk_size)
+    if not _triton.use_triton(hidden):
+        return linear_cross_entropy_ref(hidden, weight, labels, ignore_index, reduction)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    flat = labels.reshape(-1).contiguous()
+    if h.shape[0] == 0:
+        return linear_cross_entropy_ref(hidden, weight, labels, ignore_index, reduction)
+    chunk = chunk_size or default_chunk_size(h.shape[0], h.shape[1], weight.shape[0])
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        out = LinearCrossEntropyFunction.apply(h, weight, flat, ignore_index, reduction, chunk)
+    else:
+        scale = _scale(flat, ignore_index, reduction)
+        loss = _chunked(h, weight, flat, ignore_index, scale, per_row=False, need_dh=False, need_dw=False,
+                        chunk=chunk)[0]
+        out = _reduce(loss, scale, reduction)
+    return out.view(labels.shape) if reduction == "none" else out
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Module form: forward(hidden, weight, labels) -> linear_cross_entropy with fixed options."""
+
+    def __init__(self, ignore_index: int = -100, reduction: Reduction = "mean", chunk_size: int | None = None):
+        super().__init__()
+        _check(torch.empty(0, 1), torch.empty(1, 1), torch.empty(0, dtype=torch.long), ignore_index, reduction,
+               chunk_size)
+        self.ignore_index, self.reduction, self.chunk_size = ignore_index, reduction, chunk_size
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(hidden, weight, labels, self.ignore_index, self.reduction, self.chunk_size)
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, chunk_size={self.chunk_size}"

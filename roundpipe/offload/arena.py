@@ -1,0 +1,200 @@
+"""Pinned host memory for offloaded training state, without power-of-two waste.
+
+`HostArena` hands out CPU tensors carved from large page-locked chunks
+(csrc/host_arena.h has the design): a request costs its size rounded to
+`alignment` bytes, where `tensor.pin_memory()` (torch's caching host allocator)
+costs the next power of two.  For the tensors of a model that is the
+difference between ~1.0x and up to ~2x host RAM (see roundpipe.offload.footprint).
+
+    arena = HostArena(ArenaConfig(limit_bytes=64 << 30))
+    w = arena.empty((4096, 4096), torch.bfloat16)       # pinned when CUDA is present
+    w_gpu = w.to("cuda", non_blocking=True)
+    arena.record_stream(w)      # w's block is reused only after that copy completed
+    del w                       # block returns to the arena (deferred by its fences)
+
+A tensor from the arena keeps its block alive; when the last tensor viewing it is
+released, the block goes back, and becomes reusable once every fence recorded
+against it (`record`, `record_stream`, or the fences the copy engine returns)
+has completed.  Without CUDA the arena serves ordinary page-aligned memory with
+the same bookkeeping, so everything above runs (and is tested) on a CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from roundpipe import _native
+from roundpipe.offload.fences import _check_fence, record_stream as _record_stream
+
+
+def _c():
+    return _native.require()
+
+
+@dataclass(frozen=True)
+class ArenaConfig:
+    """How the arena reserves memory.
+
+    chunk_bytes: size of the shared chunks small requests are carved from; a
+        request above chunk_bytes/2 gets a chunk of its own, exactly sized.
+    alignment: block alignment in bytes (power of two, 8..4096); 256 suits
+        cudaMemcpy and AVX-512 kernels alike.
+    limit_bytes: most bytes the arena may reserve (0: no limit); exceeding it
+        raises ArenaExhaustedError naming the request and the limit.
+    backend: 'cuda' page-locks through the CUDA runtime/driver (error if absent),
+        'host' uses ordinary memory, 'auto' picks 'cuda' when a GPU is usable.
+    """
+
+    chunk_bytes: int = 64 << 20
+    alignment: int = 256
+    limit_bytes: int = 0
+    backend: Literal["auto", "cuda", "host"] = "auto"
+
+    def __post_init__(self):
+        for name in ("chunk_bytes", "alignment", "limit_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes} must be >= 4096")
+        a = self.alignment
+        if a < 8 or a > 4096 or a & (a - 1):
+            raise ValueError(f"alignment={a} must be a power of two between 8 and 4096")
+        if self.limit_bytes < 0:
+            raise ValueError(f"limit_bytes={self.limit_bytes} must be >= 0 (0 means no limit)")
+        if self.backend not in ("auto", "cuda", "host"):
+            raise ValueError(f"backend={self.backend!r} must be 'auto', 'cuda' or 'host'")
+
+
+@dataclass(frozen=True)
+class ArenaStats:
+    """A snapshot of the arena's accounting (bytes unless noted)."""
+
+    reserved_bytes: int          # all chunks
+    in_use_bytes: int            # live and pending blocks, after alignment
+    requested_bytes: int         # what live blocks were asked for
+    pending_bytes: int           # freed, waiting for their fences
+    free_bytes: int
+    largest_free_block: int
+    peak_in_use_bytes: int
+    peak_reserved_bytes: int
+    limit_bytes: int
+    num_chunks: int
+    num_blocks: int              # live
+    num_pending: int
+    num_free_segments: int
+    num_allocations: int         # over the arena's lifetime
+    fragmentation: float         # 1 - largest_free_block / free_bytes
+
+    @property
+    def overhead(self) -> float:
+        """reserved / requested (1.0 is perfect; inf when nothing is requested)."""
+        return self.reserved_bytes / self.requested_bytes if self.requested_bytes else float("inf")
+
+
+class HostArena:
+    """Pinned (or plain, without CUDA) host memory served as CPU tensors; see the module docstring."""
+
+    def __init__(self, config: ArenaConfig | None = None):
+        if config is None:
+            config = ArenaConfig()
+        if not isinstance(config, ArenaConfig):
+            raise TypeError(f"config must be an ArenaConfig, got {type(config).__name__}")
+        self.config = config
+        self._arena = _c().HostArena(config.chunk_bytes, config.alignment, config.limit_bytes, config.backend)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether blocks are page-locked (CUDA was found)."""
+        return self._arena.pinned
+
+    @property
+    def backend(self) -> str:
+        """'cuda' (page-locked) or 'host'."""
+        return self._arena.backend
+
+    def empty(self, shape: int | Sequence[int] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor in an arena block (zero-size: an ordinary tensor)."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+        numel = shape.numel()
+        if numel <= 0:
+            if any(d < 0 for d in shape):
+                raise ValueError(f"shape={tuple(shape)} has a negative dimension")
+            return torch.empty(shape, dtype=dtype)
+        block = self._arena.allocate(numel * dtype.itemsize)
+        # frombuffer keeps `block` referenced for the tensor's lifetime; when the
+        # storage dies the block object dies and returns its memory.
+        t = torch.frombuffer(block, dtype=dtype, count=numel)
+        return t if len(shape) == 1 else t.view(shape)
+
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        """An arena tensor with t's shape and dtype."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+        return self.empty(t.shape, t.dtype)
+
+    def copy_of(self, t: torch.Tensor) -> torch.Tensor:
+        """An arena tensor holding a copy of t (from any device): the arena's pin_memory()."""
+        out = self.empty_like(t)
+        out.copy_(t)
+        return out
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether t's data lies in a live block of this arena."""
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
+            return False
+        return self._arena.block_of(t.data_ptr())[1] > 0
+
+    def record(self, t: torch.Tensor, fence) -> None:
+        """Defers reuse of t's block, once freed, until `fence` has completed."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+        _check_fence("fence", fence)
+        if t.numel() == 0:
+            return
+        if not self.owns(t):
+            raise ValueError(f"t (data_ptr=0x{t.data_ptr():x}, device {t.device}) is not a tensor of this arena")
+        self._arena.record(t.data_ptr(), fence)
+
+    def record_stream(self, t: torch.Tensor, stream: "torch.cuda.Stream | None" = None):
+        """Records an event on `stream` (default: current) against t's block; returns that fence."""
+        fence = _record_stream(stream)
+        self.record(t, fence)
+        return fence
+
+    def collect(self) -> int:
+        """Returns blocks whose fences completed to the free list; how many."""
+        return self._arena.collect()
+
+    def synchronize(self) -> None:
+        """Waits for every freed block's fences, then collects them."""
+        self._arena.synchronize()
+
+    def reserve(self, nbytes: int) -> None:
+        """Adds one chunk of nbytes (e.g. the whole model's size, to be carved exactly)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes={nbytes!r} must be a positive int")
+        self._arena.reserve(nbytes)
+
+    def release_unused(self) -> int:
+        """Returns wholly free chunks to the system; the bytes released."""
+        return self._arena.release_unused()
+
+    def stats(self) -> ArenaStats:
+        return ArenaStats(**self._arena.stats())
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"HostArena(backend={self.backend!r}, reserved={s.reserved_bytes}, in_use={s.in_use_bytes}, "
+                f"blocks={s.num_blocks}, config={dataclasses.asdict(self.config)})")
+
+
+def __getattr__(name: str):
+    if name == "ArenaExhaustedError":  # resolved lazily so importing needs no native core
+        return _c().ArenaExhaustedError
+    raise AttributeError(name)

@@ -1,0 +1,96 @@
+"""`LayerCost`: what the planner knows about one layer, and the stage cost model.
+
+Costs are per microbatch.  `bwd_s` is the time of a backward stage's work for the
+layer, i.e. recompute (forward again) plus backward.  The fused tail stage runs
+forward, loss and backward back to back with no recompute, so a fused layer costs
+forward + backward-only = fwd_s + (bwd_s - fwd_s) = bwd_s as well: every backward
+stage, fused or not, costs the sum of its layers' `bwd_s`.  The LM head is the last
+layer of the sequence, so it always sits in the fused stage and is never recomputed.
+
+Stage memory (what must fit in half the device budget, the other half holding the
+prefetched next stage, DESIGN.md 3.3):
+
+    forward stage : sum(param_bytes) + max(act_bytes)          (one layer's activations live)
+    backward stage: sum(param_bytes) * (1 + GRAD_FACTOR) + sum(act_bytes)
+                    (fp32 gradient accumulators, and the recomputed activations of
+                     every layer of the stage for one microbatch)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+# fp32 gradient accumulators next to bf16/fp16 weights: 4 bytes per 2-byte parameter.
+GRAD_FACTOR = 2.0
+# With full recomputation a backward stage costs forward + backward ~= 1 + 2 forwards.
+BWD_PER_FWD = 3.0
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Per-microbatch cost of one layer: seconds and bytes."""
+
+    fwd_s: float            # forward time
+    bwd_s: float            # recompute + backward time (what a backward stage spends on it)
+    param_bytes: int = 0    # low-precision weights uploaded for the layer
+    act_bytes: int = 0      # activations kept for its backward, one microbatch
+
+    def __post_init__(self):
+        for name in ("fwd_s", "bwd_s", "param_bytes", "act_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+                raise ValueError(f"LayerCost.{name}={v!r} must be a number >= 0")
+
+    @classmethod
+    def from_size(cls, params: int, tokens: int, *, flops_per_s: float = 100e12,
+                  act_bytes_per_token: float = 0.0, param_bytes_each: int = 2) -> "LayerCost":
+        """Size-based estimate before anything is measured: 2 FLOPs per parameter and token
+        forward, BWD_PER_FWD times that for recompute + backward."""
+        if not isinstance(params, int) or params < 0:
+            raise ValueError(f"params={params!r} must be an int >= 0")
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"tokens={tokens!r} must be an int >= 1 (tokens per microbatch)")
+        if not flops_per_s > 0:
+            raise ValueError(f"flops_per_s={flops_per_s!r} must be > 0")
+        fwd = 2.0 * params * tokens / flops_per_s
+        return cls(fwd, BWD_PER_FWD * fwd, params * param_bytes_each, int(act_bytes_per_token * tokens))
+
+
+def estimate_costs(layers: Sequence[object], tokens: int, **kwargs) -> list[LayerCost]:
+    """`LayerCost.from_size` for each layer: an int parameter count or a module with `.parameters()`."""
+    out = []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, int):
+            params = layer
+        elif hasattr(layer, "parameters"):
+            params = sum(p.numel() for p in layer.parameters())
+        else:
+            raise TypeError(f"layers[{i}] = {layer!r} must be a parameter count or a module with .parameters()")
+        out.append(LayerCost.from_size(params, tokens, **kwargs))
+    return out
+
+
+def check_costs(costs: Sequence[LayerCost]) -> list[LayerCost]:
+    costs = list(costs)
+    if not costs:
+        raise ValueError("costs is empty: the planner needs at least one layer")
+    for i, c in enumerate(costs):
+        if not isinstance(c, LayerCost):
+            raise TypeError(f"costs[{i}] = {c!r} must be a LayerCost")
+    return costs
+
+
+def forward_time(costs: Sequence[LayerCost], layers: range) -> float:
+    return sum(costs[i].fwd_s for i in layers)
+
+
+def backward_time(costs: Sequence[LayerCost], layers: range) -> float:
+    return sum(costs[i].bwd_s for i in layers)
+
+
+def forward_memory(costs: Sequence[LayerCost], layers: range) -> float:
+    return sum(costs[i].param_bytes for i in layers) + max((costs[i].act_bytes for i in layers), default=0)
+
+
+def backward_memory(costs: Sequence[LayerCost], layers: range) -> float:
+    return sum(costs[i].param_bytes * (1 + GRAD_FACTOR) + costs[i].act_bytes for i in layers)

@@ -1,0 +1,18 @@
+"""Discrete-event simulator of pipeline schedules (GPipe, 1F1B, interleaved 1F1B,
+looped BFS, RoundPipe synchronous and asynchronous).
+
+    costs      Costs: per-layer/head times and per-hop communication (the modelling rules)
+    events     Task, Schedule, simulate: the event core (workers run programs in order)
+    static     weight-bound schedules;  roundpipe: round-robin dispatch
+    metrics    bubble ratio split into fill / switch / drain / steady, for any Trace
+    simulate   simulate(schedule, costs, workers, microbatches, ...) -> Result
+    tune       best_partition / tuned_plan: the planner's candidates ranked by simulation
+    cli        `roundpipe simulate`;  timeline: `roundpipe timeline TRACE --png FILE`
+"""
+from roundpipe.sim.costs import Costs, sizes_from_plan
+from roundpipe.sim.metrics import Bubbles, bubbles
+from roundpipe.sim.simulate import SCHEDULES, Result, roundpipe_sizes, simulate
+from roundpipe.sim.tune import best_partition, tuned_plan
+
+__all__ = ["Costs", "sizes_from_plan", "Bubbles", "bubbles", "SCHEDULES", "Result", "roundpipe_sizes", "simulate",
+           "best_partition", "tuned_plan"]

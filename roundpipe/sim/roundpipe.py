@@ -1,0 +1,94 @@
+"""RoundPipe's dispatch as a schedule (DESIGN.md 2), synchronous or asynchronous.
+
+Stage sequence of an iteration: F1..Fk, B1..Bm (B1 = fused tail: forward, head,
+loss and backward with no recompute).  Microbatches go in rounds of `round_size`
+(default N).  Slot i of a round goes to GPU (g0 + i) mod N and g0 advances by
+k + m after every round, also across iterations.  A GPU runs its slots in
+dispatch order and a slot's microbatches in order.  In a backward stage Bj the
+recompute of microbatch m needs only its input (already in host memory, written
+by the forward stage that produced it) and starts when the GPU is free; its
+backward waits for the gradient of Bj-1.  N = 3, k = 1, m = 2, one round:
+
+    GPU 0  F1 mb0 mb1 mb2
+    GPU 1        B1 mb0 mb1 mb2                 (fused)
+    GPU 2  R mb0  . B mb0 R mb1 B mb1 ...      (B2: recompute early, backward on gradient)
+
+Asynchronous mode simulates `iterations` consecutive iterations without a flush.
+With the one-step-stale optimizer, iteration t uses the weights updated from
+iteration t-2's gradients, so a stage's work in iteration t waits for the
+backward of the same layers in iteration t-2 (the CPU optimizer time is not
+modelled; it overlaps the GPUs).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from roundpipe.sim.costs import Costs, check_sizes
+from roundpipe.sim.events import Schedule, Task
+
+
+def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: Sequence[int],
+                       backward: Sequence[int], iterations: int = 1, round_size: int | None = None,
+                       g0: int = 0) -> Schedule:
+    """Builds `iterations` RoundPipe iterations; `backward[0]` is the fused stage (may be 0 layers)."""
+    N, M, L = workers, microbatches, costs.num_layers
+    backward = check_sizes("backward", backward, L, allow_empty_first=True)
+    forward = check_sizes("forward", forward, L - backward[0])
+    round_size = N if round_size is None else round_size
+    if not isinstance(round_size, int) or round_size < 1:
+        raise ValueError(f"round_size={round_size!r} must be an int >= 1 (microbatches per round)")
+    if not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations={iterations!r} must be an int >= 1")
+    k = len(forward)
+    fwd_ranges = [range(sum(forward[:j]), sum(forward[:j + 1])) for j in range(k)]
+    top = L
+    bwd_ranges = []
+    for n in backward:
+        bwd_ranges.append(range(top - n, top))
+        top -= n
+    fused = bwd_ranges[0]
+    # Which forward stage produced the input of layer i (i > 0): the one holding layer i - 1.
+    producer = {i: j for j, r in enumerate(fwd_ranges) for i in range(r.start + 1, r.stop + 1)}
+    sched = Schedule("roundpipe" if iterations == 1 else "roundpipe-async", N,
+                     meta={"forward": list(forward), "backward": list(backward), "round_size": round_size})
+    ids: dict[tuple, object] = {}  # task ids, and per ("done", it, j) lists
+    slots = [("F", j) for j in range(k)] + [("B", j) for j in range(len(backward))]
+    g = g0
+    for it in range(iterations):
+        for first in range(0, M, round_size):
+            mbs = range(first, min(first + round_size, M))
+            for i, (phase, j) in enumerate(slots):
+                w = (g + i) % N
+                for m in mbs:
+                    _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused)
+            g += len(slots)
+    return sched
+
+
+def _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused) -> None:
+    """Adds microbatch m of slot (phase, j) of iteration `it` on worker w, with its dependencies."""
+    stale = []  # async weights: every backward of the same layers in iteration it - 2 is done
+    if it >= 2:
+        layers = fwd_ranges[j] if phase == "F" else bwd_ranges[j]
+        stale = [(t, False) for b, r in enumerate(bwd_ranges)
+                 if (r.start < layers.stop and layers.start < r.stop) or (phase == "B" and b == j)
+                 for t in ids["done", it - 2, b]]
+    if phase == "F":
+        deps = [(ids["F", it, j - 1, m], True)] if j > 0 else []
+        i = sched.add(Task(w, f"F{j + 1} mb{m}", "forward", costs.forward(fwd_ranges[j]), f"F{j + 1}", m, it,
+                           deps + stale))
+        ids["F", it, j, m] = i
+        return
+    if j == 0:
+        deps = [(ids["F", it, len(fwd_ranges) - 1, m], True)] if fwd_ranges else []
+        work = costs.backward(fused, recompute=False) + costs.forward(fused) + costs.head_fwd + costs.head_bwd
+        i = sched.add(Task(w, f"B1 mb{m}", "fused", work, "B1", m, it, deps + stale))
+    else:
+        r = bwd_ranges[j]
+        deps = [(ids["F", it, producer[r.start], m], True)] if r.start > 0 else []
+        rec = sched.add(Task(w, f"B{j + 1} mb{m} recompute", "recompute", costs.forward(r), f"B{j + 1}", m, it,
+                             deps + stale))
+        i = sched.add(Task(w, f"B{j + 1} mb{m}", "backward", costs.backward(r, recompute=False), f"B{j + 1}", m,
+                           it, [(rec, False), (ids["B", it, j - 1, m], True)]))
+    ids["B", it, j, m] = i
+    ids.setdefault(("done", it, j), []).append(i)

@@ -1,0 +1,100 @@
+"""`simulate(...)`: one call from costs and a schedule name to makespan, bubbles and a trace.
+
+    from roundpipe.sim import Costs, simulate
+    costs = Costs.uniform(28, fwd=1e-3, bwd=2e-3, head_fwd=4e-3, head_bwd=8e-3, comm=1e-4)
+    r = simulate("roundpipe-async", costs, workers=8, microbatches=16)
+    r.makespan, r.bubbles.ratio, r.trace().save("sim.json")
+
+Partitions: static schedules take stage sizes (default: balanced, see
+static.default_sizes); RoundPipe takes (forward sizes, backward sizes) with the
+fused stage first, or a `Plan` over `costs.planner_costs()` (default: the planner's).
+For "roundpipe-async" the reported makespan is the steady-state time per
+iteration, measured between the ends of the second and of the second-to-last of
+`iterations` overlapping iterations, and the bubbles are those of that window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from roundpipe.plan import Plan
+from roundpipe.sim.costs import Costs, sizes_from_plan
+from roundpipe.sim.events import Run, simulate as run_schedule
+from roundpipe.sim.metrics import Bubbles, bubbles
+from roundpipe.sim.roundpipe import roundpipe_schedule
+from roundpipe.sim.static import STATIC, default_sizes, static_schedule
+from roundpipe.trace import Trace
+
+SCHEDULES = STATIC + ("roundpipe", "roundpipe-async")
+
+
+@dataclass
+class Result:
+    schedule: str
+    run: Run
+    makespan: float           # seconds per iteration (steady state for roundpipe-async)
+    bubbles: Bubbles
+    exposed_comm: float       # summed seconds workers waited only for communication, per iteration
+    partition: object         # stage sizes, or (forward sizes, backward sizes) for RoundPipe
+
+    def trace(self) -> Trace:
+        return self.run.trace()
+
+    def summary(self) -> dict:
+        """JSON-ready numbers: times in ms, ratios in percent of makespan x workers."""
+        capacity = self.makespan * self.bubbles.workers or 1.0
+        return {"schedule": self.schedule, "makespan_ms": 1e3 * self.makespan, **self.bubbles.percent(),
+                "exposed_comm_ms": 1e3 * self.exposed_comm, "exposed_comm": 100 * self.exposed_comm / capacity,
+                "partition": self.partition}
+
+
+def roundpipe_sizes(costs: Costs, workers: int, microbatches: int,
+                    memory_budget: float | None = None) -> tuple[list[int], list[int]]:
+    """The planner's partition for `costs`, as RoundPipe stage sizes."""
+    from roundpipe.planner.partition import plan
+
+    return sizes_from_plan(plan(costs.planner_costs(), workers, microbatches, memory_budget), costs)
+
+
+def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
+             partition: Sequence[int] | tuple[Sequence[int], Sequence[int]] | Plan | None = None,
+             chunks: int = 2, iterations: int = 6, round_size: int | None = None) -> Result:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
+    if not isinstance(costs, Costs):
+        raise TypeError(f"costs={costs!r} must be a roundpipe.sim.Costs")
+    for name, v in (("workers", workers), ("microbatches", microbatches), ("chunks", chunks),
+                    ("iterations", iterations)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
+    if schedule in STATIC:
+        sizes = list(partition) if partition is not None else default_sizes(schedule, costs, workers, chunks)
+        run = run_schedule(static_schedule(schedule, costs, workers, microbatches, sizes), costs.comm)
+        b = bubbles(run.trace(), (0.0, run.makespan))
+        return Result(schedule, run, run.makespan, b, sum(run.exposed), sizes)
+    if partition is None:
+        fwd, bwd = roundpipe_sizes(costs, workers, microbatches)
+    elif isinstance(partition, Plan):
+        fwd, bwd = sizes_from_plan(partition, costs)
+    else:
+        if not (isinstance(partition, (tuple, list)) and len(partition) == 2):
+            raise TypeError(f"partition={partition!r} for RoundPipe must be (forward sizes, backward sizes) or a Plan")
+        fwd, bwd = list(partition[0]), list(partition[1])
+    n_it = 1 if schedule == "roundpipe" else iterations
+    if schedule == "roundpipe-async" and n_it < 4:
+        raise ValueError(f"iterations={iterations} must be >= 4 for roundpipe-async (the first and last are "
+                         "left out of the steady-state window)")
+    run = run_schedule(roundpipe_schedule(costs, workers, microbatches, fwd, bwd, n_it, round_size), costs.comm)
+    if n_it == 1:
+        b = bubbles(run.trace(), (0.0, run.makespan))
+        return Result(schedule, run, run.makespan, b, sum(run.exposed), (fwd, bwd))
+    ends = [0.0] * n_it
+    for i, t in enumerate(run.schedule.tasks):
+        ends[t.iteration] = max(ends[t.iteration], run.end[i])
+    # Skip the first iteration (no predecessor: it runs unusually fast) and the last one
+    # (its tail runs alone); the window between holds n_it - 3 periods of steady state.
+    window = (ends[1], ends[-2])
+    b = bubbles(run.trace(), window)
+    per_it = (window[1] - window[0]) / (n_it - 3)
+    exposed = sum(x for i, x in enumerate(run.exposed) if window[0] <= run.start[i] < window[1]) / (n_it - 3)
+    return Result(schedule, run, per_it, b, exposed, (fwd, bwd))

@@ -1,0 +1,295 @@
+"""HostArena: exact-size best-fit blocks, fence-ordered reuse, limits, tensor lifetime."""
+import random
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from roundpipe import _native
+from roundpipe.offload import ArenaConfig, HostArena
+
+pytestmark = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")
+C = _native._C
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def small_arena(**kw):
+    cfg = dict(chunk_bytes=256 * KiB, alignment=256, backend="host")
+    cfg.update(kw)
+    return HostArena(ArenaConfig(**cfg))
+
+
+def fill(block, value):
+    torch.frombuffer(block, dtype=torch.uint8).fill_(value)
+
+
+def intact(block, value):
+    return bool((torch.frombuffer(block, dtype=torch.uint8) == value).all())
+
+
+def check_invariants(arena, live, num_pending):
+    """No overlap, alignment, and accounting that matches the blocks we hold."""
+    spans = sorted(arena._arena.block_of(b.address) for b, _ in live)
+    for (a0, s0), (a1, _) in zip(spans, spans[1:]):
+        assert a0 + s0 <= a1, "live blocks overlap"
+    align = arena.config.alignment
+    assert all(a % align == 0 and s % align == 0 for a, s in spans)
+    st_ = arena.stats()
+    assert st_.num_blocks == len(live)
+    assert st_.requested_bytes == sum(b.nbytes for b, _ in live)
+    assert st_.in_use_bytes == sum(s for _, s in spans) + st_.pending_bytes
+    assert st_.num_pending == num_pending
+    assert st_.free_bytes == st_.reserved_bytes - st_.in_use_bytes
+    assert st_.largest_free_block <= st_.free_bytes
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "free_fenced", "signal"]),
+                         st.integers(1, 300 * KiB), st.integers(0, 10**6)), max_size=60)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(ops)
+def test_random_sequences_keep_invariants_and_coalesce(seq):
+    """Random alloc/free/fence sequences: no overlap, aligned, exact accounting, one segment per chunk at the end."""
+    arena = small_arena()
+    live, fences = [], []
+    for n, (op, size, pick) in enumerate(seq):
+        if op == "alloc":
+            b = arena._arena.allocate(size)
+            fill(b, n % 251)
+            live.append((b, n % 251))
+        elif op in ("free", "free_fenced") and live:
+            b, v = live.pop(pick % len(live))
+            assert intact(b, v), "another block overwrote this one"
+            if op == "free_fenced":
+                f = C.HostFence()
+                arena._arena.record(b.address, f)
+                fences.append(f)
+            del b
+        elif op == "signal" and fences:
+            fences[pick % len(fences)].set()
+        arena.collect()
+        check_invariants(arena, live, sum(f.state == "pending" for f in fences))
+    assert all(intact(b, v) for b, v in live)
+    b = None  # the loop variable may still hold the last allocated block
+    live.clear()
+    for f in fences:
+        f.set()
+    arena.collect()
+    s = arena.stats()
+    assert s.in_use_bytes == 0 and s.num_pending == 0
+    assert s.num_free_segments == s.num_chunks, "free neighbours were not coalesced"
+    assert arena.release_unused() == s.reserved_bytes
+    assert arena.stats().reserved_bytes == 0
+
+
+def test_no_power_of_two_rounding():
+    """A request costs its size rounded to the alignment, not to a power of two."""
+    arena = small_arena(alignment=64)
+    b = arena._arena.allocate(65 * KiB + 1)
+    assert arena._arena.block_of(b.address)[1] == 65 * KiB + 64
+    assert arena.stats().requested_bytes == 65 * KiB + 1
+
+
+def test_best_fit_picks_smallest_hole():
+    """Of two free holes the smallest one that fits is reused."""
+    arena = small_arena(alignment=256)
+    blocks = [arena._arena.allocate(n) for n in (8 * KiB, 1 * KiB, 4 * KiB, 1 * KiB)]
+    big_hole, small_hole = blocks[0].address, blocks[2].address
+    del blocks[2], blocks[0]
+    b = arena._arena.allocate(3 * KiB)
+    assert b.address == small_hole and b.address != big_hole
+
+
+def test_no_reuse_before_fence_completes():
+    """A freed block with a pending fence is not handed out again until the fence is set."""
+    arena = small_arena()
+    b = arena._arena.allocate(16 * KiB)
+    addr = b.address
+    fence = C.HostFence()
+    arena._arena.record(addr, fence)
+    del b
+    assert arena.stats().pending_bytes == 16 * KiB
+    others = [arena._arena.allocate(16 * KiB) for _ in range(20)]
+    assert addr not in {o.address for o in others}
+    del others
+    fence.set()
+    assert arena.collect() == 1
+    assert arena._arena.allocate(16 * KiB).address == addr
+
+
+def test_failed_fence_releases_block():
+    """A fence that failed no longer holds the block (the copy will never touch it)."""
+    arena = small_arena()
+    t = arena.empty(1024, torch.uint8)
+    f = C.HostFence()
+    arena.record(t, f)
+    del t
+    f.fail("copy aborted")
+    arena.collect()
+    assert arena.stats().in_use_bytes == 0
+
+
+def test_exhaustion_error_names_request_and_limit():
+    """Over the limit: MemoryError subclass naming the request and the limit."""
+    arena = small_arena(limit_bytes=1 * MiB)
+    keep = arena.empty(600 * KiB, torch.uint8)
+    with pytest.raises(C.ArenaExhaustedError) as err:
+        arena.empty(700 * KiB, torch.uint8)
+    assert isinstance(err.value, MemoryError)
+    msg = str(err.value)
+    assert "700.00 KiB (716800 bytes)" in msg and "limit_bytes is 1.00 MiB (1048576 bytes)" in msg
+    assert keep.numel() == 600 * KiB
+
+
+def test_at_limit_waits_for_pending_fence():
+    """At the limit, an allocation waits for an in-flight block instead of failing."""
+    arena = small_arena(limit_bytes=512 * KiB, chunk_bytes=512 * KiB)
+    t = arena.empty(400 * KiB, torch.uint8)
+    f = C.HostFence()
+    arena.record(t, f)
+    del t
+    timer = threading.Timer(0.05, f.set)
+    timer.start()
+    start = time.perf_counter()
+    u = arena.empty(400 * KiB, torch.uint8)
+    assert time.perf_counter() - start >= 0.04
+    assert u.numel() == 400 * KiB
+    timer.join()
+
+
+def test_idle_chunks_released_to_fit_under_limit():
+    """Wholly free chunks are returned to make room for a request that needs a new one."""
+    arena = small_arena(limit_bytes=1 * MiB, chunk_bytes=512 * KiB)
+    a = arena.empty(300 * KiB, torch.uint8)
+    del a
+    big = arena.empty(900 * KiB, torch.uint8)
+    assert arena.stats().reserved_bytes <= 1 * MiB and big.numel() == 900 * KiB
+
+
+def test_tensor_lifetime_returns_block():
+    """A tensor (and its views) keeps its block; releasing the last one returns it."""
+    arena = small_arena()
+    t = arena.empty((10, 33), torch.float32)
+    assert t.shape == (10, 33) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % 256 == 0 and arena.owns(t)
+    view = t[3:]
+    del t
+    assert arena.stats().num_blocks == 1
+    view.fill_(2.5)
+    assert float(view.sum()) == 2.5 * 7 * 33
+    del view
+    assert arena.stats().num_blocks == 0
+
+
+def test_copy_of_and_zero_size():
+    """copy_of duplicates a tensor into the arena; zero-size requests give ordinary empty tensors."""
+    arena = small_arena()
+    src = torch.randn(5, 7, dtype=torch.bfloat16)
+    dup = arena.copy_of(src)
+    assert torch.equal(dup, src) and arena.owns(dup)
+    z = arena.empty((0, 4), torch.float16)
+    assert z.shape == (0, 4) and not arena.owns(z)
+
+
+def test_reserve_then_carve_exactly():
+    """reserve(total) then allocating the tensors uses no further chunk."""
+    arena = small_arena(chunk_bytes=64 * KiB)
+    sizes = [100 * KiB, 3 * KiB + 5, 250 * KiB]
+    arena.reserve(sum((s + 255) // 256 * 256 for s in sizes))
+    ts = [arena.empty(s, torch.uint8) for s in sizes]
+    s = arena.stats()
+    assert s.num_chunks == 1 and s.reserved_bytes < sum(sizes) * 1.01
+    assert len(ts) == 3
+
+
+def test_stats_peak_and_fragmentation():
+    """Holes between live blocks show up as fragmentation; the peak survives frees."""
+    arena = small_arena(chunk_bytes=64 * KiB, alignment=256)
+    blocks = [arena._arena.allocate(8 * KiB) for _ in range(8)]
+    peak = arena.stats().in_use_bytes
+    del blocks[6], blocks[4], blocks[2], blocks[0]  # four 8 KiB holes
+    s = arena.stats()
+    assert s.peak_in_use_bytes == peak == 64 * KiB and s.in_use_bytes == 32 * KiB
+    assert s.largest_free_block == 8 * KiB and s.free_bytes == 32 * KiB
+    assert s.fragmentation == pytest.approx(0.75)
+    blocks.clear()
+    s = arena.stats()
+    assert s.fragmentation == 0.0 and s.largest_free_block == 64 * KiB and s.num_allocations == 8
+
+
+def test_thread_stress():
+    """Four threads allocating, writing, verifying and freeing concurrently corrupt nothing."""
+    arena = small_arena(chunk_bytes=1 * MiB)
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        held = []
+        for i in range(600):
+            if held and rng.random() < 0.5:
+                b, v = held.pop(rng.randrange(len(held)))
+                if not intact(b, v):
+                    errors.append("corrupted block")
+            else:
+                b = arena._arena.allocate(rng.randrange(1, 48 * KiB))
+                v = (seed * 37 + i) % 256
+                fill(b, v)
+                held.append((b, v))
+        held.clear()
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = arena.stats()
+    assert s.in_use_bytes == 0 and s.num_blocks == 0 and s.num_free_segments == s.num_chunks
+
+
+def test_bad_arguments():
+    """Config and call errors are ValueError/TypeError naming the argument."""
+    with pytest.raises(ValueError, match="alignment=100"):
+        ArenaConfig(alignment=100)
+    with pytest.raises(ValueError, match="chunk_bytes=10"):
+        ArenaConfig(chunk_bytes=10)
+    with pytest.raises(ValueError, match="backend='gpu'"):
+        ArenaConfig(backend="gpu")
+    with pytest.raises(TypeError, match="limit_bytes"):
+        ArenaConfig(limit_bytes=1.5)
+    arena = small_arena()
+    with pytest.raises(ValueError, match="not a tensor of this arena"):
+        arena.record(torch.ones(4), C.HostFence())
+    with pytest.raises(TypeError, match="fence"):
+        arena.record(arena.empty(4), object())
+    with pytest.raises(ValueError, match="negative"):
+        arena.empty((-1, 2))
+    with pytest.raises(ValueError, match="nbytes"):
+        arena.reserve(0)
+
+
+@pytest.mark.cuda
+def test_cuda_arena_is_pinned_and_fence_ordered():
+    """On a GPU the arena page-locks memory, copies are async, and record_stream defers reuse."""
+    arena = HostArena(ArenaConfig(backend="cuda"))
+    assert arena.pinned
+    t = arena.copy_of(torch.arange(1 << 20, dtype=torch.float32))
+    assert t.is_pinned()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)
+        g = t.to("cuda", non_blocking=True)
+        arena.record_stream(t, s)
+    addr = t.data_ptr()
+    del t
+    assert arena.stats().num_pending == 1
+    u = arena.empty(1 << 20, torch.float32)
+    assert u.data_ptr() != addr
+    s.synchronize()
+    arena.collect()
+    assert arena.stats().num_pending == 0
+    assert torch.equal(g.cpu(), torch.arange(1 << 20, dtype=torch.float32))

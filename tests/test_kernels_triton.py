@@ -1,0 +1,58 @@
+"""kernels/_triton.py: when the Triton kernels run, and the one-time warning when they cannot."""
+import subprocess
+import sys
+import warnings
+
+import torch
+
+from roundpipe import kernels
+from roundpipe.kernels import _triton
+from roundpipe.kernels.rms_norm import rms_norm_ref
+
+_WITHOUT_TRITON = """
+import sys, warnings
+sys.modules["triton"] = None  # makes `import triton` raise ImportError
+import torch
+from roundpipe.kernels import apply_rope, linear_cross_entropy, rms_norm, swiglu, available, unavailable_reason
+assert not available() and "Triton is not importable" in unavailable_reason()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    x = torch.randn(3, 8, requires_grad=True)
+    rms_norm(x, torch.ones(8)).sum().backward()
+    swiglu(x, x)
+    q = torch.randn(1, 2, 3, 8)
+    apply_rope(q, q, torch.ones(3, 8), torch.zeros(3, 8))
+    linear_cross_entropy(x, torch.randn(5, 8), torch.tensor([0, 1, 4]))
+assert x.grad is not None
+msgs = [str(w.message) for w in caught if "roundpipe.kernels" in str(w.message)]
+assert len(msgs) == 1, msgs
+print("OK", msgs[0])
+"""
+
+
+def test_interpreter_makes_kernels_available():
+    """Under the test setup (GPU or TRITON_INTERPRET=1) the kernels are available for tensors there."""
+    assert kernels.available(), kernels.unavailable_reason()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert _triton.use_triton(torch.empty(1, device=device))
+
+
+def test_wrong_device_falls_back_with_one_warning(monkeypatch):
+    """A tensor the kernels cannot run on takes the reference path, warning once across ops."""
+    monkeypatch.setattr(_triton, "_device_reason", lambda tensor: "a test says so")
+    monkeypatch.setattr(_triton, "_warned", False)
+    x, w = torch.randn(4, 16), torch.rand(16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = kernels.rms_norm(x, w)
+        kernels.swiglu(x, x)
+    assert [str(c.message) for c in caught] == [
+        "roundpipe.kernels: using the PyTorch reference path because a test says so."]
+    torch.testing.assert_close(y, rms_norm_ref(x, w))
+
+
+def test_importable_and_usable_without_triton():
+    """With Triton unimportable every functional form runs its PyTorch path and one warning is given."""
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("OK roundpipe.kernels: using the PyTorch reference path because Triton is not")

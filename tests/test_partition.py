@@ -1,0 +1,112 @@
+"""Partitioner: optimal against the exhaustive solver, valid plans, memory limit, balanced split."""
+import itertools
+import random
+import time
+
+import pytest
+
+from roundpipe.plan import Plan
+from roundpipe.planner import LayerCost, balanced_split, objective, partition, plan, stage_times
+from roundpipe.planner.costs import backward_memory, forward_memory
+from roundpipe.planner.exact import exact_partition
+
+
+def random_instance(rng, max_layers=12):
+    L = rng.randint(1, max_layers)
+    costs = [LayerCost(rng.uniform(0.2, 2.0), rng.uniform(0.5, 6.0), rng.randint(0, 100), rng.randint(0, 60))
+             for _ in range(L)]
+    if rng.random() < 0.3:  # an LM-head-like heavy last layer
+        costs[-1] = LayerCost(5.0, 15.0, 300, 100)
+    biggest = max(c.param_bytes * 3 + c.act_bytes for c in costs)
+    budget = rng.choice([None, 2 * biggest * rng.uniform(1.0, 3.0)])
+    return costs, rng.randint(1, 8), rng.randint(1, 32), budget
+
+
+def test_fast_within_5_percent_of_exact_on_random_instances():
+    """On 60 seeded random instances with L <= 12 the fast partitioner is within 5% of the optimum."""
+    rng = random.Random(1234)
+    worst = 0.0
+    for _ in range(60):
+        costs, N, M, budget = random_instance(rng)
+        fast = partition(costs, N, M, budget)
+        exact = exact_partition(costs, N, M, budget)
+        worst = max(worst, (fast.objective - exact.objective) / exact.objective)
+    assert worst <= 0.05
+    # The threshold search is exact by construction; it should not lose anything at all.
+    assert worst <= 1e-9
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_valid_and_within_memory(seed):
+    """Plans cover every layer once, the fused stage holds the last layer, and every stage fits half the budget."""
+    rng = random.Random(seed)
+    costs, N, M, _ = random_instance(rng, max_layers=40)
+    budget = 2 * max(c.param_bytes * 3 + c.act_bytes for c in costs) * 1.5
+    p = partition(costs, N, M, budget)
+    assert isinstance(p.plan, Plan)
+    p.plan.check(len(costs))
+    assert p.plan.fused.stop == len(costs)
+    for kind, r in p.plan.stages():
+        mem = forward_memory(costs, r) if kind == "F" else backward_memory(costs, r)
+        assert mem <= budget / 2
+    assert p.t_max == pytest.approx(max(stage_times(p.plan, costs)))
+    assert p.objective == pytest.approx(objective(p.plan, costs, N, M))
+
+
+def test_uniform_costs_give_forward_stages_three_times_longer():
+    """With bwd = 3 x fwd, forward stages hold three times the layers of backward stages."""
+    costs = [LayerCost(1.0, 3.0)] * 24
+    p = plan(costs, workers=4, microbatches=8)
+    fwd = {len(r) for r in p.forward}
+    bwd = {len(r) for r in p.backward}
+    assert max(fwd) == 3 * max(bwd)
+
+
+def test_memory_budget_forces_smaller_stages():
+    """A tight budget splits stages that the unconstrained optimum keeps together."""
+    # A heavy head sets t_max = 18, so without a memory limit backward stages take 6 layers.
+    costs = [LayerCost(1.0, 3.0, param_bytes=100, act_bytes=10)] * 16 + [LayerCost(6.0, 18.0, 100, 10)]
+    free = plan(costs, 4, 8)
+    tight = plan(costs, 4, 8, memory_budget=2 * 700)
+    assert max(len(r) for r in free.backward[1:]) == 6
+    assert len(tight.stages()) > len(free.stages())
+    assert all(backward_memory(costs, r) <= 700 for r in tight.backward)
+
+
+def test_errors_name_the_argument():
+    """Bad arguments raise ValueError/TypeError that name the argument."""
+    costs = [LayerCost(1.0, 3.0, 100, 0)] * 4
+    with pytest.raises(ValueError, match="workers"):
+        plan(costs, 0, 4)
+    with pytest.raises(ValueError, match="memory_budget"):
+        plan(costs, 2, 4, memory_budget=10)
+    with pytest.raises(TypeError, match="costs"):
+        plan([1.0], 2, 4)
+    with pytest.raises(ValueError, match="fwd_s"):
+        LayerCost(-1.0, 1.0)
+
+
+def test_94_layers_plan_quickly():
+    """94 layers plan well inside the 2 s target (generous bound for a loaded CI machine)."""
+    rng = random.Random(7)
+    costs = [LayerCost(rng.uniform(0.8, 1.2), rng.uniform(2.5, 3.5), 10, 1) for _ in range(93)]
+    costs.append(LayerCost(5.0, 15.0, 40, 4))
+    start = time.perf_counter()
+    p = partition(costs, 8, 16, memory_budget=2 * 400)
+    elapsed = time.perf_counter() - start
+    p.plan.check(94)
+    assert elapsed < 10.0
+
+
+def test_balanced_split_matches_brute_force():
+    """balanced_split minimises the largest group sum (checked against all cut positions)."""
+    rng = random.Random(3)
+    for _ in range(20):
+        w = [rng.uniform(0, 5) for _ in range(rng.randint(2, 9))]
+        parts = rng.randint(1, len(w))
+        sizes = balanced_split(w, parts)
+        assert len(sizes) == parts and sum(sizes) == len(w) and min(sizes) >= 1
+        got = max(sum(w[sum(sizes[:k]):sum(sizes[:k + 1])]) for k in range(parts))
+        best = min(max(sum(w[a:b]) for a, b in zip((0,) + cuts, cuts + (len(w),)))
+                   for cuts in itertools.combinations(range(1, len(w)), parts - 1))
+        assert got == pytest.approx(best)

@@ -1,0 +1,92 @@
+"""Rotary embedding kernels against the fp32 reference, values and gradients."""
+import pytest
+import torch
+from _kernel_util import LOW_PRECISION, assert_within_torch_error, leaf
+
+from roundpipe.kernels import RotaryEmbedding, apply_rope
+from roundpipe.kernels.rope import _rotate_half, apply_rope_ref
+
+
+def _cos_sin(B, T, D, dtype=torch.float32, theta=10000.0):
+    pos = torch.randint(0, 4096, (B, T))
+    return RotaryEmbedding(D, theta).cos_sin(pos, dtype)
+
+
+def _hf_style(q, k, cos, sin):
+    """What eager PyTorch model code does (HF apply_rotary_pos_emb) in the input dtype."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("B,hq,hk,T,D", [(1, 4, 2, 1, 64), (2, 3, 3, 5, 128), (1, 5, 1, 7, 6)])
+def test_fp32_matches_reference(B, hq, hk, T, D):
+    """fp32 rotations (GQA head counts, T=1, odd head counts) and their gradients match the reference."""
+    q, k = torch.randn(B, hq, T, D), torch.randn(B, hk, T, D)
+    cos, sin = _cos_sin(B, T, D)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    ours, ref = [leaf(q), leaf(k)], [leaf(q), leaf(k)]
+    out, out_ref = apply_rope(*ours, cos, sin), apply_rope_ref(*ref, cos, sin)
+    for a, b in zip(out, out_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.autograd.backward(out, [dq, dk])
+    torch.autograd.backward(out_ref, [dq, dk])
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_strided_layouts_and_shared_cos():
+    """A transposed [B, T, H, D] projection, a [T, D] cos/sin and differently strided cos/sin work."""
+    B, T, H, D = 2, 5, 4, 32
+    q = torch.randn(B, T, H, D).transpose(1, 2)
+    k = torch.randn(B, T, 2, D).transpose(1, 2)
+    cos, sin = _cos_sin(1, T, D)
+    sin_strided = torch.cat([sin, sin], dim=-1)[..., :D]  # a different layout from cos
+    for c, s in ((cos[0], sin[0]), (cos, sin), (cos, sin_strided)):
+        for a, b in zip(apply_rope(q, k, c, s), apply_rope_ref(q, k, c, s)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_low_precision_within_twice_torch_error(dtype):
+    """fp16/bf16 rotations and gradients are at most ~2x as far from fp32 as eager PyTorch."""
+    q, k = torch.randn(2, 4, 6, 64), torch.randn(2, 2, 6, 64)
+    cos, sin = _cos_sin(2, 6, 64)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    ref = [leaf(q), leaf(k)]
+    out_ref = apply_rope_ref(*ref, cos, sin)
+    torch.autograd.backward(out_ref, [dq, dk])
+    got = {}
+    for name, fn in (("ours", apply_rope), ("torch", _hf_style)):
+        ins = [leaf(q, dtype), leaf(k, dtype)]
+        out = fn(*ins, cos.to(dtype), sin.to(dtype))
+        torch.autograd.backward(out, [dq.to(dtype), dk.to(dtype)])
+        got[name] = [*out, ins[0].grad, ins[1].grad]
+    # The reference uses fp32 cos/sin; both low-precision paths see the rounded tables.
+    refs = [*out_ref, ref[0].grad, ref[1].grad]
+    for i, label in enumerate(["q", "k", "dq", "dk"]):
+        assert_within_torch_error(f"{dtype} {label}", got["ours"][i].float(), got["torch"][i].float(), refs[i])
+
+
+def test_bad_arguments_name_the_argument():
+    """Odd head dims, mismatched T and bad cos shapes raise errors naming the tensors."""
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    cos, sin = _cos_sin(1, 3, 8)
+    with pytest.raises(ValueError, match="q.shape"):
+        apply_rope(q[..., :7], k[..., :7], cos[..., :7], sin[..., :7])
+    with pytest.raises(ValueError, match="cos.shape"):
+        apply_rope(q, k, cos[:, :2], sin[:, :2])
+    with pytest.raises(TypeError, match="k.dtype"):
+        apply_rope(q, k.half(), cos, sin)
+    with pytest.raises(ValueError, match="head_dim"):
+        RotaryEmbedding(7)
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_matches_reference():
+    """On a GPU the compiled kernel matches the reference for a Qwen-like bf16 shape."""
+    q = torch.randn(2, 32, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = RotaryEmbedding(128, 1e6, device="cuda").cos_sin(torch.arange(1024, device="cuda")[None].expand(2, -1),
+                                                               torch.bfloat16)
+    for a, b in zip(apply_rope(q, k, cos, sin), apply_rope_ref(q, k, cos, sin)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
