@@ -22,6 +22,17 @@ def test_tiny_model_learns(engine, devices, asynchronous):
     assert result.tokens == 40 * 8 * 32 and result.tokens_per_s > 0
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine, asynchronous", [("roundpipe", True), ("roundpipe", False), ("torch", None)])
+def test_tiny_model_learns_on_the_gpu(engine, asynchronous):
+    """On one GPU (bf16 compute) the tiny model learns as it does on CPU workers."""
+    devices = ["cuda:0", "cuda:0"] if engine == "roundpipe" else ["cuda:0"]
+    result = rt.train(rt.TrainConfig(engine=engine, devices=devices, asynchronous=asynchronous, **TINY))
+    assert result.devices[0].startswith("cuda")
+    assert result.end_loss < result.start_loss - 1.5
+    assert result.val_end < result.val_start - 1.5
+
+
 def test_sync_roundpipe_matches_the_torch_reference():
     """With the synchronous step, RoundPipe on CPU workers trains exactly like the plain PyTorch loop."""
     cfg = dict(TINY, steps=6, eval_batches=1)
