@@ -14,7 +14,8 @@ Two measurements, both on CPU workers so they run anywhere:
 
 2. Throughput.  The `roundpipe train` default model (tiny decoder, 16 x 128 bytes per
    step, AdamW) trained for a few steps by the plain PyTorch loop and by RoundPipe on
-   1 and 2 CPU workers, sync and async step; tokens/s and the ratio to PyTorch from the
+   1 and 2 CPU workers, sync and async step, and by the plain loop with one extra forward
+   per step (what full recomputation costs anyway); tokens/s and the ratio to PyTorch from the
    median and from the best of the step times of interleaved rounds.
 
     python bench/dispatch.py [--quick] [--no-save]
@@ -93,6 +94,16 @@ def overhead(report: Report, workers: int, num_layers: int, m: int, repeat: int,
                                  "us/stage-mb": (t_rp - t_torch) / executions * 1e6})
 
 
+class TorchRecompute(TorchReference):
+    """The plain loop plus one extra no-grad forward per step: the work RoundPipe's full
+    recomputation adds, so the ratio to this provider is the engine's own cost."""
+
+    def forward_backward(self, x, *, labels, loss_fn):
+        with torch.no_grad():
+            self(x)
+        return super().forward_backward(x, labels=labels, loss_fn=loss_fn)
+
+
 def _step_periods(engine, corpus: ByteCorpus, cfg: TrainConfig, steps: int, asynchronous: bool) -> list[float]:
     """Wall time between consecutive step ends, `steps` of them after two warmup steps.
 
@@ -118,7 +129,9 @@ def throughput(report: Report, steps: int, rounds: int) -> None:
     cfg = TrainConfig(devices=["cpu"], steps=steps).resolved()
     corpus = ByteCorpus.load()
     providers = {"torch (1 device)": lambda: TorchReference(build_layers(cfg.model_config(), seed=0), "cpu",
-                                                              torch.float32)}
+                                                              torch.float32),
+                 "torch + recompute": lambda: TorchRecompute(build_layers(cfg.model_config(), seed=0), "cpu",
+                                                             torch.float32)}
     for workers in (1, 2):
         for asynchronous in (False, True):
             name = f"roundpipe {workers} cpu worker{'s' * (workers > 1)} {'async' if asynchronous else 'sync'}"
@@ -144,8 +157,14 @@ def throughput(report: Report, steps: int, rounds: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/dispatch.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for every provider (default: torch's own choice)")
     add_common_args(parser)
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads={args.threads} must be >= 1")
+        torch.set_num_threads(args.threads)
     repeat = 5 if args.quick else 15
 
     report = Report("dispatch", columns=["case", "provider", "stages", "stage-mb", "ms", "torch ms", "us/stage-mb",
