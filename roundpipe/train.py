@@ -116,9 +116,10 @@ class TrainConfig:
         out.seq_len = self.seq_len or (1024 if cuda else 128)
         out.warmup = self.warmup if self.warmup is not None else min(50, self.steps // 10)
         # The asynchronous step pays off when the CPU optimizer overlaps GPU compute.  CPU
-        # workers share the cores with the optimizer: bench/dispatch.py measured no gain
-        # (tiny decoder, 2-core Xeon: 8,686 tokens/s async vs 9,204 sync on one worker),
-        # while the one-step staleness cost learning (300 steps: loss 2.56 vs 1.87).
+        # workers share the cores with the optimizer: bench/dispatch.py saw no consistent
+        # gain (tiny decoder, one worker, 2-core Xeon, three runs: async 8,686-8,846 tokens/s,
+        # sync 8,534-9,204), while the one-step staleness cost learning (default run,
+        # 300 steps: end loss 2.56 async vs 1.88 sync).
         if self.asynchronous is None:
             out.asynchronous = cuda and self.engine == "roundpipe"
         if self.devices is None:
