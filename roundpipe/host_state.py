@@ -13,10 +13,15 @@ Buffers (BatchNorm running stats, ...) have no extra copy: forward stages
 upload them with the parameters and write them back after the stage; they stay
 in their own dtype.
 
-Two seams for the offload engine: `HostState.alloc(shape, dtype, pinned)`
-allocates every host buffer (the pinned arena replaces it) and
-`HostState.copy(dst, src)` does every host-side conversion (the native copy
-engine replaces it).
+Every host buffer of a model comes from `HostState.alloc(shape, dtype)`: the
+upload copies and gradient landing buffers above, and the workers' staging
+buffers (stage inputs kept for backward, downloaded activations, gradients
+and buffers).  With the native core that is one HostArena per model, pinned
+when the workers are GPUs (exact-size blocks, no power-of-two rounding, reuse
+ordered by the copies' fences), plain memory for CPU workers; without it,
+ordinary torch tensors (pinned when CUDA).  `close()` drops the state's own
+buffers, so the arena's memory goes back once the last tensor viewing it is
+gone.  `HostState.copy(dst, src)` does every host-side conversion.
 """
 from __future__ import annotations
 
@@ -26,12 +31,19 @@ from typing import Callable
 import torch
 from torch import nn
 
-from roundpipe import hostops
+from roundpipe import _native, hostops
 from roundpipe.testing import delay_point
 
 
-def default_alloc(shape: torch.Size, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+def make_arena(pinned: bool):
+    """The model's HostArena (page-locked when pinned), or None without the native core or CUDA to pin."""
+    if not _native.available():
+        return None
+    from roundpipe.offload import ArenaConfig, HostArena
+    try:
+        return HostArena(ArenaConfig(backend="cuda" if pinned else "host"))
+    except RuntimeError:   # CUDA runtime not loadable by the native core: torch's pinned memory instead
+        return None
 
 
 def default_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -60,12 +72,12 @@ class LayerState:
 class HostState:
     """fp32 masters, upload copies and gradient landing buffers of all layers."""
 
-    alloc: Callable[[torch.Size, torch.dtype, bool], torch.Tensor] = staticmethod(default_alloc)
     copy: Callable[[torch.Tensor, torch.Tensor], None] = staticmethod(default_copy)
 
     def __init__(self, layers: list[nn.Module], upload_dtype: torch.dtype, pinned: bool):
         self.upload_dtype = upload_dtype
         self.pinned = pinned
+        self.arena = make_arena(pinned)
         seen: dict[int, str] = {}
         self.layers: list[LayerState] = []
         for i, layer in enumerate(layers):
@@ -87,16 +99,37 @@ class HostState:
                     # fp32 masters are the contract; convert in place so the user's module stays the master.
                     p.data = p.data.float()
                 dtype = upload_dtype if p.is_floating_point() else p.dtype
-                u = self.alloc(p.shape, dtype, pinned)
+                u = self.alloc(p.shape, dtype)
                 self.copy(u, p.data)
                 state.upload.append(u)
-                state.gbuf.append(self.alloc(p.shape, torch.float32, pinned) if p.requires_grad else None)
+                state.gbuf.append(self.alloc(p.shape, torch.float32) if p.requires_grad else None)
                 if p.requires_grad:
                     state.trainable.append(j)
             self.layers.append(state)
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def alloc(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous host tensor: from the arena, else torch (pinned when CUDA)."""
+        if self.arena is not None:
+            return self.arena.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
+
+    def staged(self, t: object) -> object:
+        """A copy of a host tensor in this state's (pinned) memory; anything else unchanged."""
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return t
+        out = self.alloc(t.shape, t.dtype)
+        out.copy_(t)
+        return out
+
+    def close(self) -> None:
+        """Drops the upload copies and landing buffers; their arena blocks return once unreferenced."""
+        for st in self.layers:
+            st.upload.clear()
+            st.gbuf.clear()
+        self.arena = None
 
     def pcopy(self, layer: int) -> None:
         """P-copy: new fp32 master weights -> upload copy of one layer."""

@@ -95,7 +95,7 @@ class RoundPipe:
         self.sync = LayerSync(L)
         self.host_thread = SerialExecutor("roundpipe-step")      # optimizer steps and P-copies
         self.gcopy_thread = SerialExecutor("roundpipe-gcopy")    # G-copies
-        self.workers = make_workers(self.devices, self.compute_dtype)
+        self.workers = make_workers(self.devices, self.compute_dtype, self.host.alloc)
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
                                   for layer, st in zip(layers, self.host.layers)] for w in self.workers}
         self.dispatcher = Dispatcher(self.workers)
@@ -177,7 +177,7 @@ class RoundPipe:
             for m in range(len(mb)):
                 h = ctx.outputs[m]
                 if h.host_ready is not None:
-                    h.host_ready.synchronize()
+                    h.host_ready.wait()
                 outs.append(h.host)
             return merge(outs)
 
@@ -190,7 +190,7 @@ class RoundPipe:
                           labels=mb.labels, weights=mb.weights,
                           loss_fn=loss_fn, trace=self._trace, on_timing=self.stage_timing,
                           check_recompute={} if self._check_recompute else None)
-        pin = (lambda t: t.pin_memory() if isinstance(t, torch.Tensor) else t) if self._cuda else (lambda t: t)
+        pin = self.host.staged if self._cuda else (lambda t: t)
         for m in range(len(mb)):
             ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m]))),
                           sched.input_consumers)
@@ -277,6 +277,7 @@ class RoundPipe:
                     t.close()
                 for w in self.workers:
                     w.close()
+                self.host.close()
             for t in self._host_threads():
                 t.raise_error()
 

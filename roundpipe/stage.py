@@ -19,6 +19,7 @@ unchanged in type.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from roundpipe.host_state import HostState
 from roundpipe.microbatch import tree_leaves, tree_map
 from roundpipe.recompute import segment_seed
 from roundpipe.trace import Trace
-from roundpipe.workers.base import Handoff, Worker
+from roundpipe.workers.base import Arrival, Handoff, Upload, Worker
 
 
 @dataclass
@@ -124,39 +125,49 @@ class StageRun:
         self.reps = [ctx.replicas[w.name][l] for l in task.layers]
         self.bound: list[list[torch.nn.Parameter]] = []
         self.acc: list[list[torch.Tensor | None]] = []
-        self.early: dict[int, Any] = {}   # microbatch -> input already uploaded one microbatch early
+        self.early: dict[int, Arrival] = {}   # microbatch -> input upload issued one microbatch early
 
-    def _receive(self, handoff: Handoff) -> Any:
-        """The handoff on this worker, floating tensors in compute dtype (uploads carry low precision)."""
-        x = self.w.receive(handoff)
+    def _get(self, key: tuple) -> Any:
+        """A board value; held-back bulk copies are sent first if it has to be waited for."""
+        found, value = self.ctx.board.poll(key)
+        if found:
+            return value
+        self.w.idle()
+        return self.ctx.board.get(key)
+
+    def _use(self, arrival: Arrival) -> Any:
+        """The arrived tensors, floating ones in compute dtype (uploads carry low precision)."""
+        x = self.w.use(arrival)
         dt = self.w.compute_dtype
         return tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
                         and t.dtype != dt else t, x)
 
     def _input(self, m: int) -> Any:
         if m in self.early:
-            return self.early.pop(m)
-        return self._receive(self.ctx.board.get(("act", self.task.layers.start, m)))
+            return self._use(self.early.pop(m))
+        return self._use(self.w.receive(self._get(("act", self.task.layers.start, m))))
 
     def upload_input_early(self, m: int) -> None:
         """Issues microbatch m's input upload now if it has arrived (it then overlaps m-1's compute)."""
         found, h = self.ctx.board.poll(("act", self.task.layers.start, m))
         if found:
-            self.early[m] = self._receive(h)
+            self.early[m] = self.w.receive(h)
 
-    def upload(self, prefetched: dict[int, list[torch.Tensor]] | None) -> None:
+    def upload(self, prefetched: Upload | None) -> None:
         ctx, task, w = self.ctx, self.task, self.w
         grad = task.kind != "F"
-        for l, rep in zip(task.layers, self.reps):
+        for l in task.layers:
+            if ctx.host.layers[l].buffers and task.kind != "B" and task.round > 0:
+                self._get(("buf", l, task.round - 1))   # buffers of the previous round's forward
+        if prefetched is None:
+            for l in task.layers:
+                if not ctx.sync.upload_ready(l):
+                    w.idle()
+                    ctx.sync.wait_upload(l, ctx.abort_requested)
+            prefetched = upload_stage(ctx, w, task.layers, windows=1)
+        stage_params = w.params_ready(prefetched)
+        for l, rep, params in zip(task.layers, self.reps, stage_params):
             st = ctx.host.layers[l]
-            if st.buffers and task.kind != "B" and task.round > 0:
-                ctx.board.get(("buf", l, task.round - 1))   # buffers of the previous round's forward
-            if prefetched is not None:
-                params = prefetched[l]
-            else:
-                ctx.sync.wait_upload(l, ctx.abort_requested)
-                params, done = w.upload_params(st.upload)
-                ctx.sync.uploaded(l, done)
             bufs = w.upload_buffers(st.buffers)
             self.bound.append(rep.bind(params, [grad and p.requires_grad for p in st.params], bufs))
             self.acc.append([None] * len(st.trainable))
@@ -225,7 +236,7 @@ class StageRun:
         x = self._input_with_grad(m)
         with torch.enable_grad():
             out = run_layers(ctx, self.w, self.task.layers, x, m)
-            labels = self.w.receive(Handoff(host=ctx.labels[m])) if ctx.labels[m] is not None else None
+            labels = self.w.use(self.w.receive(Handoff(host=ctx.labels[m]))) if ctx.labels[m] is not None else None
             try:
                 loss = ctx.loss_fn(out, labels) if ctx.loss_fn is not None else out
             except Exception as e:
@@ -244,7 +255,7 @@ class StageRun:
         x = self._input_with_grad(m)
         with torch.enable_grad():
             out = run_layers(ctx, self.w, r, x, m)
-        grads = self._receive(ctx.board.get(("grad", r.stop, m)))
+        grads = self._use(self.w.receive(self._get(("grad", r.stop, m))))
         if ctx.check_recompute is not None:   # after the gradient: its forward has surely run
             ref = ctx.check_recompute.get((r.stop, m))
             got = [t.detach().cpu() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -264,10 +275,13 @@ class StageRun:
                 if ctx.host.layers[l].buffers:
                     self.w.download_buffers(rep.bound_buffers(), self._land_buffers(l))
         if task.kind != "F":
+            per_layer = []
             for l, bound, acc in zip(task.layers, self.bound, self.acc):
                 st = ctx.host.layers[l]
-                grads = acc if self.w.compute_dtype != torch.float32 else [bound[j].grad for j in st.trainable]
-                self.w.download_grads(grads, self._land_grads(l))
+                per_layer.append(acc if self.w.compute_dtype != torch.float32 else [bound[j].grad for j in st.trainable])
+            # One LPT-windowed download for the whole stage, riding behind the next activation downloads.
+            sizes = [len(g) for g in per_layer]
+            self.w.download_grads([g for gs in per_layer for g in gs], len(task.mbs), self._land_grads(sizes))
 
     def _land_buffers(self, l: int) -> Callable[[list], None]:
         def land(host_bufs: list) -> None:
@@ -276,27 +290,38 @@ class StageRun:
             self.ctx.board.put(("buf", l, self.task.round), True, 0 if self.task.last_round else 1)
         return land
 
-    def _land_grads(self, l: int) -> Callable[[list], None]:
+    def _land_grads(self, sizes: list[int]) -> Callable[[list], None]:
         def land(host_grads: list) -> None:
-            self.ctx.sync.wait_grad_write(l, self.task.round, self.ctx.abort_requested)
-            self.ctx.host.land_grads(l, host_grads, first=self.task.round == 0)
-            self.ctx.sync.grad_written(l)
+            start = 0
+            for l, n in zip(self.task.layers, sizes):
+                self.ctx.sync.wait_grad_write(l, self.task.round, self.ctx.abort_requested)
+                self.ctx.host.land_grads(l, host_grads[start:start + n], first=self.task.round == 0)
+                self.ctx.sync.grad_written(l)
+                start += n
         return land
 
 
-def prefetch(ctx: CallContext, w: Worker, task: StageTask) -> dict[int, list[torch.Tensor]] | None:
-    """Issues the uploads of a stage's parameters now if no layer waits for a P-copy, else None."""
+def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int) -> Upload:
+    """Issues the upload of a stage's weights (in `windows` LPT windows) and registers it per layer."""
+    up = w.upload_params([ctx.host.layers[l].upload for l in layers], windows)
+    done = w.upload_done(up)
+    for l in layers:
+        ctx.sync.uploaded(l, done)
+    return up
+
+
+def prefetch(ctx: CallContext, w: Worker, task: StageTask, windows: int) -> Upload | None:
+    """Issues the uploads of a stage's parameters now if no layer waits for a P-copy, else None.
+
+    They ride in the current stage's `windows`, behind its next activation uploads.
+    """
     if not all(ctx.sync.upload_ready(l) for l in task.layers):
         return None
-    out = {}
-    for l in task.layers:
-        out[l], done = w.upload_params(ctx.host.layers[l].upload)
-        ctx.sync.uploaded(l, done)
-    return out
+    return upload_stage(ctx, w, task.layers, windows)
 
 
-def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: dict | None = None,
-              next_task: StageTask | None = None) -> dict | None:
+def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload | None = None,
+              next_task: StageTask | None = None) -> Upload | None:
     """Runs one slot of the schedule on worker w: all of the slot's microbatches in order.
 
     Workers that copy asynchronously (`w.prefetches`) issue microbatch m+1's input upload right
@@ -311,17 +336,18 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: dict | N
             run.upload(prefetched)
             for i, m in enumerate(task.mbs):
                 t0 = time.perf_counter()
+                timer = w.timer_start() if ctx.on_timing is not None else None
                 step(m)
                 t1 = time.perf_counter()
                 if ctx.trace is not None:
                     ctx.trace.add(w.name, f"{task.label} mb{m}", t0, t1, cat=task.kind,
                                   layers=f"{task.layers.start}-{task.layers.stop - 1}", round=task.round)
-                if ctx.on_timing is not None:
-                    ctx.on_timing(w.name, task.kind, task.layers.start, m, t0, t1)
+                if timer is not None:   # execution time: on a GPU measured by events, reported later
+                    w.timer_stop(timer, functools.partial(ctx.on_timing, w.name, task.kind, task.layers.start, m))
                 if w.prefetches and i + 1 < len(task.mbs):
                     run.upload_input_early(task.mbs[i + 1])
                 if i == 0 and next_task is not None and w.prefetches:
-                    nxt = prefetch(ctx, w, next_task)
+                    nxt = prefetch(ctx, w, next_task, len(task.mbs))
             run.finish()
         finally:
             run.release()

@@ -25,6 +25,11 @@ def delay_point(kind: str) -> None:
         hook(kind)
 
 
+def delays_active() -> bool:
+    """Whether a hook is installed (copies then hold themselves back through it)."""
+    return _hook is not None
+
+
 @contextlib.contextmanager
 def inject_delays(fn: Callable[[str], None]) -> Iterator[None]:
     """Within the block, `fn(kind)` runs at every synchronisation point of the engine."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from roundpipe.workers.base import Handoff, Worker
+from roundpipe.workers.base import Alloc, Handoff, Worker
 from roundpipe.workers.cpu import CpuWorker
 
 __all__ = ["Handoff", "Worker", "CpuWorker", "parse_devices", "make_workers", "default_compute_dtype"]
@@ -55,8 +55,11 @@ def default_compute_dtype(devices: list[torch.device]) -> torch.dtype:
     return torch.bfloat16 if devices[0].type == "cuda" else torch.float32
 
 
-def make_workers(devices: list[torch.device], compute_dtype: torch.dtype) -> list[Worker]:
-    """One worker per entry; the same device listed twice gives two workers on it."""
+def make_workers(devices: list[torch.device], compute_dtype: torch.dtype, alloc: Alloc | None = None) -> list[Worker]:
+    """One worker per entry; the same device listed twice gives two workers on it.
+
+    alloc(shape, dtype) gives host staging buffers (the model's HostState.alloc: its arena).
+    """
     workers: list[Worker] = []
     seen: dict[str, int] = {}
     for dev in devices:
@@ -64,8 +67,8 @@ def make_workers(devices: list[torch.device], compute_dtype: torch.dtype) -> lis
         k = seen.get(key, 0)
         seen[key] = k + 1
         if dev.type == "cpu":
-            workers.append(CpuWorker(dev, f"cpu:{k}", compute_dtype))
+            workers.append(CpuWorker(dev, f"cpu:{k}", compute_dtype, alloc))
         else:
             from roundpipe.workers.cuda import CudaWorker  # touches CUDA only when asked for
-            workers.append(CudaWorker(dev, key if k == 0 else f"{key}#{k}", compute_dtype))
+            workers.append(CudaWorker(dev, key if k == 0 else f"{key}#{k}", compute_dtype, alloc))
     return workers

@@ -2,15 +2,23 @@
 
 A worker is stateless between stages.  The dispatcher hands it a list of
 closures per call; it runs them in order on its own thread.  Everything that
-moves data goes through the methods below, so the stage code in
-roundpipe/stage.py is the same for a CPU and a CUDA worker:
+moves data goes through the copy queues of roundpipe/workers/transfers.py, so
+the stage code in roundpipe/stage.py is the same for a CPU and a CUDA worker:
 
-    upload_params   host upload copies -> device weights        (parameter-up stream)
-    upload_buffers  host buffers -> device                      (parameter-up stream)
-    send            stage output -> Handoff (host copy and/or device tensors)
-    receive         Handoff -> tensors on this device           (activation-up stream)
-    download_grads  fp32 gradient accumulators -> host, then a callback on the host
-    download_buffers device buffers -> host masters, then a callback
+    upload_params    host upload copies -> device weights, LPT windows  (param_up)
+    upload_buffers   host buffers -> device                             (param_up)
+    receive / use    Handoff -> tensors on this device                  (act_up)
+    send             stage output -> Handoff (host copy and/or device)  (act_down)
+    download_grads   fp32 gradients -> host, LPT windows, then a callback (grad_down)
+    download_buffers device buffers -> host, then a callback            (grad_down)
+
+A subclass supplies the device: where device tensors live (`_empty`), what
+marks the compute issued so far (`_compute_fence`: None when compute is
+synchronous, as on a CPU worker) and how compute waits for a copy
+(`_compute_waits`).  Host buffers (download staging) come from the model's
+HostState, i.e. from its pinned arena.  Callbacks of downloads run on a
+completion thread once the copy's fences completed, so the issuing thread
+never blocks on a download.
 
 A `Handoff` carries an activation or gradient between two stage runs.  The
 host copy lives in (pinned) host memory; when the consumer runs on the
@@ -20,14 +28,23 @@ round trip is skipped.
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 
 from roundpipe.executor import SerialExecutor
+from roundpipe.microbatch import tree_leaves, tree_map
 from roundpipe.recompute import RngDomain
+from roundpipe.workers.transfers import Bulk, Transfers
+
+Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+
+def _plain_alloc(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 @dataclass
@@ -35,21 +52,40 @@ class Handoff:
     """An activation (or gradient) between a producer and its consumers."""
 
     host: Any = None             # nest of host tensors, or None when only the device copy exists
-    host_ready: Any = None       # event the host copy waits for (CUDA), None when ready
+    host_ready: Any = None       # fence the host copy completes with, None when ready
     device: torch.device | None = None
     device_value: Any = None     # nest of device tensors for a consumer on the same device
-    device_ready: Any = None     # producer-stream event guarding device_value (CUDA)
+    device_ready: Any = None     # fence of the producer's compute guarding device_value
+
+
+@dataclass
+class Arrival:
+    """Tensors on their way to this device: usable once the compute has waited for `fences`."""
+
+    value: Any
+    fences: list = field(default_factory=list)
+
+
+@dataclass
+class Upload:
+    """A stage's weights on the device, per layer, and the bulk copy filling them."""
+
+    params: list[list[torch.Tensor]]
+    bulk: Bulk
 
 
 class Worker(ABC):
     """A device plus the thread that drives it."""
 
-    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype):
+    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None):
         self.device = device
         self.name = name
         self.compute_dtype = compute_dtype
         self.rng = RngDomain.of(device)
+        self.host_alloc = alloc or _plain_alloc
+        self.copies = Transfers(device)
         self._thread = SerialExecutor(f"roundpipe-{name}")
+        self._completer = SerialExecutor(f"roundpipe-{name}-completer")
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Runs fn on this worker's thread after everything submitted before (fn handles its errors)."""
@@ -57,55 +93,155 @@ class Worker(ABC):
 
     def close(self) -> None:
         self._thread.close()
+        self._completer.close()
+        self.copies.synchronize()
 
     def executors(self) -> list[SerialExecutor]:
         """The threads this worker owns (stopped by the model's finalizer if it is never closed)."""
-        return [self._thread]
+        return [self._thread, self._completer]
 
     def compute(self) -> contextlib.AbstractContextManager:
         """Context in which stage compute is issued (the compute stream on CUDA)."""
         return contextlib.nullcontext()
 
-    @property
-    def pinned_host(self) -> bool:
-        return False
-
-    # True when uploads run asynchronously, so issuing the next stage's weights and the next
-    # microbatch's input early overlaps compute.  CPU workers copy synchronously and gain nothing,
-    # but tests switch it on to run the prefetch paths in CI.
+    # True when issuing the next stage's weights and the next microbatch's input early
+    # overlaps compute.  Copies are asynchronous on both kinds of worker, but on a CPU worker
+    # they compete with compute for the same cores; tests switch it on to run those paths.
     prefetches: bool = False
 
+    # ---- the device
     @abstractmethod
-    def upload_params(self, host: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
-        """Device copies of host tensors in compute dtype; also returns a wait for the copy's end."""
+    def _empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised device memory."""
 
     @abstractmethod
+    def _compute_fence(self) -> Any:
+        """A fence for the compute issued so far (None: compute is already done)."""
+
+    @abstractmethod
+    def _compute_waits(self, fences: Sequence) -> None:
+        """Makes the compute issued from now on wait for the fences."""
+
+    def _read_by_copy(self, tensors: Sequence[torch.Tensor], queue: str) -> None:
+        """Device tensors that a copy on `queue` reads (CUDA: keeps the allocator from reusing them early)."""
+
+    # ---- timing of a stage-microbatch (the profiler's input)
+    def timer_start(self) -> Any:
+        return time.perf_counter()
+
+    def timer_stop(self, start: Any, report: Callable[[float, float], None]) -> None:
+        """Calls report(t0, t1) with the execution time, now or (GPU) once it is known."""
+        report(start, time.perf_counter())
+
+    # ---- parameters and buffers
+    def upload_params(self, host: list[list[torch.Tensor]], windows: int) -> Upload:
+        """Device copies of a stage's host upload copies (already in compute dtype), in LPT windows."""
+        dev = [[self._empty(u.shape, u.dtype) for u in layer] for layer in host]
+        flat_dev = [d for layer in dev for d in layer]
+        flat_host = [u for layer in host for u in layer]
+        return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows))
+
+    def params_ready(self, up: Upload) -> list[list[torch.Tensor]]:
+        """The uploaded weights, once compute has waited for them."""
+        self.copies.flush(up.bulk)
+        self._compute_waits(up.bulk.fences)
+        return up.params
+
+    def upload_done(self, up: Upload) -> Callable[[], None]:
+        """A host wait for the end of the upload (the P-copy may overwrite the host copy after it)."""
+        return lambda: self.copies.wait(up.bulk)
+
     def upload_buffers(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
         """Device copies of buffers, in their own dtype."""
+        if not host:
+            return []
+        dev = [self._empty(b.shape, b.dtype) for b in host]
+        b = self.copies.bulk("param_up", dev, [h.contiguous() for h in host], 1)
+        self._compute_waits(b.fences)
+        return dev
 
-    @abstractmethod
+    # ---- activations
     def send(self, value: Any, need_host: bool, keep_device: bool) -> Handoff:
         """Publishes a stage output; need_host: a consumer is elsewhere or it is a stage input to keep."""
+        value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
+        h = Handoff(device=self.device)
+        if need_host:
+            value = tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, value)
+        compute = self._compute_fence()   # after the contiguous copies, which run on the compute stream
+        if keep_device:
+            h.device_value, h.device_ready = value, compute
+        if need_host:
+            srcs = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+            h.host = tree_map(lambda t: self.host_alloc(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t,
+                              value)
+            dsts = [t for t in tree_leaves(h.host) if isinstance(t, torch.Tensor)]
+            if srcs:
+                self._read_by_copy(srcs, "act_down")
+                h.host_ready = self.copies.act("act_down", dsts, srcs, [compute])
+        return h
 
-    @abstractmethod
-    def receive(self, handoff: Handoff) -> Any:
-        """The handoff's tensors on this device, private to the caller (safe to modify)."""
+    def receive(self, handoff: Handoff) -> Arrival:
+        """Starts moving the handoff's tensors here; `use` them once they are needed."""
+        if handoff.device_value is not None and handoff.device == self.device:
+            return Arrival(handoff.device_value, [handoff.device_ready])
+        dsts, srcs = [], []
 
-    @abstractmethod
-    def download_grads(self, grads: list[torch.Tensor | None], then: Callable[[list], None]) -> None:
-        """Moves fp32 gradients to the host and calls then(host_grads) on the host once they landed."""
+        def up(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.device.type != "cpu":           # e.g. an input already on a GPU
+                return t.to(self.device)
+            d = self._empty(t.shape, t.dtype)
+            dsts.append(d)
+            srcs.append(t.contiguous())
+            return d
+        value = tree_map(up, handoff.host)
+        fence = self.copies.act("act_up", dsts, srcs, [handoff.host_ready]) if dsts else None
+        return Arrival(value, [fence])
 
-    @abstractmethod
+    def use(self, arrival: Arrival) -> Any:
+        """The arrived tensors, private to the caller (safe to modify), once compute waited for them."""
+        self._compute_waits(arrival.fences)
+        return arrival.value
+
+    # ---- gradients and buffers back to the host
+    def _download(self, values: list, windows: int, then: Callable[[list], None]) -> None:
+        srcs = [t.contiguous() for t in values if t is not None]
+        compute = self._compute_fence()
+        host = [None if t is None else self.host_alloc(t.shape, t.dtype) for t in values]
+        self._read_by_copy(srcs, "grad_down")
+        b = self.copies.bulk("grad_down", [h for h in host if h is not None], srcs, windows, [compute])
+
+        def land() -> None:
+            for f in self.copies.wait_sent(b):
+                if f is not None:
+                    f.wait()
+            then(host)
+        self._completer.submit(land)
+
+    def download_grads(self, grads: list[torch.Tensor | None], windows: int, then: Callable[[list], None]) -> None:
+        """Moves a stage's gradients to the host in LPT windows; then(host_grads) runs once they landed."""
+        self._download(grads, windows, then)
+
     def download_buffers(self, device_bufs: list[torch.Tensor], then: Callable[[list], None]) -> None:
-        """Moves buffers to the host and calls then(host_bufs) once they landed."""
+        """Moves buffers to the host at once and calls then(host_bufs) once they landed."""
+        self._download(device_bufs, 1, then)
 
     @abstractmethod
     def scalar(self, t: torch.Tensor) -> torch.Tensor:
-        """A 0-dim fp32 CPU copy of a device scalar (used for the loss)."""
+        """A 0-dim fp32 copy of a device scalar (used for the loss), readable after drain()."""
+
+    def idle(self) -> None:
+        """The worker is about to wait: send every held-back bulk window now."""
+        self.copies.flush()
 
     def drain(self) -> None:
-        """Waits until every callback issued by download_* ran; re-raises their first error."""
+        """Waits until every copy and callback issued ran; re-raises the first callback error."""
+        self.copies.synchronize()
+        self._completer.wait_idle(raise_errors=True)
 
     def abandon(self) -> None:
-        """After an aborted call: drop pending callbacks' effects and wait for the device."""
-        self.drain()
+        """After an aborted call: let copies and callbacks finish, dropping their errors."""
+        self.copies.synchronize()
+        self._completer.wait_idle()
+        self._completer.discard_error()   # the call already failed with its first error
