@@ -1,5 +1,7 @@
-"""Workers: device parsing, low-precision compute with fp32 accumulation, and the CUDA worker."""
+"""Workers: device parsing, copies that compute waits for, windows, low precision, and the CUDA worker."""
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -7,7 +9,8 @@ import torch.nn.functional as F
 
 import roundpipe as rp
 from rp_models import MODELS, max_rel_err, reference
-from roundpipe.workers import make_workers, parse_devices
+from roundpipe import _native, testing
+from roundpipe.workers import Handoff, make_workers, parse_devices
 
 
 def test_same_device_twice_gives_two_workers():
@@ -53,6 +56,59 @@ def test_bf16_compute_on_cpu_workers():
     x, y = torch.randn(12, 8), torch.randn(12, 8)
     ours, torchs = low_precision_errors(MODELS["residual"](), ["cpu", "cpu"], torch.bfloat16, x, y)
     assert ours <= 2 * torchs + 1e-2, (ours, torchs)
+
+
+native = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")
+
+
+@pytest.fixture
+def worker():
+    w = make_workers(parse_devices(["cpu"]), torch.float32)[0]
+    w.copies.inline_bytes = 0   # every copy through the memcpy threads
+    yield w
+    w.close()
+
+
+@native
+def test_cpu_worker_compute_waits_for_a_late_activation_copy(worker):
+    """use() returns an uploaded input only after its (held back) copy completed, with the right values."""
+    release = threading.Event()
+    src = torch.arange(12.0).reshape(3, 4)
+    with testing.inject_delays(lambda kind: release.wait(5)):
+        arrival = worker.receive(Handoff(host=(src, {"n": 3})))
+        assert arrival.fences[0].state == "pending"
+        threading.Timer(0.05, release.set).start()
+        x, extra = worker.use(arrival)
+    assert torch.equal(x, src) and x.data_ptr() != src.data_ptr() and extra == {"n": 3}
+
+
+@native
+def test_param_windows_ride_behind_input_uploads(worker):
+    """A prefetched stage's weights go out one LPT window per input upload; params_ready sends the rest."""
+    host = [[torch.randn(64, 64), torch.randn(64)], [torch.randn(32, 64)]]
+    up = worker.upload_params(host, windows=3)
+    assert up.bulk.fences == []
+    worker.use(worker.receive(Handoff(host=torch.randn(2, 4))))
+    assert len(up.bulk.fences) == 1
+    params = worker.params_ready(up)
+    assert len(up.bulk.fences) == 3
+    assert all(torch.equal(d, h) for dl, hl in zip(params, host) for d, h in zip(dl, hl))
+    worker.upload_done(up)()
+
+
+@native
+def test_gradients_land_after_the_held_back_windows_are_sent(worker):
+    """A windowed gradient download lands on the completion thread once activation downloads or idle() send it."""
+    grads = [torch.randn(100), None, torch.randn(7, 3)]
+    landed = []
+    worker.download_grads(grads, 2, landed.append)
+    worker.send(torch.randn(5), need_host=True, keep_device=False)   # releases window 0
+    time.sleep(0.05)
+    assert landed == []
+    worker.idle()
+    worker.drain()
+    (host,) = landed
+    assert host[1] is None and torch.equal(host[0], grads[0]) and torch.equal(host[2], grads[2])
 
 
 cuda = pytest.mark.cuda
@@ -108,3 +164,60 @@ def test_cuda_async_and_dropout_recompute():
     (la, pa), (lb, pb) = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(la, lb))
     assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+@native
+@pytest.mark.parametrize("slow", ["param_up", "grad_down", "act_up", "act_down"])
+def test_slow_copies_keep_async_training_one_step_stale(slow):
+    """One copy queue held back 15 ms per copy while the host is fast: no P-copy, G-copy or compute runs ahead of it."""
+    from test_async_step import assert_params_close, batches, nn_seq, one_step_late_reference, run_async
+    layers = MODELS["mlp"](4)
+    data = batches(4)
+    ref, ref_losses = one_step_late_reference(layers, data, lr=5e-2)
+    with testing.inject_delays(lambda kind: time.sleep(0.015) if kind == slow else None):
+        losses = run_async(layers, data, 5e-2, 2, 3, prefetch=True)
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), ref)
+
+
+@cuda
+def test_cuda_stage_timing_reports_gpu_time_and_pinned_arena():
+    """On a GPU: host buffers are pinned arena blocks, and stage_timing reports event-measured GPU time."""
+    class Spin(torch.nn.Module):   # ~1 ms of GPU time whose launch costs the host almost nothing
+        def forward(self, x):
+            if x.is_cuda:
+                torch.cuda._sleep(2_000_000)
+            return x * 1.0
+
+    layers = [torch.nn.Linear(16, 16), Spin(), torch.nn.Linear(16, 16), Spin()]
+    with rp.RoundPipe(layers, devices=["cuda:0"], num_microbatches=2, compute_dtype=torch.float32) as model:
+        assert model.host.arena is not None and model.host.arena.pinned
+        assert model.host.layers[0].upload[0].is_pinned()
+        timings = []
+        model.stage_timing = lambda *a: timings.append(a)
+        x = torch.randn(4, 16)
+        model.forward_backward(x, labels=x, loss_fn=F.mse_loss)
+        model.synchronize()
+    assert timings and all(t1 > t0 for *_, t0, t1 in timings)
+    spans = sorted(t1 - t0 for *_, t0, t1 in timings)
+    assert spans[-1] >= 2e-4, spans    # a stage with a Spin layer: GPU time, not the microseconds of issuing it
+
+
+@native
+@pytest.mark.parametrize("model_name, workers, num_mb", [("nested", 3, 5), ("residual", 2, 4), ("buffered", 1, 3)])
+def test_engine_path_end_to_end_matches_autograd(model_name, workers, num_mb):
+    """Every copy through the memcpy threads, prefetch and windows on: gradients equal plain autograd."""
+    torch.manual_seed(0)
+    layers = MODELS[model_name]()
+    x, y = torch.randn(7, 8), torch.randn(7, 8)
+    ref = reference(layers)
+    kwargs = {"scale": 0.5} if model_name == "nested" else {}
+    F.mse_loss(ref[2:](ref[1](ref[0](x, **kwargs))) if kwargs else ref(x), y).backward()
+    with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb) as model:
+        for w in model.workers:
+            w.copies.inline_bytes, w.prefetches = 0, True
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss, **kwargs)
+        model.synchronize()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert max_rel_err(p.grad, q.grad) <= 1e-5

@@ -111,8 +111,8 @@ class Worker(ABC):
 
     # ---- the device
     @abstractmethod
-    def _empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """Uninitialised device memory."""
+    def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
+        """Uninitialised device memory that an upload on `queue` will fill."""
 
     @abstractmethod
     def _compute_fence(self) -> Any:
@@ -125,6 +125,16 @@ class Worker(ABC):
     def _read_by_copy(self, tensors: Sequence[torch.Tensor], queue: str) -> None:
         """Device tensors that a copy on `queue` reads (CUDA: keeps the allocator from reusing them early)."""
 
+    def _used_by_compute(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Uploaded tensors that compute now uses (CUDA: they were allocated on a copy stream)."""
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host buffer for t's download (a leaf already on the host is copied at once)."""
+        h = self.host_alloc(t.shape, t.dtype)
+        if t.device != self.device:
+            h.copy_(t)
+        return h
+
     # ---- timing of a stage-microbatch (the profiler's input)
     def timer_start(self) -> Any:
         return time.perf_counter()
@@ -136,7 +146,7 @@ class Worker(ABC):
     # ---- parameters and buffers
     def upload_params(self, host: list[list[torch.Tensor]], windows: int) -> Upload:
         """Device copies of a stage's host upload copies (already in compute dtype), in LPT windows."""
-        dev = [[self._empty(u.shape, u.dtype) for u in layer] for layer in host]
+        dev = [[self._empty(u.shape, u.dtype, "param_up") for u in layer] for layer in host]
         flat_dev = [d for layer in dev for d in layer]
         flat_host = [u for layer in host for u in layer]
         return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows))
@@ -145,6 +155,7 @@ class Worker(ABC):
         """The uploaded weights, once compute has waited for them."""
         self.copies.flush(up.bulk)
         self._compute_waits(up.bulk.fences)
+        self._used_by_compute([t for layer in up.params for t in layer])
         return up.params
 
     def upload_done(self, up: Upload) -> Callable[[], None]:
@@ -155,9 +166,10 @@ class Worker(ABC):
         """Device copies of buffers, in their own dtype."""
         if not host:
             return []
-        dev = [self._empty(b.shape, b.dtype) for b in host]
+        dev = [self._empty(b.shape, b.dtype, "param_up") for b in host]
         b = self.copies.bulk("param_up", dev, [h.contiguous() for h in host], 1)
         self._compute_waits(b.fences)
+        self._used_by_compute(dev)
         return dev
 
     # ---- activations
@@ -171,10 +183,10 @@ class Worker(ABC):
         if keep_device:
             h.device_value, h.device_ready = value, compute
         if need_host:
-            srcs = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-            h.host = tree_map(lambda t: self.host_alloc(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t,
-                              value)
-            dsts = [t for t in tree_leaves(h.host) if isinstance(t, torch.Tensor)]
+            h.host = tree_map(lambda t: self._to_host(t) if isinstance(t, torch.Tensor) else t, value)
+            pairs = [(d, t) for d, t in zip(tree_leaves(h.host), tree_leaves(value))
+                     if isinstance(t, torch.Tensor) and t.device == self.device]
+            dsts, srcs = [d for d, _ in pairs], [t for _, t in pairs]
             if srcs:
                 self._read_by_copy(srcs, "act_down")
                 h.host_ready = self.copies.act("act_down", dsts, srcs, [compute])
@@ -191,7 +203,7 @@ class Worker(ABC):
                 return t
             if t.device.type != "cpu":           # e.g. an input already on a GPU
                 return t.to(self.device)
-            d = self._empty(t.shape, t.dtype)
+            d = self._empty(t.shape, t.dtype, "act_up")
             dsts.append(d)
             srcs.append(t.contiguous())
             return d
@@ -202,15 +214,18 @@ class Worker(ABC):
     def use(self, arrival: Arrival) -> Any:
         """The arrived tensors, private to the caller (safe to modify), once compute waited for them."""
         self._compute_waits(arrival.fences)
+        self._used_by_compute([t for t in tree_leaves(arrival.value) if isinstance(t, torch.Tensor)])
         return arrival.value
 
     # ---- gradients and buffers back to the host
     def _download(self, values: list, windows: int, then: Callable[[list], None]) -> None:
-        srcs = [t.contiguous() for t in values if t is not None]
+        values = [None if t is None else t.contiguous() for t in values]
         compute = self._compute_fence()
-        host = [None if t is None else self.host_alloc(t.shape, t.dtype) for t in values]
+        host = [None if t is None else self._to_host(t) for t in values]
+        pairs = [(h, t) for h, t in zip(host, values) if t is not None and t.device == self.device]
+        srcs = [t for _, t in pairs]
         self._read_by_copy(srcs, "grad_down")
-        b = self.copies.bulk("grad_down", [h for h in host if h is not None], srcs, windows, [compute])
+        b = self.copies.bulk("grad_down", [h for h, _ in pairs], srcs, windows, [compute])
 
         def land() -> None:
             for f in self.copies.wait_sent(b):

@@ -7,18 +7,30 @@ synchronous on the worker thread, so "compute waits for a copy" is a host wait
 on the copy's fence and the compute issued so far needs no fence.  Copies run
 concurrently with compute, so a missing wait reads a half-copied tensor, and
 the tests' random delays turn that into a wrong number.
+
+Copies of at most `inline_copy_bytes` run on the worker thread itself (after
+waiting for their fences) unless the test delay hook is on: a thread handoff
+costs ~70 us on a small machine, more than the compute of a small stage
+(see roundpipe/workers/transfers.py).  Set it to 0 to send everything through
+the copy threads.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from roundpipe.workers.base import Worker
+from roundpipe.workers.base import Alloc, Worker
 
 
 class CpuWorker(Worker):
-    def _empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    inline_copy_bytes: int = 64 << 10
+
+    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None):
+        super().__init__(device, name, compute_dtype, alloc)
+        self.copies.inline_bytes = self.inline_copy_bytes
+
+    def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
     def _compute_fence(self) -> None:

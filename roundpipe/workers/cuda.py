@@ -29,8 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from roundpipe.microbatch import tree_map
-from roundpipe.workers.base import Alloc, Arrival, Worker
+from roundpipe.workers.base import Alloc, Worker
 
 
 class CudaWorker(Worker):
@@ -44,7 +43,8 @@ class CudaWorker(Worker):
         super().__init__(device, name, compute_dtype, alloc)
         # Needs the native core and the CUDA runtime it loads; its RuntimeError says what is missing.
         self.copies.attach_streams(device, [self.s_act_up, self.s_act_down, self.s_param_up, self.s_grad_down])
-        self._streams = {"act_down": self.s_act_down, "grad_down": self.s_grad_down}
+        self._streams = {"act_up": self.s_act_up, "act_down": self.s_act_down,
+                         "param_up": self.s_param_up, "grad_down": self.s_grad_down}
         self._timers: list[tuple[torch.cuda.Event, torch.cuda.Event, Callable[[float, float], None]]] = []
         self._anchor: tuple[torch.cuda.Event, float] | None = None
 
@@ -55,8 +55,11 @@ class CudaWorker(Worker):
         with torch.cuda.device(self.device), torch.cuda.stream(self.s_compute):
             yield
 
-    def _empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device)
+    def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
+        # Allocated on the copy stream that writes it: from the compute stream's pool it could
+        # reuse a block that kernels still queued on the compute stream read.
+        with torch.cuda.stream(self._streams[queue]):
+            return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _compute_fence(self) -> Any:
         from roundpipe.offload import record_stream
@@ -72,14 +75,12 @@ class CudaWorker(Worker):
         for t in tensors:
             t.record_stream(self._streams[queue])
 
-    def use(self, arrival: Arrival) -> Any:
-        value = super().use(arrival)
-
-        def mark(t: Any) -> Any:   # may come from another worker's compute stream on this device
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+    def _used_by_compute(self, tensors: Sequence[torch.Tensor]) -> None:
+        # Uploads were allocated on a copy stream, a same-device handoff on another worker's
+        # compute stream: their blocks must wait for this compute stream too before reuse.
+        for t in tensors:
+            if t.device.type == "cuda":
                 t.record_stream(self.s_compute)
-            return t
-        return tree_map(mark, value)
 
     def scalar(self, t: torch.Tensor) -> torch.Tensor:
         # Stays on the device: the caller reads it after drain() synchronised the streams.
