@@ -20,8 +20,9 @@ in increasing order, so the schedule cannot deadlock.  The fences between
 stages are waits on the board (roundpipe/board.py) and on the per-layer
 protocol (roundpipe/async_step.py).
 
-`default_plan` is the seam for the planner: it returns the plan used when the
-caller gives none.
+`default_plan` is the fixed rule used when planning is switched off
+(`PlanningConfig(enabled=False)`); by default the plan comes from the
+partitioner and follows the profiled costs (roundpipe/autoplan.py).
 """
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from roundpipe.async_step import LayerSync, run_gcopy, run_step
+from roundpipe.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.board import Board
 from roundpipe.dispatcher import Dispatcher, default_plan
 from roundpipe.executor import SerialExecutor
@@ -68,7 +69,8 @@ class RoundPipe:
 
     def __init__(self, layers, devices=None, num_microbatches: int | None = None,
                  compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
-                 microbatches_per_round: int | None = None, split_fn: SplitFn | None = None):
+                 microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
+                 planning: PlanningConfig | None = None):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
@@ -80,15 +82,19 @@ class RoundPipe:
         if split_fn is not None and not callable(split_fn):
             raise TypeError(f"split_fn must be callable, got {type(split_fn).__name__}")
         L = len(self.module)
-        if plan is None:
-            plan = default_plan(L, n)
-        elif not isinstance(plan, Plan):
+        if plan is not None and not isinstance(plan, Plan):
             raise TypeError(f"plan must be a roundpipe.Plan or None, got {type(plan).__name__}")
-        self.plan = plan.check(L)
+        if planning is not None and not isinstance(planning, PlanningConfig):
+            raise TypeError(f"planning must be a roundpipe.autoplan.PlanningConfig or None, got {type(planning).__name__}")
         self.num_microbatches = num_microbatches
         self.round_size = microbatches_per_round or n + 1
         self.split_fn = split_fn
         self.compute_dtype = compute_dtype or default_compute_dtype(self.devices)
+        # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/autoplan.py).
+        self.planning = planning or PlanningConfig()
+        self.autoplan = AutoPlanner(list(self.module), self.devices, self.compute_dtype,
+                                    num_microbatches or self.round_size, self.planning,
+                                    fixed=None if plan is None else plan.check(L), fallback=lambda: default_plan(L, n))
         self._cuda = self.devices[0].type == "cuda"
         layers = list(self.module)
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda)
@@ -107,6 +113,11 @@ class RoundPipe:
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit.
         self._finalizer = weakref.finalize(self, _stop_threads,
                                            [e for w in self.workers for e in w.executors()] + self._host_threads())
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the next call runs (see `autoplan.summary()` for how it was chosen)."""
+        return self.autoplan.plan
 
     def _host_threads(self) -> list[SerialExecutor]:
         return [self.host_thread, self.gcopy_thread]
@@ -184,11 +195,12 @@ class RoundPipe:
     forward = __call__
 
     def _run(self, mb, training: bool, loss_fn: Callable | None) -> CallContext:
-        sched = self.dispatcher.schedule(self.plan, training, len(mb), self.round_size)
+        plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
+        sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
         rng = CallerRng(self.devices)
         ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, rng.base,
-                          labels=mb.labels, weights=mb.weights,
-                          loss_fn=loss_fn, trace=self._trace, on_timing=self.stage_timing,
+                          labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace,
+                          on_timing=self.autoplan.recorder(training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None)
         pin = self.host.staged if self._cuda else (lambda t: t)
         for m in range(len(mb)):
@@ -202,6 +214,7 @@ class RoundPipe:
         finally:
             self.sync.end_iteration()
             rng.restore()
+            self.autoplan.after_call(plan, training, ok)
             if ok and training:
                 self._issue_gcopy()
         return ctx
