@@ -199,7 +199,7 @@ class RoundPipe:
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
         rng = CallerRng(self.devices)
         ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, rng.base,
-                          labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace,
+                          labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace_call(plan),
                           on_timing=self.autoplan.recorder(training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None)
         pin = self.host.staged if self._cuda else (lambda t: t)
@@ -274,6 +274,14 @@ class RoundPipe:
             yield trace
         finally:
             self._trace = None
+
+    def _trace_call(self, plan: Plan):
+        """This call's view of the recording trace (events stamped with the iteration), or None."""
+        if self._trace is None:
+            return None
+        j = self.sync.iteration + 1   # the iteration this call begins
+        self._trace.metadata.setdefault("plans", {})[j] = repr(plan)   # the plan may change between calls
+        return self._trace.scoped(iteration=j)
 
     def close(self) -> None:
         with self._api:

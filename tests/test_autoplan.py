@@ -188,4 +188,7 @@ def test_engine_trace_opens_in_timeline_and_bubbles(tmp_path):
     assert sorted(back.workers()) == ["cpu:0", "cpu:1"] and len(back.events) == len(trace.events)
     b = bubbles(back)
     assert b.workers == 2 and b.busy > 0 and 0 <= b.ratio < 1
+    iterations = sorted({e.args["iteration"] for e in back.events})
+    assert len(iterations) == 2 and sorted(back.metadata["plans"]) == [str(j) for j in iterations]
+    assert all(e.args["stage"] == e.name.split()[0] for e in back.events)
     assert b.ratio == pytest.approx(bubbles(trace).ratio, abs=1e-6)
