@@ -83,14 +83,13 @@ class Transfers:
                 d.copy_(s)
             return None
         after = [f for f in after if f is not None]
-        delayed = testing.delays_active()
-        if not delayed and self.inline_bytes and sum(s.numel() * s.element_size() for s in srcs) <= self.inline_bytes:
+        if self._inline(srcs):
             for f in after:
                 f.wait()
             for d, s in zip(dsts, srcs):
                 d.copy_(s)
             return None
-        if delayed:
+        if testing.delays_active():
             held = _native._C.HostFence()
 
             def release() -> None:
@@ -101,6 +100,10 @@ class Transfers:
             threading.Thread(target=release, daemon=True).start()
             after.append(held)
         return self.engine.copy_many(queue, dsts, srcs, after=after or None)
+
+    def _inline(self, srcs: list) -> bool:
+        return (self.inline_bytes > 0 and not testing.delays_active()
+                and sum(s.numel() * s.element_size() for s in srcs) <= self.inline_bytes)
 
     def act(self, queue: str, dsts: list, srcs: list, after: Sequence = ()) -> Any:
         """An activation copy now; the oldest held-back bulk window of its direction goes right behind it."""
@@ -114,7 +117,8 @@ class Transfers:
     def bulk(self, queue: str, dsts: list, srcs: list, windows: int, after: Sequence = ()) -> Bulk:
         """A stage's bulk copy packed into `windows` windows, held back until activation copies release them."""
         after = list(after)
-        now = not self.native or windows <= 1
+        # Small enough to be copied inline: nothing to hold back, the copy is done when this returns.
+        now = not self.native or windows <= 1 or self._inline(srcs)
         if now or len(dsts) == 0:
             b = Bulk(queue, [(dsts, srcs)] if dsts else [], after)
         else:
@@ -145,6 +149,8 @@ class Transfers:
 
     def flush(self, only: Bulk | None = None) -> None:
         """Sends the held-back windows now: of `only`, or of every bulk (the worker is about to wait)."""
+        if not (self._waiting["param_up"] or self._waiting["grad_down"]):
+            return   # the common case, without taking the lock (a racing append is flushed by its own waiter)
         with self._lock:
             for waiting in self._waiting.values():
                 for b in list(waiting):
