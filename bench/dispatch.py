@@ -33,6 +33,7 @@ from torch import nn
 from roundpipe.bench.runner import Report, add_common_args, median_time
 from roundpipe.data import ByteCorpus
 from roundpipe.model import RoundPipe
+from roundpipe.plan import Plan
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
 from roundpipe.train import TrainConfig, lr_at, make_optimizer
 from roundpipe.train_engines import RoundPipeEngine, TorchReference
@@ -62,20 +63,16 @@ def _torch_microbatches(layers: list[nn.Module], x: torch.Tensor, y: torch.Tenso
         (_mse(h, ym) * (len(xm) / len(x))).backward()
 
 
-def _stage_count(model: RoundPipe, num_layers: int) -> int:
-    plan = getattr(model, "plan", None)
-    if plan is None:
-        raise RuntimeError("RoundPipe does not expose .plan; cannot count stage executions")
-    plan.check(num_layers)
-    return len(plan.forward) + len(plan.backward)
-
-
 def overhead(report: Report, workers: int, num_layers: int, m: int, repeat: int, rounds: int) -> None:
     layers = [Scale() for _ in range(num_layers)]
     plain = copy.deepcopy(layers)
     x, y = torch.randn(m, 4), torch.randn(m, 4)
-    with RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=m) as model:
-        stages = _stage_count(model, num_layers)
+    # An explicit plan (one layer per backward stage, three per forward stage): the
+    # default one is re-planned from measured times, which would change the count.
+    plan = Plan.uniform(num_layers)
+    stages = len(plan.forward) + len(plan.backward)
+    with RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=m, plan=plan) as model:
+        assert model.plan == plan
 
         def run():
             model.forward_backward(x, labels=y, loss_fn=_mse)
