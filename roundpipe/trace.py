@@ -57,6 +57,10 @@ class Trace:
         finally:
             self.add(worker, name, start, time.perf_counter(), cat, **args)
 
+    def scoped(self, **args: Any) -> "TraceScope":
+        """A view whose `add` also stamps `args` on every event (e.g. the engine's iteration)."""
+        return TraceScope(self, args)
+
     def workers(self) -> list[str]:
         return list(dict.fromkeys(e.worker for e in self.events))
 
@@ -91,3 +95,17 @@ class Trace:
     def load(cls, path: str | os.PathLike) -> "Trace":
         with open(path) as f:
             return cls.from_chrome(json.load(f))
+
+
+class TraceScope:
+    """Adds fixed args to every event it records into a Trace.
+
+    The engine gives each call its own scope with `iteration=j`, and `stage` (the first
+    word of the event name, as roundpipe.sim.metrics reads it) is filled in, so the
+    same stage label in two calls counts as two stages when bubbles are classified."""
+
+    def __init__(self, trace: Trace, args: dict[str, Any]):
+        self.trace, self.args = trace, args
+
+    def add(self, worker: str, name: str, start: float, end: float, cat: str = "", **args: Any) -> None:
+        self.trace.add(worker, name, start, end, cat, **{"stage": name.split(" ", 1)[0], **self.args, **args})

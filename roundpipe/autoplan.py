@@ -1,0 +1,316 @@
+"""The engine's planning policy: which plan a `RoundPipe` runs, and when that may change.
+
+Without an explicit `plan=`, the plan comes from the partitioner (roundpipe.planner,
+DESIGN.md 3.3) and follows the measured costs:
+
+    construction      plan from parameter sizes only (no input seen yet)
+    first call        size-based estimate: a meta-device dry run of the layers on the
+                      first microbatch's shapes gives per-layer FLOPs, parameter bytes
+                      and saved-activation bytes (fallback: parameter counts x tokens)
+    training calls    after `warmup` calls, the next `profile` calls are timed through
+                      the stage_timing seam and folded into the Profiler; after each
+                      one the Replanner re-solves only if some layer's cost moved by
+                      more than `threshold` since the costs of the current plan
+    later calls       no timing, no re-planning (`profile=None` keeps profiling)
+
+A new plan takes effect only at the start of a call (`before_call`), under the
+model's API lock with no iteration in flight.  That is a safe point even with an
+asynchronous step pending: every piece of the per-layer protocol
+(roundpipe.async_step.LayerSync) counts per layer and per call (uploads expected,
+gradient writes per round, stale windows in calls), the replicas are one per layer
+and worker, and the schedule, saved points and board are rebuilt for every call, so
+no state depends on which layers the previous call grouped together.
+
+Stage timings include waiting for inputs from other workers.  `stage_seconds`
+removes it: a forward (or fused) stage-microbatch cannot start before the stage
+that produced its input finished, and a backward one recomputes first, then waits
+for the output gradient; the waiting part is not charged to the stage's layers.
+Workers that share a random generator (CPU workers; one GPU listed twice) take
+turns running forward segments (roundpipe/recompute.py), a wait the seam cannot
+see that also fakes input waits (B2 holds the generator, so B3 finishes late, so
+B2 seems to have waited for B3's gradient); there the raw times are used.  Either
+way a call contributes each stage's fastest microbatch: every microbatch does the
+same work and waits only ever add time.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+from torch import nn
+
+from roundpipe.microbatch import tree_leaves, tree_map
+from roundpipe.plan import Plan
+from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective, plan as partition_plan
+from roundpipe.planner.costs import BWD_PER_FWD
+
+# Rough device rates for the size-based estimate.  Only their ratio matters: once
+# anything is measured the profiler rescales unmeasured layers by the measured ratio.
+_RATES = {"cuda": (100e12, 1e12), "cpu": (50e9, 10e9)}   # (FLOP/s, bytes/s)
+PHASES = {"F": "forward", "B": "backward", "fused": "fused"}
+Timer = Callable[[str, range, float], float]
+
+
+@dataclass(frozen=True)
+class PlanningConfig:
+    """How the engine chooses and revises its plan when none is given."""
+
+    enabled: bool = True          # False: the fixed rule of dispatcher.default_plan, never changed
+    threshold: float = 0.1        # relative change of a layer's cost that triggers a re-plan
+    warmup: int = 1               # first training calls not timed (allocation, lazy init)
+    profile: int | None = 8       # training calls timed after the warmup; None: all of them
+    memory_budget: int | Literal["device"] | None = "device"
+    #   bytes per device, half of it per stage (the other half holds the prefetched next stage);
+    #   "device": the smallest CUDA device's memory, unlimited (None) on CPU workers
+    alpha: float = 0.3            # weight of a new timing in the profiler's moving average
+    timer: Timer | None = None    # (phase kind, layers, seconds) -> seconds; replaces timings (tests)
+
+    def __post_init__(self):
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"PlanningConfig.enabled={self.enabled!r} must be a bool")
+        if not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
+            raise ValueError(f"PlanningConfig.threshold={self.threshold!r} must be a number > 0")
+        for name in ("warmup", "profile"):
+            v = getattr(self, name)
+            if not (v is None and name == "profile") and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"PlanningConfig.{name}={v!r} must be an int >= 0"
+                                 + (" or None" if name == "profile" else ""))
+        mb = self.memory_budget
+        if not (mb is None or mb == "device" or (isinstance(mb, int) and not isinstance(mb, bool) and mb > 0)):
+            raise ValueError(f"PlanningConfig.memory_budget={mb!r} must be an int > 0 (bytes), 'device' or None")
+        if not isinstance(self.alpha, (int, float)) or not 0 < self.alpha <= 1:
+            raise ValueError(f"PlanningConfig.alpha={self.alpha!r} must be in (0, 1]")
+        if self.timer is not None and not callable(self.timer):
+            raise TypeError(f"PlanningConfig.timer must be callable or None, got {type(self.timer).__name__}")
+
+
+def device_budget(devices: Sequence[torch.device]) -> int | None:
+    """Memory of the smallest CUDA device of the pool; None (unlimited) for CPU workers."""
+    if devices[0].type != "cuda":
+        return None
+    return min(torch.cuda.get_device_properties(d).total_memory for d in devices)
+
+
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(x)
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _meta_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: torch.dtype,
+                rates: tuple[float, float]) -> list[LayerCost]:
+    """Size-based costs from a dry run on the meta device (no memory, no compute)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flop_rate, byte_rate = rates
+    to_meta = lambda t: (t.to("meta", dtype if t.is_floating_point() else t.dtype)
+                         if isinstance(t, torch.Tensor) else t)
+    x = tree_map(to_meta, sample)
+    out: list[LayerCost] = []
+    for i, layer in enumerate(layers):
+        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype), p.requires_grad)
+                for p in layer.parameters()}
+        memo.update({id(b): torch.empty_like(b, device="meta") for b in layer.buffers()})
+        replica = copy.deepcopy(layer, memo)
+        params = {id(p) for p in replica.parameters()}
+        saved = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in params:
+                saved[0] += t.numel() * t.element_size()
+            return t
+        if i > 0:
+            x = tree_map(lambda t: t.detach().requires_grad_(True)
+                         if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
+        in_bytes = _nbytes(x)
+        counter = FlopCounterMode(display=False)
+        with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = replica(*x[0], **x[1]) if i == 0 else replica(x)
+        out_bytes = _nbytes(x)
+        param_bytes = sum(p.numel() for p in replica.parameters()) * dtype.itemsize
+        fwd = counter.get_total_flops() / flop_rate + (param_bytes + in_bytes + out_bytes) / byte_rate
+        out.append(LayerCost(fwd, BWD_PER_FWD * fwd, param_bytes, max(saved[0], out_bytes)))
+    return out
+
+
+def size_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict] | None, dtype: torch.dtype,
+               device_type: str) -> list[LayerCost]:
+    """Per-layer costs before anything is measured (see the module docstring)."""
+    if sample is not None:
+        try:
+            return _meta_costs(layers, sample, dtype, _RATES.get(device_type, _RATES["cpu"]))
+        except Exception:  # noqa: BLE001 - a layer without meta support: fall back to sizes
+            pass
+    tokens = 1
+    if sample is not None:   # leading dims of the widest input, e.g. (batch, seq) of token ids
+        for t in tree_leaves(sample):
+            if isinstance(t, torch.Tensor) and t.dim() >= 1:
+                tokens = max(tokens, t.numel() // (t.shape[-1] if t.is_floating_point() and t.dim() > 1 else 1))
+    return estimate_costs(list(layers), tokens=tokens, param_bytes_each=dtype.itemsize)
+
+
+def stage_seconds(events: list[tuple], plan: Plan, costs: Sequence[LayerCost],
+                  remove_waits: bool = True) -> dict[tuple[str, range], list[float]]:
+    """Per (kind, stage) the busy seconds of each stage-microbatch, input waits removed
+    (or the raw t1 - t0 with remove_waits=False).
+
+    events: (worker, kind, first_layer, microbatch, t0, t1) of one call run under `plan`;
+    costs: the current per-layer costs (fwd_s is the recompute part of a backward stage).
+    A producer's t1 is taken after it published, so it can overstate when the input
+    arrived: an event that ends before its producer's t1 is dropped, and a busy time
+    below the current estimate is raised to it (capped by t1 - t0) so that no layer's
+    cost collapses to zero (the profiler splits stage times in proportion to costs)."""
+    ranges = {("F", r.start): r for r in plan.forward}
+    ranges[("fused", plan.fused.start)] = plan.fused
+    ranges.update({("B", r.start): r for r in plan.backward[1:]})
+    fwd_done = {(ranges[("F", e[2])].stop, e[3]): e[5] for e in events if e[1] == "F"}
+    grad_done = {(e[2], e[3]): e[5] for e in events if e[1] != "F"}
+    out: dict[tuple[str, range], list[float]] = {}
+    for _, kind, first, m, t0, t1 in events:
+        r = ranges.get((kind, first))
+        if r is None:
+            continue
+        if not remove_waits:
+            out.setdefault((kind, r), []).append(t1 - t0)
+            continue
+        ready = (grad_done if kind == "B" else fwd_done).get((r.stop if kind == "B" else r.start, m), t0)
+        if ready >= t1:
+            continue   # finished before its producer's clock stopped: no information
+        if kind == "B":
+            busy = (t1 - t0) - max(0.0, ready - (t0 + sum(costs[l].fwd_s for l in r)))
+        else:
+            busy = t1 - max(t0, ready)
+        estimate = sum(costs[l].fwd_s if kind == "F" else costs[l].bwd_s for l in r)
+        out.setdefault((kind, r), []).append(max(busy, min(t1 - t0, estimate)))
+    return out
+
+
+class AutoPlanner:
+    """Owns a model's plan: the partitioner's choice, profiled and revised at safe points only."""
+
+    def __init__(self, layers: Sequence[nn.Module], devices: Sequence[torch.device], compute_dtype: torch.dtype,
+                 microbatches: int, config: PlanningConfig, fixed: Plan | None = None,
+                 fallback: Callable[[], Plan] | None = None):
+        self.config = config
+        self.layers = list(layers)
+        self.workers = len(devices)
+        self.device_type = devices[0].type
+        self.remove_waits = devices[0].type == "cuda" and len(set(devices)) == len(devices)
+        self.compute_dtype = compute_dtype
+        self.memory_budget = device_budget(devices) if config.memory_budget == "device" else config.memory_budget
+        self.enabled = config.enabled and fixed is None
+        self.profiler: Profiler | None = None
+        self.replanner: Replanner | None = None
+        self.calls = 0          # training calls seen
+        self.replans = 0        # plan changes after the first call's size-based plan
+        self.history: list[Plan] = []
+        self._pending: Plan | None = None
+        self._events: list[tuple] = []
+        self._lock = threading.Lock()
+        if fixed is not None:
+            self.plan = fixed
+        elif not config.enabled:
+            self.plan = fallback()
+        else:
+            costs = size_costs(self.layers, None, compute_dtype, self.device_type)
+            self.plan = self._bounded(lambda budget: partition_plan(costs, self.workers, microbatches, budget))
+        self.history.append(self.plan)
+
+    def _bounded(self, solve: Callable[[int | None], Any]) -> Any:
+        """solve(memory_budget); when the estimate says a layer cannot fit, warns and drops the bound
+        (the estimate may be pessimistic; a real shortage then shows as an out-of-memory error)."""
+        try:
+            return solve(self.memory_budget)
+        except ValueError as e:
+            warnings.warn(f"roundpipe planner: {e}; planning without a memory bound", stacklevel=4)
+            self.memory_budget = None
+            return solve(None)
+
+    def request(self, plan: Plan) -> None:
+        """Switches to `plan` at the next call's start (a safe point); keeps profiling and re-planning."""
+        if not self.enabled:
+            raise ValueError("request(plan): planning is disabled (an explicit plan= or "
+                             "PlanningConfig(enabled=False)); the plan never changes")
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a roundpipe.Plan, got {type(plan).__name__}")
+        with self._lock:
+            self._pending = plan.check(len(self.layers))
+
+    def _profiling(self) -> bool:
+        n = self.calls - self.config.warmup
+        return n >= 0 and (self.config.profile is None or n < self.config.profile)
+
+    def before_call(self, sample: tuple[tuple, dict], num_microbatches: int, training: bool) -> Plan:
+        """The plan of the call about to start (the only place the plan changes)."""
+        if not self.enabled:
+            return self.plan
+        if self.replanner is None:   # first call: the size-based plan for these inputs
+            self.profiler = Profiler(size_costs(self.layers, sample, self.compute_dtype, self.device_type),
+                                     alpha=self.config.alpha)
+            self.replanner = self._bounded(lambda budget: Replanner(
+                self.profiler, self.workers, num_microbatches, budget, self.config.threshold))
+            self._switch(self.replanner.plan, count=False)
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self._switch(pending)
+        return self.plan
+
+    def _switch(self, plan: Plan, count: bool = True) -> None:
+        if plan != self.plan:
+            self.plan = plan
+            self.history.append(plan)
+            self.replans += count
+
+    def recorder(self, training: bool, user: Callable[..., None] | None = None) -> Callable[..., None] | None:
+        """The stage_timing callback of this call: the user's (model.stage_timing), plus the
+        profiler's when the call is profiled; None when neither."""
+        if not (self.enabled and training and self._profiling()):
+            return user
+        events = self._events = []
+        if user is None:
+            return lambda *event: events.append(event)   # list.append: atomic under the GIL, cheap
+
+        def both(*event) -> None:
+            events.append(event)
+            user(*event)
+        return both
+
+    def after_call(self, plan: Plan, training: bool, ok: bool) -> None:
+        """Folds a finished call's timings into the profiler; re-plans if they drifted past the threshold."""
+        if not (self.enabled and training):
+            return
+        events, self._events = self._events, []
+        profiled = self._profiling()
+        self.calls += 1
+        if not (ok and profiled and events):
+            return
+        prof = self.profiler
+        for (kind, r), secs in stage_seconds(events, plan, prof.costs(), self.remove_waits).items():
+            sample = min(secs)   # the fastest microbatch (see the module docstring)
+            if self.config.timer is not None:
+                sample = self.config.timer(kind, r, sample)
+            prof.record(r, PHASES[kind], sample)
+        if self.replanner.update() and self._worth_it(self.replanner.plan):
+            with self._lock:
+                if self._pending is None:   # an explicit request wins over the measured plan
+                    self._pending = self.replanner.plan
+
+    def _worth_it(self, candidate: Plan) -> bool:
+        """Hysteresis: switch only when the candidate's predicted iteration time is more than
+        `threshold` below the running plan's under the same costs.  Without it, timing noise on
+        small layers (measured: >10% call to call on a shared 2-core CPU) flips between plans
+        of equal merit."""
+        costs = self.profiler.costs()
+        old = objective(self.plan, costs, self.workers, self.replanner.microbatches)
+        return objective(candidate, costs, self.workers, self.replanner.microbatches) < old * (1 - self.config.threshold)
+
+    def summary(self) -> dict[str, Any]:
+        """What was chosen and why, for logs: the config, the plan, counts and the cost table."""
+        return {"enabled": self.enabled, "plan": self.plan, "replans": self.replans, "calls": self.calls,
+                "memory_budget": self.memory_budget, "config": dataclasses.asdict(self.config),
+                "costs": self.profiler.table() if self.profiler is not None else None}

@@ -1,0 +1,63 @@
+"""The board: where stage runs leave activations, gradients and fences for each other.
+
+Keys are small tuples: ("act", boundary, microbatch) is the input of the layer
+at `boundary`, ("grad", boundary, microbatch) the gradient with respect to it,
+("buf", layer, round) says that round's forward wrote the layer's buffers.  A
+value is put once with the number of consumers that will `get` it and is
+dropped after the last one, so host memory holds a stage input only until its
+backward stage has used it.  Every wait gives up with `Aborted` as soon as the
+call is aborted, so a failing worker never leaves another one blocked.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Hashable
+
+from roundpipe.async_step import Aborted
+
+
+class Board:
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._items: dict[Hashable, list] = {}
+        self._aborted = False
+
+    def put(self, key: Hashable, value: Any, consumers: int) -> None:
+        if consumers <= 0:
+            return
+        with self._cv:
+            assert key not in self._items, f"{key} put twice"
+            self._items[key] = [value, consumers]
+            self._cv.notify_all()
+
+    def get(self, key: Hashable) -> Any:
+        with self._cv:
+            while key not in self._items:
+                if self._aborted:
+                    raise Aborted()
+                self._cv.wait()
+            entry = self._items[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._items[key]
+            return entry[0]
+
+    def poll(self, key: Hashable) -> tuple[bool, Any]:
+        """Like get, but returns (False, None) at once when the value is not there yet."""
+        with self._cv:
+            if key not in self._items:
+                return False, None
+        return True, self.get(key)
+
+    def abort(self) -> None:
+        with self._cv:
+            self._aborted = True
+            self._cv.notify_all()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._items)

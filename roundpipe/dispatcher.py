@@ -1,0 +1,169 @@
+"""Round-robin dispatch of stages over the worker pool (DESIGN.md 2).
+
+The slot sequence of one round is F1..Fk, B1(fused)..Bm.  Slot i of the call
+goes to worker (g0 + i) mod N and that worker runs every microbatch of the
+round through the slot, in order.  g0 is carried across calls, so the
+rotation continues where the previous call stopped.  A call with M
+microbatches runs ceil(M / R) rounds of R (default N + 1, the smallest count
+with no structural bubble); a later round's slots continue the numbering.
+
+Example, N = 3 workers, slots F1 F2 B1* B2 B3, g0 = 0, R = 4 microbatches:
+
+    worker 0 : F1 m0 m1 m2 m3 |            B2 m0 m1 m2 m3
+    worker 1 :    F2 m0 m1 m2 m3 |            B3 m0 m1 m2 m3
+    worker 2 :       B1* m0 m1 m2 m3                        (next call starts at g0 = 5 % 3)
+
+Every dependency points to a lower slot (the previous stage's output of the
+same microbatch, the previous round's buffers and gradient writes of the same
+layer, the previous call's optimizer protocol), and each worker runs its slots
+in increasing order, so the schedule cannot deadlock.  The fences between
+stages are waits on the board (roundpipe/board.py) and on the per-layer
+protocol (roundpipe/async_step.py).
+
+`default_plan` is the fixed rule used when planning is switched off
+(`PlanningConfig(enabled=False)`); by default the plan comes from the
+partitioner and follows the profiled costs (roundpipe/autoplan.py).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from roundpipe.async_step import Aborted
+from roundpipe.plan import Plan
+from roundpipe.stage import CallContext, Consumer, StageTask, run_stage
+from roundpipe.workers.base import Worker
+
+
+def default_plan(num_layers: int, num_workers: int) -> Plan:
+    """About three forward layers per backward layer, one-backward-stage fused tail, <= ~16 backward stages."""
+    per_stage = max(1, -(-num_layers // 16))
+    return Plan.uniform(num_layers, backward_per_stage=per_stage, forward_ratio=3)
+
+
+def slot_kinds(plan: Plan, training: bool) -> list[tuple[str, range]]:
+    if training:
+        return [("F", r) for r in plan.forward] + [("fused", plan.fused)] + [("B", r) for r in plan.backward[1:]]
+    return [("F", r) for r in plan.forward] + [("F", plan.fused)]
+
+
+def saved_points(plan: Plan, training: bool) -> frozenset[int]:
+    """Layer indices whose input is a stage input (kept for a consumer, RNG reseeded there)."""
+    starts = {r.start for r in plan.forward} | {plan.fused.start}
+    if training:
+        starts |= {r.start for r in plan.backward}
+    return frozenset(starts)
+
+
+class Schedule:
+    """The per-worker slot lists of one call."""
+
+    def __init__(self, plan: Plan, training: bool, num_mb: int, round_size: int, workers: list[Worker], g0: int):
+        kinds = slot_kinds(plan, training)
+        self.points = saved_points(plan, training)
+        self.num_layers = plan.num_layers
+        n = len(workers)
+        rounds = [list(range(r, min(num_mb, r + round_size))) for r in range(0, num_mb, round_size)]
+        self.tasks: dict[str, list[StageTask]] = {w.name: [] for w in workers}
+        self.by_name = {w.name: w for w in workers}
+        self.uploads = [0] * plan.num_layers
+        self.input_consumers = 0
+        slot = g0
+        for ri, mbs in enumerate(rounds):
+            placed = []
+            for kind, r in kinds:
+                placed.append((kind, r, workers[slot % n], slot))
+                slot += 1
+                for l in r:
+                    self.uploads[l] += 1
+            for kind, r, w, s in placed:
+                task = StageTask(kind, r, ri, s - g0, mbs, last_round=ri == len(rounds) - 1)
+                if kind == "F":
+                    for b in [b for b in self.points if r.start < b <= r.stop] + [r.stop]:
+                        task.consumers[b] = self._readers(placed, b)
+                elif r.start > 0:
+                    task.consumers[r.start] = [Consumer(w2, True) for k2, r2, w2, _ in placed
+                                               if k2 == "B" and r2.stop == r.start]
+                self.tasks[w.name].append(task)
+            if ri == 0:
+                self.input_consumers = len(self._readers(placed, 0))
+        self.next_g0 = slot
+
+    @staticmethod
+    def _readers(placed: list, b: int) -> list[Consumer]:
+        return [Consumer(w, kind != "B") for kind, r, w, _ in placed if r.start == b]
+
+
+class _Progress:
+    def __init__(self, workers: int):
+        self.cv = threading.Condition()
+        self.left = workers
+        self.error: BaseException | None = None
+
+    def fail(self, e: BaseException) -> None:
+        with self.cv:
+            if self.error is None:
+                self.error = e
+            self.cv.notify_all()
+
+    def done(self) -> None:
+        with self.cv:
+            self.left -= 1
+            self.cv.notify_all()
+
+    def wait(self, until_error: bool) -> None:
+        with self.cv:
+            while self.left and not (until_error and self.error is not None):
+                self.cv.wait(0.1)
+
+
+class Dispatcher:
+    """Owns the rotation g0 and runs one call's schedule on the workers."""
+
+    def __init__(self, workers: list[Worker]):
+        self.workers = workers
+        self.g0 = 0
+
+    def schedule(self, plan: Plan, training: bool, num_mb: int, round_size: int) -> Schedule:
+        return Schedule(plan, training, num_mb, round_size, self.workers, self.g0)
+
+    def run(self, ctx: CallContext, sched: Schedule) -> None:
+        """Runs every worker's slots; re-raises the first error after all workers have stopped."""
+        progress = _Progress(len(self.workers))
+        for w in self.workers:
+            w.submit(self._work_fn(ctx, w, sched.tasks[w.name], progress))
+        try:
+            progress.wait(until_error=True)
+        except BaseException:
+            ctx.board.abort()   # Ctrl-C: stop the workers, leave the host state as it was
+            progress.wait(until_error=False)
+            raise
+        if progress.error is not None:
+            ctx.board.abort()
+            progress.wait(until_error=False)
+            raise progress.error
+        self.g0 = sched.next_g0 % len(self.workers)
+
+    @staticmethod
+    def _work_fn(ctx: CallContext, w: Worker, tasks: list[StageTask], progress: _Progress) -> Callable[[], None]:
+        def work() -> None:
+            try:
+                pre = None
+                for i, task in enumerate(tasks):
+                    if ctx.board.aborted:
+                        break
+                    pre = run_stage(ctx, w, task, pre, tasks[i + 1] if i + 1 < len(tasks) else None)
+                w.drain()
+            except Aborted:
+                pass
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller by Dispatcher.run
+                progress.fail(e)
+                ctx.board.abort()
+            finally:
+                if ctx.board.aborted:
+                    try:
+                        w.abandon()
+                    except BaseException:  # noqa: BLE001 - the first error is already recorded
+                        pass
+                progress.done()
+        return work

@@ -1,0 +1,167 @@
+"""Host-resident training state, one record per layer.
+
+For every parameter of layer l the host keeps:
+
+    master    fp32 nn.Parameter of the user's module (what the optimizer updates;
+              `p.grad` is the accumulated fp32 gradient the optimizer reads)
+    upload    copy in compute_dtype that workers upload from (written only by the
+              P-copy, so an optimizer step never tears a weight a worker is reading)
+    gbuf      fp32 landing buffer for downloaded gradients (written by workers,
+              moved into `p.grad` by the G-copy between two optimizer steps)
+
+Buffers (BatchNorm running stats, ...) have no extra copy: forward stages
+upload them with the parameters and write them back after the stage; they stay
+in their own dtype.
+
+Every host buffer of a model comes from `HostState.alloc(shape, dtype)`: the
+upload copies and gradient landing buffers above, and the workers' staging
+buffers (stage inputs kept for backward, downloaded activations, gradients
+and buffers).  With the native core that is one HostArena per model, pinned
+when the workers are GPUs (exact-size blocks, no power-of-two rounding, reuse
+ordered by the copies' fences), plain memory for CPU workers; without it,
+ordinary torch tensors (pinned when CUDA).  `close()` drops the state's own
+buffers, so the arena's memory goes back once the last tensor viewing it is
+gone.  `HostState.copy(dst, src)` does every host-side conversion.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from roundpipe import _native, hostops
+from roundpipe.testing import delay_point
+
+
+def make_arena(pinned: bool):
+    """The model's HostArena (page-locked when pinned), or None without the native core or CUDA to pin."""
+    if not _native.available():
+        return None
+    from roundpipe.offload import ArenaConfig, HostArena
+    try:
+        return HostArena(ArenaConfig(backend="cuda" if pinned else "host"))
+    except RuntimeError:   # CUDA runtime not loadable by the native core: torch's pinned memory instead
+        return None
+
+
+def default_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src with dtype conversion; the native SIMD converter for contiguous host tensors."""
+    src = src.detach()
+    if (dst.is_contiguous() and src.is_contiguous() and dst.dtype in hostops.NATIVE_DTYPES
+            and src.dtype in hostops.NATIVE_DTYPES and dst.device.type == "cpu" and src.device.type == "cpu"):
+        hostops.convert_(dst, src)
+    else:
+        dst.copy_(src)
+
+
+@dataclass
+class LayerState:
+    """Names, masters and host copies of one layer's parameters and buffers."""
+
+    param_names: list[str]
+    params: list[nn.Parameter]
+    upload: list[torch.Tensor]
+    gbuf: list[torch.Tensor | None]   # None for frozen parameters
+    buffer_names: list[str]
+    buffers: list[torch.Tensor]
+    trainable: list[int] = field(default_factory=list)  # indices of params with requires_grad
+
+
+class HostState:
+    """fp32 masters, upload copies and gradient landing buffers of all layers."""
+
+    copy: Callable[[torch.Tensor, torch.Tensor], None] = staticmethod(default_copy)
+
+    def __init__(self, layers: list[nn.Module], upload_dtype: torch.dtype, pinned: bool):
+        self.upload_dtype = upload_dtype
+        self.pinned = pinned
+        self.arena = make_arena(pinned)
+        seen: dict[int, str] = {}
+        self.layers: list[LayerState] = []
+        for i, layer in enumerate(layers):
+            names, params = zip(*layer.named_parameters()) if any(True for _ in layer.parameters()) else ((), ())
+            for n, p in zip(names, params):
+                if id(p) in seen:
+                    raise ValueError(f"layers: parameter {i}.{n} is the same tensor as {seen[id(p)]}; parameters "
+                                     "shared between layers are not supported (each layer is uploaded on its own)")
+                seen[id(p)] = f"{i}.{n}"
+                if p.device.type != "cpu":
+                    raise ValueError(f"layers: parameter {i}.{n} is on {p.device}; the model must be on the CPU "
+                                     "(roundpipe keeps all weights in host memory)")
+                if not p.is_floating_point():
+                    raise TypeError(f"layers: parameter {i}.{n} has dtype {p.dtype}; only floating point is supported")
+            bnames, bufs = zip(*layer.named_buffers()) if any(True for _ in layer.buffers()) else ((), ())
+            state = LayerState(list(names), list(params), [], [], list(bnames), list(bufs))
+            for j, p in enumerate(params):
+                if p.dtype != torch.float32:
+                    # fp32 masters are the contract; convert in place so the user's module stays the master.
+                    p.data = p.data.float()
+                dtype = upload_dtype if p.is_floating_point() else p.dtype
+                u = self.alloc(p.shape, dtype)
+                self.copy(u, p.data)
+                state.upload.append(u)
+                state.gbuf.append(self.alloc(p.shape, torch.float32) if p.requires_grad else None)
+                if p.requires_grad:
+                    state.trainable.append(j)
+            self.layers.append(state)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def alloc(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous host tensor: from the arena, else torch (pinned when CUDA)."""
+        if self.arena is not None:
+            return self.arena.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
+
+    def staged(self, t: object) -> object:
+        """A copy of a host tensor in this state's (pinned) memory; anything else unchanged."""
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return t
+        out = self.alloc(t.shape, t.dtype)
+        out.copy_(t)
+        return out
+
+    def close(self) -> None:
+        """Drops the upload copies and landing buffers; their arena blocks return once unreferenced."""
+        for st in self.layers:
+            st.upload.clear()
+            st.gbuf.clear()
+        self.arena = None
+
+    def pcopy(self, layer: int) -> None:
+        """P-copy: new fp32 master weights -> upload copy of one layer."""
+        delay_point("pcopy")
+        st = self.layers[layer]
+        for u, p in zip(st.upload, st.params):
+            self.copy(u, p.data)
+
+    def gcopy(self, layer: int) -> None:
+        """G-copy: landed gradients of one layer -> `p.grad` (accumulating, as autograd does)."""
+        delay_point("gcopy")
+        st = self.layers[layer]
+        for j in st.trainable:
+            p, g = st.params[j], st.gbuf[j]
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g)
+
+    def land_grads(self, layer: int, grads: list[torch.Tensor | None], first: bool) -> None:
+        """Writes (first download of this call) or adds one stage's gradients into gbuf."""
+        st = self.layers[layer]
+        for j, g in zip(st.trainable, grads):
+            dst = st.gbuf[j]
+            if g is None:
+                if first:
+                    dst.zero_()
+            elif first:
+                self.copy(dst, g)
+            else:
+                dst.add_(g)
+
+    def clear_grads(self, layer: int) -> None:
+        for p in self.layers[layer].params:
+            p.grad = None

@@ -1,0 +1,145 @@
+"""Splitting a call's arguments into microbatches and merging outputs back.
+
+A batch is whatever the caller passes to the model: positional and keyword
+arguments, each a tensor or any nest of tuples/lists/dicts of tensors and other
+values.  The batch size B is dim 0 of the first tensor (in argument order) that
+has a dim 0; every tensor leaf whose dim 0 equals B is split along dim 0 and
+every other leaf (scalars, masks of another size, Python values) goes whole to
+every microbatch.  Splits may be uneven: B=10 in 4 microbatches gives sizes
+3, 3, 2, 2 (the first B % M microbatches get one sample more), and the loss of
+microbatch m is weighted by size_m / B (see `Microbatches.weights`).
+
+A custom `split_fn(args, kwargs, labels, num_microbatches)` may replace the
+rule; it returns one `(args, kwargs, labels)` triple per microbatch and the
+microbatch sizes are read from dim 0 of the first tensor of each triple.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+SplitFn = Callable[[tuple, dict, Any, int], list]
+
+
+def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
+    """Applies fn to every leaf of a nest of tuples (named ones too), lists and dicts."""
+    if isinstance(obj, tuple):
+        mapped = [tree_map(fn, o) for o in obj]
+        return type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
+    if isinstance(obj, list):
+        return [tree_map(fn, o) for o in obj]
+    if isinstance(obj, dict):
+        return type(obj)((k, tree_map(fn, v)) for k, v in obj.items())
+    return fn(obj)
+
+
+def tree_leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from tree_leaves(o)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tree_leaves(v)
+    else:
+        yield obj
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def batch_size_of(obj: Any) -> int | None:
+    for t in tensors(obj):
+        if t.dim() >= 1:
+            return t.shape[0]
+    return None
+
+
+def even_sizes(batch: int, num: int) -> list[int]:
+    return [batch // num + (1 if i < batch % num else 0) for i in range(num)]
+
+
+def _split_nest(obj: Any, batch: int, sizes: list[int]) -> list[Any]:
+    pieces: dict[int, tuple] = {}
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == batch:
+            pieces[id(leaf)] = torch.split(leaf, sizes)
+        return leaf
+
+    tree_map(cut, obj)
+    return [tree_map(lambda leaf: pieces[id(leaf)][m] if id(leaf) in pieces else leaf, obj)
+            for m in range(len(sizes))]
+
+
+@dataclass
+class Microbatches:
+    """Per-microbatch (args, kwargs, labels) and sizes of one call."""
+
+    args: list[tuple]
+    kwargs: list[dict]
+    labels: list[Any]
+    sizes: list[int]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def weights(self) -> list[float]:
+        """size_m / B: makes the weighted sum of per-microbatch mean losses the batch mean."""
+        total = sum(self.sizes)
+        return [s / total for s in self.sizes]
+
+
+def split(args: tuple, kwargs: dict, labels: Any, num_microbatches: int | None, default: int,
+          split_fn: SplitFn | None = None) -> Microbatches:
+    """Validates the call's inputs and splits them into microbatches."""
+    batch = batch_size_of((args, kwargs))
+    if batch is None:
+        raise ValueError("nothing to split into microbatches: no tensor argument with a batch dimension "
+                         "(dim 0) was passed; pass at least one tensor of shape (batch, ...)")
+    if labels is not None:
+        for t in tensors(labels):
+            if t.dim() >= 1 and t.shape[0] != batch:
+                raise ValueError(f"labels have batch size {t.shape[0]} but the inputs have batch size {batch}; "
+                                 "they must match along dim 0")
+    if num_microbatches is None:
+        num = max(1, min(default, batch))
+    else:
+        num = num_microbatches
+        if not 1 <= num <= batch:
+            raise ValueError(f"num_microbatches={num} must be between 1 and the batch size {batch}")
+    if split_fn is not None:
+        parts = split_fn(args, kwargs, labels, num)
+        if not isinstance(parts, (list, tuple)) or not parts:
+            raise TypeError(f"split_fn must return a non-empty list of (args, kwargs, labels), got {type(parts).__name__}")
+        sizes = [batch_size_of(p) for p in parts]
+        if any(s is None or s == 0 for s in sizes):
+            raise ValueError(f"split_fn returned a microbatch without a batch dimension (sizes {sizes})")
+        return Microbatches([tuple(p[0]) for p in parts], [dict(p[1]) for p in parts], [p[2] for p in parts], sizes)
+    sizes = even_sizes(batch, num)
+    a = _split_nest(tuple(args), batch, sizes)
+    k = _split_nest(dict(kwargs), batch, sizes)
+    lab = _split_nest(labels, batch, sizes) if labels is not None else [None] * num
+    return Microbatches(a, k, lab, sizes)
+
+
+def merge(outputs: list[Any]) -> Any:
+    """Concatenates per-microbatch outputs along dim 0 (tensors with a dim 0), leaf by leaf.
+
+    0-dim tensors are stacked; other values are returned as a list with one entry per microbatch.
+    """
+    if len(outputs) == 1:
+        return outputs[0]
+    columns = [list(tree_leaves(o)) for o in outputs]
+    merged = []
+    for i, first in enumerate(columns[0]):
+        col = [c[i] for c in columns]
+        if isinstance(first, torch.Tensor):
+            merged.append(torch.cat(col) if first.dim() >= 1 else torch.stack(col))
+        else:
+            merged.append(col)
+    it = iter(merged)
+    return tree_map(lambda _leaf: next(it), outputs[0])

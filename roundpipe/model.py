@@ -1,0 +1,313 @@
+"""`RoundPipe`: the public wrapper around a CPU-resident sequence of layers.
+
+    model = RoundPipe(layers, devices=["cuda:0", "cuda:1"])
+    for x, y in data:
+        loss = model.forward_backward(x, labels=y, loss_fn=F.cross_entropy)
+        model.step(optimizer)          # asynchronous by default: overlaps the next call
+    model.synchronize()                # masters, p.grad and buffers are now consistent
+
+The wrapped module (an nn.Sequential of the layers) holds the fp32 master
+weights; `parameters()`, `state_dict()` etc. are its.  `forward_backward`
+splits the batch into microbatches, runs the round-robin schedule over the
+worker pool (roundpipe/dispatcher.py) and returns the batch loss: the
+microbatch losses weighted by microbatch size, so with a `loss_fn` that is a
+mean over samples the loss and the gradients equal the whole batch's.
+Gradients accumulate into `p.grad` across calls until `step()`, which runs the
+optimizer and then clears them (do not call `optimizer.zero_grad()` yourself:
+with an asynchronous step it would race with the update).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from roundpipe.async_step import LayerSync, run_gcopy, run_step
+from roundpipe.autoplan import AutoPlanner, PlanningConfig
+from roundpipe.board import Board
+from roundpipe.dispatcher import Dispatcher, default_plan
+from roundpipe.executor import SerialExecutor
+from roundpipe.host_state import HostState
+from roundpipe.microbatch import SplitFn, merge, split, tree_map
+from roundpipe.plan import Plan
+from roundpipe.recompute import CallerRng
+from roundpipe.replica import Replica
+from roundpipe.stage import CallContext
+from roundpipe.trace import Trace
+from roundpipe.workers import COMPUTE_DTYPES, default_compute_dtype, make_workers, parse_devices
+from roundpipe.workers.base import Handoff
+
+TimingFn = Callable[[str, str, int, int, float, float], None]
+
+
+def _as_layers(layers: object) -> nn.Sequential:
+    if isinstance(layers, nn.Sequential):
+        seq = layers
+    elif isinstance(layers, (list, tuple, nn.ModuleList)):
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"layers[{i}] must be an nn.Module, got {type(layer).__name__}")
+        seq = nn.Sequential(*layers)
+    else:
+        raise TypeError(f"layers must be an nn.Sequential or a list of nn.Module, got {type(layers).__name__}")
+    if len(seq) == 0:
+        raise ValueError("layers is empty; give at least one nn.Module")
+    return seq
+
+
+def _stop_threads(executors: list[SerialExecutor]) -> None:
+    for e in executors:
+        e.stop()
+
+
+class RoundPipe:
+    """A model kept in host memory whose stages are dispatched round-robin to a pool of workers."""
+
+    def __init__(self, layers, devices=None, num_microbatches: int | None = None,
+                 compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
+                 microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
+                 planning: PlanningConfig | None = None):
+        self.module = _as_layers(layers)
+        self.devices = parse_devices(devices)
+        n = len(self.devices)
+        for name, v in (("num_microbatches", num_microbatches), ("microbatches_per_round", microbatches_per_round)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name}={v!r} must be None or an int >= 1")
+        if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype={compute_dtype!r} must be one of {COMPUTE_DTYPES} or None")
+        if split_fn is not None and not callable(split_fn):
+            raise TypeError(f"split_fn must be callable, got {type(split_fn).__name__}")
+        L = len(self.module)
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a roundpipe.Plan or None, got {type(plan).__name__}")
+        if planning is not None and not isinstance(planning, PlanningConfig):
+            raise TypeError(f"planning must be a roundpipe.autoplan.PlanningConfig or None, got {type(planning).__name__}")
+        self.num_microbatches = num_microbatches
+        self.round_size = microbatches_per_round or n + 1
+        self.split_fn = split_fn
+        self.compute_dtype = compute_dtype or default_compute_dtype(self.devices)
+        # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/autoplan.py).
+        self.planning = planning or PlanningConfig()
+        self.autoplan = AutoPlanner(list(self.module), self.devices, self.compute_dtype,
+                                    num_microbatches or self.round_size, self.planning,
+                                    fixed=None if plan is None else plan.check(L), fallback=lambda: default_plan(L, n))
+        self._cuda = self.devices[0].type == "cuda"
+        layers = list(self.module)
+        self.host = HostState(layers, self.compute_dtype, pinned=self._cuda)
+        self.sync = LayerSync(L)
+        self.host_thread = SerialExecutor("roundpipe-step")      # optimizer steps and P-copies
+        self.gcopy_thread = SerialExecutor("roundpipe-gcopy")    # G-copies
+        self.workers = make_workers(self.devices, self.compute_dtype, self.host.alloc)
+        self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
+                                  for layer, st in zip(layers, self.host.layers)] for w in self.workers}
+        self.dispatcher = Dispatcher(self.workers)
+        self.stage_timing: TimingFn | None = None   # profiler seam: (worker, kind, first_layer, mb, t0, t1)
+        self._trace: Trace | None = None
+        self._check_recompute = False
+        self._api = threading.RLock()
+        self._closed = False
+        # A model dropped without close() (a notebook cell re-run) still lets its threads exit.
+        self._finalizer = weakref.finalize(self, _stop_threads,
+                                           [e for w in self.workers for e in w.executors()] + self._host_threads())
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the next call runs (see `autoplan.summary()` for how it was chosen)."""
+        return self.autoplan.plan
+
+    def _host_threads(self) -> list[SerialExecutor]:
+        return [self.host_thread, self.gcopy_thread]
+
+    # ---- state of the wrapped module
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self.module.buffers(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.module.named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        self.synchronize()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        with self._api:
+            self.synchronize()
+            result = self.module.load_state_dict(state_dict, strict=strict)
+            for l in range(len(self.host)):
+                self.host.pcopy(l)
+            return result
+
+    def train(self, mode: bool = True) -> "RoundPipe":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "RoundPipe":
+        return self.train(False)
+
+    # ---- calls
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this RoundPipe is closed; create a new one (calls after close() are not allowed)")
+        for t in self._host_threads():
+            t.raise_error()
+
+    def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
+        """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor."""
+        with self._api:
+            self._check_open()
+            if loss_fn is not None and not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+            if labels is not None and loss_fn is None:
+                raise ValueError("labels were given but loss_fn is None; pass loss_fn(output, labels)")
+            mb = split(args, kwargs, labels, self.num_microbatches, self.round_size, self.split_fn)
+            ctx = self._run(mb, training=True, loss_fn=loss_fn)
+            losses = [ctx.losses[m].cpu() * w for m, w in enumerate(mb.weights)]
+            total = losses[0].clone()
+            for x in losses[1:]:
+                total += x
+            return total
+
+    def __call__(self, *args, **kwargs) -> Any:
+        """Forward only (no state kept for backward); outputs are concatenated along dim 0 on the CPU."""
+        with self._api:
+            self._check_open()
+            self.sync.flush()   # a forward after step() sees the updated weights
+            mb = split(args, kwargs, None, self.num_microbatches, self.round_size, self.split_fn)
+            ctx = self._run(mb, training=False, loss_fn=None)
+            outs = []
+            for m in range(len(mb)):
+                h = ctx.outputs[m]
+                if h.host_ready is not None:
+                    h.host_ready.wait()
+                outs.append(h.host)
+            return merge(outs)
+
+    forward = __call__
+
+    def _run(self, mb, training: bool, loss_fn: Callable | None) -> CallContext:
+        plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
+        sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
+        rng = CallerRng(self.devices)
+        ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, rng.base,
+                          labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace_call(plan),
+                          on_timing=self.autoplan.recorder(training, self.stage_timing),
+                          check_recompute={} if self._check_recompute else None)
+        pin = self.host.staged if self._cuda else (lambda t: t)
+        for m in range(len(mb)):
+            ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m]))),
+                          sched.input_consumers)
+        self.sync.begin_iteration(sched.uploads)
+        ok = False
+        try:
+            self.dispatcher.run(ctx, sched)
+            ok = True
+        finally:
+            self.sync.end_iteration()
+            rng.restore()
+            self.autoplan.after_call(plan, training, ok)
+            if ok and training:
+                self._issue_gcopy()
+        return ctx
+
+    def _issue_gcopy(self) -> None:
+        after = self.sync.issue_gcopy(list(range(len(self.host))))
+        self.gcopy_thread.submit(lambda: run_gcopy(self.sync, after, self.host.gcopy))
+
+    def step(self, optimizer, asynchronous: bool = True) -> None:
+        """Applies the accumulated gradients, then clears them; asynchronous=True overlaps the
+        update with the next call (one step stale).
+
+        optimizer: a torch.optim.Optimizer over `parameters()`, a zero-argument callable, or a
+        per-layer fused optimizer (an object with `step_layer(params, upload)` that updates one
+        layer's fp32 masters from their `.grad` and writes their low-precision upload copies).
+        """
+        with self._api:
+            self._check_open()
+            host = self.host
+            if callable(getattr(optimizer, "step_layer", None)):
+                step_all = None
+
+                def per_layer(l: int) -> None:
+                    with torch.no_grad():
+                        optimizer.step_layer(host.layers[l].params, host.layers[l].upload)
+            elif isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer):
+                fn = optimizer.step if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+
+                def step_all() -> None:
+                    with torch.no_grad():
+                        fn()
+                per_layer = host.pcopy
+            else:
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer, a zero-argument callable or an "
+                                f"object with step_layer(params, upload), got {type(optimizer).__name__}")
+            rec = self.sync.new_step()
+            self.host_thread.submit(lambda: run_step(self.sync, rec, step_all, per_layer, host.clear_grads))
+            if not asynchronous:
+                self.synchronize()
+
+    def synchronize(self) -> None:
+        """Waits for pending gradient copies and optimizer steps; masters and p.grad are then consistent."""
+        with self._api:
+            self._check_open()
+            self.sync.flush()
+            for t in self._host_threads():
+                t.wait_idle()
+            for t in self._host_threads():
+                t.raise_error()
+
+    @contextlib.contextmanager
+    def record_trace(self) -> Iterator[Trace]:
+        """Records every stage-microbatch run on every worker into a Trace while the block runs."""
+        trace = Trace(metadata={"devices": [str(d) for d in self.devices], "plan": repr(self.plan)})
+        self._trace = trace
+        try:
+            yield trace
+        finally:
+            self._trace = None
+
+    def _trace_call(self, plan: Plan):
+        """This call's view of the recording trace (events stamped with the iteration), or None."""
+        if self._trace is None:
+            return None
+        j = self.sync.iteration + 1   # the iteration this call begins
+        self._trace.metadata.setdefault("plans", {})[j] = repr(plan)   # the plan may change between calls
+        return self._trace.scoped(iteration=j)
+
+    def close(self) -> None:
+        with self._api:
+            if self._closed:
+                return
+            self._closed = True
+            self._finalizer.detach()
+            self.sync.flush()
+            try:
+                for t in self._host_threads():
+                    t.wait_idle()
+            finally:
+                for t in self._host_threads():
+                    t.close()
+                for w in self.workers:
+                    w.close()
+                self.host.close()
+            for t in self._host_threads():
+                t.raise_error()
+
+    def __enter__(self) -> "RoundPipe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"RoundPipe({len(self.module)} layers, devices={[str(d) for d in self.devices]}, "
+                f"compute_dtype={self.compute_dtype}, plan={self.plan})")

@@ -1,0 +1,354 @@
+"""One stage run: upload a stage's weights to a worker and run it over its microbatches.
+
+Three kinds of stage (DESIGN.md 2):
+
+    F      forward only (no autograd), publishes the activation at every saved boundary
+           inside the stage: the next forward stage's input and backward stages' inputs
+    fused  the tail: forward + loss + backward back to back, no recompute
+    B      recompute from the saved input, then backward once the output gradient arrives
+
+A B stage recomputes microbatch m before it asks for m's output gradient, so the
+recompute overlaps with the upstream backward; only the backward part waits.
+Parameter gradients accumulate in fp32 on the worker over the stage's
+microbatches and are downloaded once per stage; buffers are written back after
+F and fused stages only, so a recompute never updates them twice.
+
+Every exception raised by a layer, by loss_fn or in a backward is tagged with
+where it happened (`layer 3`, `loss_fn`, `backward of layers 4-5`) and re-raised
+unchanged in type.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from roundpipe.async_step import Aborted, LayerSync
+from roundpipe.board import Board
+from roundpipe.host_state import HostState
+from roundpipe.microbatch import tree_leaves, tree_map
+from roundpipe.recompute import segment_seed
+from roundpipe.trace import Trace
+from roundpipe.workers.base import Arrival, Handoff, Upload, Worker
+
+
+@dataclass
+class Consumer:
+    worker: Worker
+    forward: bool           # a forward (or fused) stage reads it as its input
+
+
+@dataclass
+class StageTask:
+    kind: str                # "F", "fused" or "B"
+    layers: range
+    round: int
+    slot: int
+    mbs: list[int]
+    # F: boundary -> consumers of the activation published there; fused/B: consumers of grad at start
+    consumers: dict[int, list[Consumer]] = field(default_factory=dict)
+    last_round: bool = True
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}{self.slot}[{self.layers.start}-{self.layers.stop - 1}]"
+
+
+@dataclass
+class CallContext:
+    """Everything the stage runs of one call share."""
+
+    host: HostState
+    sync: LayerSync
+    board: Board
+    replicas: dict[str, list]          # worker name -> Replica per layer
+    points: frozenset[int]              # boundaries where activations are saved and RNG reseeded
+    rng_base: int
+    labels: list[Any] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    loss_fn: Callable | None = None
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, Handoff] = field(default_factory=dict)
+    trace: Trace | None = None
+    on_timing: Callable[[str, str, int, int, float, float], None] | None = None
+    check_recompute: dict | None = None  # (boundary, mb) -> forward activation, when checking
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def abort_requested(self) -> bool:
+        return self.board.aborted
+
+
+def tag(exc: BaseException, where: str) -> BaseException:
+    """Names the place of an exception in its message, once, keeping its type."""
+    if getattr(exc, "_roundpipe_where", None) is None:
+        exc._roundpipe_where = where
+        note = f"[roundpipe] raised in {where}"
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]} ({note})",) + exc.args[1:]
+        else:
+            exc.add_note(note)
+    return exc
+
+
+def _float_leaves(x: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
+               publish: Callable[[int, Any], None] | None = None) -> Any:
+    """Runs layers on x; reseeds at every saved boundary; publish(b, x) after each one inside."""
+    reps = ctx.replicas[w.name]
+    with w.rng.hold():
+        for l in layers:
+            if ctx.abort_requested():
+                raise Aborted()
+            if l in ctx.points:
+                w.rng.reseed(segment_seed(ctx.rng_base, l, m))
+            try:
+                x = reps[l].module(*x[0], **x[1]) if l == 0 else reps[l].module(x)
+            except Exception as e:
+                raise tag(e, f"layer {l}")
+            if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
+                publish(l + 1, x)
+    return x
+
+
+class StageRun:
+    """The weights of one stage bound on one worker, and its per-microbatch steps."""
+
+    def __init__(self, ctx: CallContext, w: Worker, task: StageTask):
+        self.ctx, self.w, self.task = ctx, w, task
+        self.reps = [ctx.replicas[w.name][l] for l in task.layers]
+        self.bound: list[list[torch.nn.Parameter]] = []
+        self.acc: list[list[torch.Tensor | None]] = []
+        self.early: dict[int, Arrival] = {}   # microbatch -> input upload issued one microbatch early
+
+    def _get(self, key: tuple) -> Any:
+        """A board value; held-back bulk copies are sent first if it has to be waited for."""
+        found, value = self.ctx.board.poll(key)
+        if found:
+            return value
+        self.w.idle()
+        return self.ctx.board.get(key)
+
+    def _use(self, arrival: Arrival) -> Any:
+        """The arrived tensors, floating ones in compute dtype (uploads carry low precision)."""
+        x = self.w.use(arrival)
+        dt = self.w.compute_dtype
+        return tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                        and t.dtype != dt else t, x)
+
+    def _input(self, m: int) -> Any:
+        if m in self.early:
+            return self._use(self.early.pop(m))
+        return self._use(self.w.receive(self._get(("act", self.task.layers.start, m))))
+
+    def upload_input_early(self, m: int) -> None:
+        """Issues microbatch m's input upload now if it has arrived (it then overlaps m-1's compute)."""
+        found, h = self.ctx.board.poll(("act", self.task.layers.start, m))
+        if found:
+            self.early[m] = self.w.receive(h)
+
+    def upload(self, prefetched: Upload | None) -> None:
+        ctx, task, w = self.ctx, self.task, self.w
+        grad = task.kind != "F"
+        for l in task.layers:
+            if ctx.host.layers[l].buffers and task.kind != "B" and task.round > 0:
+                self._get(("buf", l, task.round - 1))   # buffers of the previous round's forward
+        if prefetched is None:
+            for l in task.layers:
+                if not ctx.sync.upload_ready(l):
+                    w.idle()
+                    ctx.sync.wait_upload(l, ctx.abort_requested)
+            prefetched = upload_stage(ctx, w, task.layers, windows=1)
+        stage_params = w.params_ready(prefetched)
+        for l, rep, params in zip(task.layers, self.reps, stage_params):
+            st = ctx.host.layers[l]
+            bufs = w.upload_buffers(st.buffers)
+            self.bound.append(rep.bind(params, [grad and p.requires_grad for p in st.params], bufs))
+            self.acc.append([None] * len(st.trainable))
+
+    def release(self) -> None:
+        for rep in self.reps:
+            rep.unbind()
+
+    # ---- microbatch steps
+    def _publish_act(self, m: int) -> Callable[[int, Any], None]:
+        def publish(b: int, x: Any) -> None:
+            cons = self.task.consumers.get(b, [])
+            if self.ctx.check_recompute is not None:
+                self.ctx.check_recompute[(b, m)] = tree_map(lambda t: t.detach().cpu().clone()
+                                                            if isinstance(t, torch.Tensor) else t, x)
+            self._handoff(("act", b, m), x, cons)
+        return publish
+
+    def _handoff(self, key: tuple, x: Any, cons: list[Consumer]) -> None:
+        w = self.w
+        keep = any(c.forward and c.worker.device == w.device for c in cons)
+        need_host = any((not c.forward) or c.worker.device != w.device for c in cons)
+        if key[0] == "act" and key[1] == len(self.ctx.host):
+            self.ctx.outputs[key[2]] = w.send(x, need_host=True, keep_device=False)
+            return
+        self.ctx.board.put(key, w.send(x, need_host, keep) if cons else None, len(cons))
+
+    def forward(self, m: int) -> None:
+        x = self._input(m)
+        with torch.no_grad():
+            run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m))
+
+    def _input_with_grad(self, m: int) -> Any:
+        """The stage input with its floating leaves requiring grad (none for layer 0: data needs none)."""
+        x = self._input(m)
+        if self.task.layers.start > 0:
+            for t in _float_leaves(x):
+                t.requires_grad_(True)
+        return x
+
+    def _publish_input_grad(self, m: int, x: Any) -> None:
+        if self.task.layers.start == 0:
+            return
+        grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in tree_leaves(x)]
+        self._handoff(("grad", self.task.layers.start, m), grads, self.task.consumers.get(self.task.layers.start, []))
+
+    def _backward(self, roots: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+        if not roots:
+            return
+        try:
+            torch.autograd.backward(roots, grads)
+        except Exception as e:
+            r = self.task.layers
+            raise tag(e, f"backward of layers {r.start}-{r.stop - 1}")
+        if self.w.compute_dtype != torch.float32:
+            # fp32 accumulation over microbatches of low-precision parameter gradients
+            for acc, bound, l in zip(self.acc, self.bound, self.task.layers):
+                for k, j in enumerate(self.ctx.host.layers[l].trainable):
+                    g = bound[j].grad
+                    if g is not None:
+                        acc[k] = g.float() if acc[k] is None else acc[k].add_(g)
+                        bound[j].grad = None
+
+    def fused(self, m: int) -> None:
+        ctx = self.ctx
+        x = self._input_with_grad(m)
+        with torch.enable_grad():
+            out = run_layers(ctx, self.w, self.task.layers, x, m)
+            labels = self.w.use(self.w.receive(Handoff(host=ctx.labels[m]))) if ctx.labels[m] is not None else None
+            try:
+                loss = ctx.loss_fn(out, labels) if ctx.loss_fn is not None else out
+            except Exception as e:
+                raise tag(e, f"loss_fn (microbatch {m})")
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+                what = f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                src = "loss_fn" if ctx.loss_fn is not None else "the last layer (no loss_fn given)"
+                raise tag(TypeError(f"{src} must return a floating scalar loss, got a {what}"), "loss_fn")
+            self._backward([loss.reshape(()) * ctx.weights[m]], None)
+        with ctx.lock:
+            ctx.losses[m] = self.w.scalar(loss)
+        self._publish_input_grad(m, x)
+
+    def backward(self, m: int) -> None:
+        ctx, r = self.ctx, self.task.layers
+        x = self._input_with_grad(m)
+        with torch.enable_grad():
+            out = run_layers(ctx, self.w, r, x, m)
+        grads = self._use(self.w.receive(self._get(("grad", r.stop, m))))
+        if ctx.check_recompute is not None:   # after the gradient: its forward has surely run
+            ref = ctx.check_recompute.get((r.stop, m))
+            got = [t.detach().cpu() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            exp = [t for t in tree_leaves(ref) if isinstance(t, torch.Tensor)]
+            assert len(got) == len(exp) and all(torch.equal(a, b) for a, b in zip(got, exp)), \
+                f"recompute of layers {r.start}-{r.stop - 1} microbatch {m} differs from its forward"
+        pairs = [(o, g) for o, g in zip(tree_leaves(out), grads)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        self._backward([o for o, _ in pairs], [g for _, g in pairs])
+        self._publish_input_grad(m, x)
+
+    # ---- end of stage
+    def finish(self) -> None:
+        ctx, task = self.ctx, self.task
+        if task.kind != "B":
+            for l, rep in zip(task.layers, self.reps):
+                if ctx.host.layers[l].buffers:
+                    self.w.download_buffers(rep.bound_buffers(), self._land_buffers(l))
+        if task.kind != "F":
+            per_layer = []
+            for l, bound, acc in zip(task.layers, self.bound, self.acc):
+                st = ctx.host.layers[l]
+                per_layer.append(acc if self.w.compute_dtype != torch.float32 else [bound[j].grad for j in st.trainable])
+            # One LPT-windowed download for the whole stage, riding behind the next activation downloads.
+            sizes = [len(g) for g in per_layer]
+            self.w.download_grads([g for gs in per_layer for g in gs], len(task.mbs), self._land_grads(sizes))
+
+    def _land_buffers(self, l: int) -> Callable[[list], None]:
+        def land(host_bufs: list) -> None:
+            for dst, src in zip(self.ctx.host.layers[l].buffers, host_bufs):
+                dst.copy_(src)
+            self.ctx.board.put(("buf", l, self.task.round), True, 0 if self.task.last_round else 1)
+        return land
+
+    def _land_grads(self, sizes: list[int]) -> Callable[[list], None]:
+        def land(host_grads: list) -> None:
+            start = 0
+            for l, n in zip(self.task.layers, sizes):
+                self.ctx.sync.wait_grad_write(l, self.task.round, self.ctx.abort_requested)
+                self.ctx.host.land_grads(l, host_grads[start:start + n], first=self.task.round == 0)
+                self.ctx.sync.grad_written(l)
+                start += n
+        return land
+
+
+def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int) -> Upload:
+    """Issues the upload of a stage's weights (in `windows` LPT windows) and registers it per layer."""
+    up = w.upload_params([ctx.host.layers[l].upload for l in layers], windows)
+    done = w.upload_done(up)
+    for l in layers:
+        ctx.sync.uploaded(l, done)
+    return up
+
+
+def prefetch(ctx: CallContext, w: Worker, task: StageTask, windows: int) -> Upload | None:
+    """Issues the uploads of a stage's parameters now if no layer waits for a P-copy, else None.
+
+    They ride in the current stage's `windows`, behind its next activation uploads.
+    """
+    if not all(ctx.sync.upload_ready(l) for l in task.layers):
+        return None
+    return upload_stage(ctx, w, task.layers, windows)
+
+
+def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload | None = None,
+              next_task: StageTask | None = None) -> Upload | None:
+    """Runs one slot of the schedule on worker w: all of the slot's microbatches in order.
+
+    Workers that copy asynchronously (`w.prefetches`) issue microbatch m+1's input upload right
+    after issuing m's compute, and the next slot's parameter uploads right after the first
+    microbatch, so both overlap this stage's compute; the parameter prefetch is returned.
+    """
+    run = StageRun(ctx, w, task)
+    step = {"F": run.forward, "fused": run.fused, "B": run.backward}[task.kind]
+    nxt = None
+    with w.compute():
+        try:
+            run.upload(prefetched)
+            for i, m in enumerate(task.mbs):
+                t0 = time.perf_counter()
+                timer = w.timer_start() if ctx.on_timing is not None else None
+                step(m)
+                t1 = time.perf_counter()
+                if ctx.trace is not None:
+                    ctx.trace.add(w.name, f"{task.label} mb{m}", t0, t1, cat=task.kind,
+                                  layers=f"{task.layers.start}-{task.layers.stop - 1}", round=task.round)
+                if timer is not None:   # execution time: on a GPU measured by events, reported later
+                    w.timer_stop(timer, functools.partial(ctx.on_timing, w.name, task.kind, task.layers.start, m))
+                if w.prefetches and i + 1 < len(task.mbs):
+                    run.upload_input_early(task.mbs[i + 1])
+                if i == 0 and next_task is not None and w.prefetches:
+                    nxt = prefetch(ctx, w, next_task, len(task.mbs))
+            run.finish()
+        finally:
+            run.release()
+    return nxt

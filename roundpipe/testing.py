@@ -1,0 +1,58 @@
+"""Test hook: inject delays at the engine's synchronisation points.
+
+Every copy and every optimizer step of the engine calls `delay_point(kind)`
+first, with kind one of "param_up", "act_up", "act_down", "grad_down",
+"pcopy", "gcopy", "optimizer" or "compute".  Normally that is one global read;
+under `inject_delays(fn)` it calls `fn(kind)`, which may sleep for a random
+time.  A missing wait in the protocol then shows up as a wrong number in the
+tests instead of hiding behind a lucky schedule.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from typing import Callable, Iterator
+
+_hook: Callable[[str], None] | None = None
+_lock = threading.Lock()
+
+
+def delay_point(kind: str) -> None:
+    hook = _hook
+    if hook is not None:
+        hook(kind)
+
+
+def delays_active() -> bool:
+    """Whether a hook is installed (copies then hold themselves back through it)."""
+    return _hook is not None
+
+
+@contextlib.contextmanager
+def inject_delays(fn: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, `fn(kind)` runs at every synchronisation point of the engine."""
+    global _hook
+    with _lock:
+        if _hook is not None:
+            raise RuntimeError("inject_delays is already active; nesting is not supported")
+        _hook = fn
+    try:
+        yield
+    finally:
+        _hook = None
+
+
+def random_sleeps(max_s: float = 0.002, seed: int = 0, prob: float = 0.5) -> Callable[[str], None]:
+    """A hook sleeping a random 0..max_s seconds with probability prob (thread-safe, seeded)."""
+    rng = random.Random(seed)
+    lock = threading.Lock()
+
+    def hook(kind: str) -> None:
+        with lock:
+            t = rng.random() * max_s if rng.random() < prob else 0.0
+        if t:
+            time.sleep(t)
+
+    return hook

@@ -1,0 +1,309 @@
+"""`roundpipe train`: train the built-in byte-level decoder on the standard library's sources.
+
+The main job of the package: no downloads, no configuration.  It builds the
+decoder of roundpipe.models.tiny_decoder as a list of layers, wraps it in
+`rp.RoundPipe` (GPU workers when there are GPUs, otherwise CPU workers), draws
+seeded next-byte batches from roundpipe.data and runs AdamW, with a tqdm bar
+showing the loss and tokens/s.  It ends by printing the training loss at the start
+and at the end and the held-out loss before and after, so a run shows whether the
+model learned.  `--engine torch` runs the same model, data and optimizer as a
+plain PyTorch loop on one device: the reference for correctness and speed.
+
+    roundpipe train                          # tiny model on CPU workers, ~1 minute on 2 cores
+    roundpipe train --size 0.8b --steps 50   # tokens/s of a 0.8B decoder on the GPUs
+    python -c "from roundpipe.train import TrainConfig, train; print(train(TrainConfig(steps=20)))"
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from roundpipe.data import ByteCorpus
+from roundpipe.models.tiny_decoder import PRESETS, DecoderConfig, build_layers, loss_fn
+from roundpipe.train_engines import make_engine
+from roundpipe.workers import parse_devices
+
+ENGINES = ("roundpipe", "torch")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainConfig:
+    """One training run.  None means "pick for the machine" (GPU or CPU) where noted."""
+
+    size: str | None = None              # preset; None: "tiny" on CPU, "small" with GPUs
+    layers: int | None = None            # overrides of the preset's shape
+    hidden: int | None = None
+    heads: int | None = None
+    steps: int = 300
+    batch_size: int | None = None        # sequences per step; None: 16 on CPU, 32 with GPUs
+    seq_len: int | None = None           # bytes per sequence; None: 128 on CPU, 1024 with GPUs
+    microbatches: int | None = None      # None: the engine's default (workers + 1)
+    devices: list[str] | None = None     # None: every GPU, else one CPU worker
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup: int | None = None            # linear warmup steps; None: 10% of steps, at most 50
+    data_dir: str | None = None          # None: the standard library's *.py files
+    seed: int = 0
+    asynchronous: bool | None = None     # one-step-stale optimizer step; None: with GPUs only (below)
+    engine: Literal["roundpipe", "torch"] = "roundpipe"
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None  # compute dtype; None: bf16 on CUDA, fp32 on CPU
+    eval_batches: int = 4                # held-out batches evaluated before and after training
+    trace: str | None = None             # write a Chrome trace of the run here
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "layers", "hidden", "heads", "warmup"):
+            value = getattr(self, name)
+            if value is None and name != "steps":
+                continue
+            lowest = 0 if name == "warmup" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ValueError(f"{name}={value!r} must be an int >= {lowest}")
+        if not isinstance(self.eval_batches, int) or self.eval_batches < 0:
+            raise ValueError(f"eval_batches={self.eval_batches!r} must be an int >= 0")
+        if self.size is not None and self.size not in PRESETS:
+            raise ValueError(f"size={self.size!r} is not a preset; choose one of {sorted(PRESETS)}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr!r} must be a finite number > 0")
+        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be a number >= 0")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r} must be one of {ENGINES}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)} or None")
+        if self.devices is not None:
+            if isinstance(self.devices, str) or not self.devices or not all(isinstance(d, str) and d for d in self.devices):
+                raise ValueError(f"devices={self.devices!r} must be a non-empty list of device names like 'cpu' or 'cuda:0'")
+            self.devices = list(self.devices)
+            if self.engine == "torch" and len(self.devices) != 1:
+                raise ValueError(f"devices={self.devices!r}: engine='torch' runs on exactly one device")
+        if self.asynchronous not in (None, True, False):
+            raise ValueError(f"asynchronous={self.asynchronous!r} must be True, False or None")
+        if self.engine == "torch" and self.asynchronous:
+            raise ValueError("asynchronous=True needs engine='roundpipe' (the torch reference steps synchronously)")
+        if self.engine == "torch" and self.microbatches not in (None, 1):
+            raise ValueError(f"microbatches={self.microbatches}: engine='torch' runs the whole batch at once")
+        if self.batch_size is not None and self.microbatches is not None and self.microbatches > self.batch_size:
+            raise ValueError(f"microbatches={self.microbatches} must be <= batch_size={self.batch_size}")
+        self.model_config()  # the model's shape is checked here, not after the data is loaded
+
+    @property
+    def uses_cuda(self) -> bool:
+        if self.devices is not None:
+            return any(d.startswith("cuda") for d in self.devices)
+        return torch.cuda.is_available()
+
+    def model_config(self) -> DecoderConfig:
+        base = PRESETS[self.size or ("small" if self.uses_cuda else "tiny")]
+        shape = {k: getattr(self, k) for k in ("layers", "hidden", "heads") if getattr(self, k) is not None}
+        if "hidden" in shape and "heads" not in shape:
+            shape["heads"] = max(1, shape["hidden"] // 64) if shape["hidden"] % 64 == 0 else base.heads
+        return DecoderConfig(**{**{k: getattr(base, k) for k in ("vocab_size", "hidden", "layers", "heads")},
+                                **shape})
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with every None that has a machine-dependent default filled in."""
+        cuda = self.uses_cuda
+        out = TrainConfig(**{**self.__dict__})
+        out.batch_size = self.batch_size or (32 if cuda else 16)
+        out.seq_len = self.seq_len or (1024 if cuda else 128)
+        out.warmup = self.warmup if self.warmup is not None else min(50, self.steps // 10)
+        # The asynchronous step pays off when the CPU optimizer overlaps GPU compute.  CPU
+        # workers share the cores with the optimizer: bench/dispatch.py saw no consistent
+        # gain (tiny decoder, one worker, 2-core Xeon, three runs: async 8,686-8,846 tokens/s,
+        # sync 8,534-9,204), while the one-step staleness cost learning (default run,
+        # 300 steps: end loss 2.56 async vs 1.88 sync).
+        if self.asynchronous is None:
+            out.asynchronous = cuda and self.engine == "roundpipe"
+        if self.devices is None:
+            out.devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else ["cpu"]
+            if self.engine == "torch":
+                out.devices = out.devices[:1]
+        parse_devices(out.devices)  # unknown names, or CUDA where there is none: ValueError now
+        out.__post_init__()
+        return out
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]                  # training loss of every step
+    val_start: float | None              # held-out loss before the first step
+    val_end: float | None                # held-out loss after the last step
+    tokens: int
+    seconds: float                       # wall time of the training steps (no evaluation)
+    num_parameters: int
+    devices: list[str] = field(default_factory=list)
+
+    @property
+    def start_loss(self) -> float:
+        return self.losses[0]
+
+    @property
+    def end_loss(self) -> float:
+        """Mean of the last steps (up to 10): one step's loss is too noisy to compare."""
+        tail = self.losses[-min(10, len(self.losses)):]
+        return sum(tail) / len(tail)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def make_optimizer(named_params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the fp32 master weights; matrices decay, norms and biases do not.
+
+    The one place that chooses the optimizer, so the native fused roundpipe.optim.AdamW
+    can replace torch's here.
+    """
+    named = list(named_params)
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over cfg.warmup steps, then cosine decay to 10% of cfg.lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig) -> float | None:
+    """Mean loss of `cfg.eval_batches` fixed held-out batches (forward only)."""
+    if cfg.eval_batches == 0:
+        return None
+    total = 0.0
+    with torch.no_grad():
+        for x, y in corpus.batches(cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1, split="val", steps=cfg.eval_batches):
+            total += float(loss_fn(model(x).cpu(), y))
+    return total / cfg.eval_batches
+
+
+def train(cfg: TrainConfig, corpus: ByteCorpus | None = None) -> TrainResult:
+    """Runs `cfg.steps` optimizer steps and returns the losses; the function behind `roundpipe train`."""
+    from tqdm.auto import tqdm
+
+    cfg = cfg.resolved()
+    corpus = corpus if corpus is not None else ByteCorpus.load(cfg.data_dir)
+    model_cfg = cfg.model_config()
+    layers = build_layers(model_cfg, seed=cfg.seed)
+    losses: list[float] = []
+    with make_engine(layers, cfg) as model:
+        optimizer = make_optimizer(model.named_parameters(), cfg.lr, cfg.weight_decay)
+        val_start = evaluate(model, corpus, cfg)
+        batches = corpus.batches(cfg.batch_size, cfg.seq_len, seed=cfg.seed, steps=cfg.steps)
+        bar = tqdm(total=cfg.steps, unit="step", disable=not cfg.progress, dynamic_ncols=True, file=sys.stderr)
+        start = time.perf_counter()
+        for step, (x, y) in enumerate(batches):
+            loss = model.forward_backward(x, labels=y, loss_fn=loss_fn)
+            model.step(optimizer, lr=lr_at(step, cfg), asynchronous=cfg.asynchronous)
+            losses.append(float(loss))
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{(step + 1) * x.numel() / elapsed:,.0f}", refresh=False)
+            bar.update()
+        model.synchronize()
+        seconds = time.perf_counter() - start
+        bar.close()
+        val_end = evaluate(model, corpus, cfg)
+        model.save_trace(cfg.trace)
+        devices = list(model.devices)
+    return TrainResult(losses, val_start, val_end, cfg.steps * cfg.batch_size * cfg.seq_len, seconds,
+                       model_cfg.num_parameters(), devices)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="roundpipe train", description=__doc__.split("\n\n")[0])
+    m = p.add_argument_group("model")
+    m.add_argument("--size", choices=list(PRESETS), default=None,
+                   help="model preset (default: tiny on CPU, small with GPUs); "
+                        + ", ".join(f"{k}={v.num_parameters() / 1e6:.1f}M" for k, v in PRESETS.items()))
+    m.add_argument("--layers", type=int, default=None, help="decoder blocks (overrides the preset)")
+    m.add_argument("--hidden", type=int, default=None, help="hidden width (overrides the preset)")
+    m.add_argument("--heads", type=int, default=None, help="attention heads (overrides the preset)")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=TrainConfig.steps, help=f"optimizer steps (default {TrainConfig.steps})")
+    t.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16 on CPU, 32 with GPUs)")
+    t.add_argument("--seq-len", type=int, default=None, help="bytes per sequence (default 128 on CPU, 1024 with GPUs)")
+    t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"peak AdamW learning rate; linear warmup, cosine decay to 10%% (default {TrainConfig.lr:g})")
+    t.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay,
+                   help=f"AdamW weight decay of the matrices (default {TrainConfig.weight_decay:g})")
+    t.add_argument("--warmup", type=int, default=None, help="warmup steps (default 10%% of --steps, at most 50)")
+    t.add_argument("--seed", type=int, default=TrainConfig.seed, help="seed of the initial weights and the batches (default 0)")
+    t.add_argument("--data-dir", default=None, help="train on the text files under this folder "
+                   "instead of the Python standard library's sources")
+    t.add_argument("--eval-batches", type=int, default=TrainConfig.eval_batches,
+                   help=f"held-out batches evaluated before and after training, 0 for none (default {TrainConfig.eval_batches})")
+    e = p.add_argument_group("engine")
+    e.add_argument("--engine", choices=ENGINES, default="roundpipe",
+                   help="roundpipe (default), or torch: a plain PyTorch loop on one device for comparison")
+    e.add_argument("--devices", default=None, help="comma-separated workers, e.g. cuda:0,cuda:1 or cpu,cpu "
+                   "(default: every GPU, else one CPU worker)")
+    e.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: workers + 1)")
+    e.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
+    mode = e.add_mutually_exclusive_group()
+    mode.add_argument("--async", dest="asynchronous", action="store_true", default=None,
+                      help="one-step-stale optimizer step overlapping the next iteration "
+                           "(default with GPUs; on CPU workers it shares the cores and gains nothing)")
+    mode.add_argument("--sync", dest="asynchronous", action="store_false",
+                      help="synchronous optimizer step, equal to --engine torch (default on CPU)")
+    e.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace of the run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """TrainConfig from parsed flags; raises ValueError naming the flag's field for bad values."""
+    devices = None if args.devices is None else [d.strip() for d in args.devices.split(",")]
+    return TrainConfig(size=args.size, layers=args.layers, hidden=args.hidden, heads=args.heads, steps=args.steps,
+                       batch_size=args.batch_size, seq_len=args.seq_len, microbatches=args.microbatches,
+                       devices=devices, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
+                       data_dir=args.data_dir, seed=args.seed, asynchronous=args.asynchronous,
+                       engine=args.engine, dtype=args.dtype, eval_batches=args.eval_batches, trace=args.trace,
+                       progress=not args.no_progress)
+
+
+def _describe(cfg: TrainConfig, corpus: ByteCorpus) -> str:
+    m = cfg.model_config()
+    mode = "" if cfg.engine == "torch" else (", async step" if cfg.asynchronous else ", sync step")
+    devices = ",".join(cfg.devices)
+    return (f"model: decoder, {m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
+            f"{m.num_parameters() / 1e6:.2f}M parameters\n"
+            f"data:  {corpus.source}, {len(corpus) / 1e6:.1f} MB\n"
+            f"run:   {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} bytes, lr {cfg.lr:g}, seed {cfg.seed}, "
+            f"engine {cfg.engine} on {devices}{mode}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args).resolved()
+        corpus = ByteCorpus.load(cfg.data_dir)
+        # Data errors (seq_len longer than the held-out split, ...) before any model is built.
+        next(corpus.batches(cfg.batch_size, cfg.seq_len, split="val" if cfg.eval_batches else "train"))
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    print(_describe(cfg, corpus), flush=True)
+    result = train(cfg, corpus)
+    val = ("" if result.val_start is None else
+           f"\nheld-out loss: start {result.val_start:.3f}  end {result.val_end:.3f}  ({cfg.eval_batches} batches)")
+    print(f"loss: start {result.start_loss:.3f}  end {result.end_loss:.3f}  "
+          f"(nats/byte; end = mean of the last {min(10, cfg.steps)} steps){val}\n"
+          f"{cfg.steps} steps, {result.tokens:,} tokens in {result.seconds:.1f} s: "
+          f"{result.tokens_per_s:,.0f} tokens/s on {','.join(result.devices)}")
+    if cfg.trace:
+        print(f"trace written to {cfg.trace}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""The two engines `roundpipe train` can drive, behind one small interface.
+
+`RoundPipeEngine` wraps `rp.RoundPipe` (the product); `TorchReference` runs the same
+layers as one `nn.Sequential` on one device with a plain PyTorch loop (the reference
+for losses and tokens/s).  Both offer what the training loop needs and nothing more:
+
+    engine.forward_backward(x, labels=y, loss_fn=f) -> 0-dim CPU loss
+    engine.step(optimizer, lr=..., asynchronous=...)   # sets the learning rate, steps, clears grads
+                                                       # (RoundPipe clears them itself after the step)
+    engine(x) -> output;  engine.named_parameters();  engine.synchronize()
+    engine.devices;  engine.save_trace(path or None);  with engine: ...
+
+The learning rate is set inside the optimizer step, not before it: RoundPipe's
+asynchronous step of iteration t runs while iteration t+1 computes, and a rate
+written from the training loop at that moment would race with it.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from roundpipe.trace import Trace
+
+
+def _step_with_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> Callable[[], None]:
+    def run() -> None:
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        optimizer.step()
+
+    return run
+
+
+class TorchReference:
+    """The layers as one nn.Sequential on one device; autocast when dtype is not fp32."""
+
+    def __init__(self, layers: list[nn.Module], device: str, dtype: torch.dtype | None, trace: bool = False):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"devices=[{device!r}]: no CUDA device is visible")
+        self.devices = [str(self.device)]
+        self.module = nn.Sequential(*layers).to(self.device)
+        self.dtype = dtype if dtype is not None else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.trace = Trace(metadata={"engine": "torch"}) if trace else None
+        self._step = 0
+
+    def _autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            return self.module(x.to(self.device, non_blocking=True))
+
+    def forward_backward(self, x: torch.Tensor, *, labels: torch.Tensor, loss_fn) -> torch.Tensor:
+        start = time.perf_counter()
+        with self._autocast():
+            loss = loss_fn(self.module(x.to(self.device)), labels.to(self.device))
+        loss.backward()
+        loss = loss.detach().cpu()
+        if self.trace is not None:
+            self.trace.add(self.devices[0], f"forward_backward {self._step}", start, time.perf_counter(), "fused")
+        return loss
+
+    def step(self, optimizer: torch.optim.Optimizer, *, lr: float | None = None, asynchronous: bool = False) -> None:
+        start = time.perf_counter()
+        _step_with_lr(optimizer, lr)()
+        optimizer.zero_grad(set_to_none=True)
+        if self.trace is not None:
+            self.synchronize()
+            self.trace.add(self.devices[0], f"step {self._step}", start, time.perf_counter(), "optimizer")
+        self._step += 1
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def save_trace(self, path: str | None) -> None:
+        if path is not None and self.trace is not None:
+            self.trace.save(path)
+
+    def close(self) -> None:
+        self.synchronize()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RoundPipeEngine:
+    """rp.RoundPipe over the layers; the optimizer steps through `model.step`."""
+
+    def __init__(self, layers: list[nn.Module], devices: list[str] | None, microbatches: int | None,
+                 dtype: torch.dtype | None, trace: bool = False):
+        from roundpipe.model import RoundPipe
+
+        self.model = RoundPipe(layers, devices=devices, num_microbatches=microbatches, compute_dtype=dtype)
+        self.devices = [str(d) for d in self.model.devices]
+        self._recording = self.model.record_trace() if trace else None
+        self.trace = self._recording.__enter__() if trace else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def forward_backward(self, x: torch.Tensor, *, labels: torch.Tensor, loss_fn) -> torch.Tensor:
+        return self.model.forward_backward(x, labels=labels, loss_fn=loss_fn)
+
+    def step(self, optimizer: torch.optim.Optimizer, *, lr: float | None = None, asynchronous: bool = True) -> None:
+        self.model.step(_step_with_lr(optimizer, lr), asynchronous=asynchronous)
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def synchronize(self) -> None:
+        self.model.synchronize()
+
+    def save_trace(self, path: str | None) -> None:
+        if path is not None and self.trace is not None:
+            self.trace.save(path)
+
+    def close(self) -> None:
+        if self._recording is not None:
+            self._recording.__exit__(None, None, None)
+            self._recording = None
+        self.model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_engine(layers: list[nn.Module], cfg) -> TorchReference | RoundPipeEngine:
+    """The engine `cfg.engine` names, for a resolved roundpipe.train.TrainConfig."""
+    from roundpipe.train import DTYPES
+
+    dtype = DTYPES[cfg.dtype] if cfg.dtype is not None else None
+    if cfg.engine == "torch":
+        device = cfg.devices[0] if cfg.devices else "cpu"
+        return TorchReference(layers, device, dtype, trace=cfg.trace is not None)
+    return RoundPipeEngine(layers, cfg.devices, cfg.microbatches, dtype, trace=cfg.trace is not None)

@@ -1,0 +1,262 @@
+"""The worker interface: one device, one thread, and the copies a stage needs.
+
+A worker is stateless between stages.  The dispatcher hands it a list of
+closures per call; it runs them in order on its own thread.  Everything that
+moves data goes through the copy queues of roundpipe/workers/transfers.py, so
+the stage code in roundpipe/stage.py is the same for a CPU and a CUDA worker:
+
+    upload_params    host upload copies -> device weights, LPT windows  (param_up)
+    upload_buffers   host buffers -> device                             (param_up)
+    receive / use    Handoff -> tensors on this device                  (act_up)
+    send             stage output -> Handoff (host copy and/or device)  (act_down)
+    download_grads   fp32 gradients -> host, LPT windows, then a callback (grad_down)
+    download_buffers device buffers -> host, then a callback            (grad_down)
+
+A subclass supplies the device: where device tensors live (`_empty`), what
+marks the compute issued so far (`_compute_fence`: None when compute is
+synchronous, as on a CPU worker) and how compute waits for a copy
+(`_compute_waits`).  Host buffers (download staging) come from the model's
+HostState, i.e. from its pinned arena.  Callbacks of downloads run on a
+completion thread once the copy's fences completed, so the issuing thread
+never blocks on a download.
+
+A `Handoff` carries an activation or gradient between two stage runs.  The
+host copy lives in (pinned) host memory; when the consumer runs on the
+producer's device the device tensors are handed over directly and the host
+round trip is skipped.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from roundpipe.executor import SerialExecutor
+from roundpipe.microbatch import tree_leaves, tree_map
+from roundpipe.recompute import RngDomain
+from roundpipe.workers.transfers import Bulk, Transfers
+
+Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+
+def _plain_alloc(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+@dataclass
+class Handoff:
+    """An activation (or gradient) between a producer and its consumers."""
+
+    host: Any = None             # nest of host tensors, or None when only the device copy exists
+    host_ready: Any = None       # fence the host copy completes with, None when ready
+    device: torch.device | None = None
+    device_value: Any = None     # nest of device tensors for a consumer on the same device
+    device_ready: Any = None     # fence of the producer's compute guarding device_value
+
+
+@dataclass
+class Arrival:
+    """Tensors on their way to this device: usable once the compute has waited for `fences`."""
+
+    value: Any
+    fences: list = field(default_factory=list)
+
+
+@dataclass
+class Upload:
+    """A stage's weights on the device, per layer, and the bulk copy filling them."""
+
+    params: list[list[torch.Tensor]]
+    bulk: Bulk
+
+
+class Worker(ABC):
+    """A device plus the thread that drives it."""
+
+    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None):
+        self.device = device
+        self.name = name
+        self.compute_dtype = compute_dtype
+        self.rng = RngDomain.of(device)
+        self.host_alloc = alloc or _plain_alloc
+        self.copies = Transfers(device)
+        self._thread = SerialExecutor(f"roundpipe-{name}")
+        self._completer = SerialExecutor(f"roundpipe-{name}-completer")
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Runs fn on this worker's thread after everything submitted before (fn handles its errors)."""
+        self._thread.submit(fn)
+
+    def close(self) -> None:
+        self._thread.close()
+        self._completer.close()
+        self.copies.synchronize()
+
+    def executors(self) -> list[SerialExecutor]:
+        """The threads this worker owns (stopped by the model's finalizer if it is never closed)."""
+        return [self._thread, self._completer]
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        """Context in which stage compute is issued (the compute stream on CUDA)."""
+        return contextlib.nullcontext()
+
+    # True when issuing the next stage's weights and the next microbatch's input early
+    # overlaps compute.  Copies are asynchronous on both kinds of worker, but on a CPU worker
+    # they compete with compute for the same cores; tests switch it on to run those paths.
+    prefetches: bool = False
+
+    # ---- the device
+    @abstractmethod
+    def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
+        """Uninitialised device memory that an upload on `queue` will fill."""
+
+    @abstractmethod
+    def _compute_fence(self) -> Any:
+        """A fence for the compute issued so far (None: compute is already done)."""
+
+    @abstractmethod
+    def _compute_waits(self, fences: Sequence) -> None:
+        """Makes the compute issued from now on wait for the fences."""
+
+    def _read_by_copy(self, tensors: Sequence[torch.Tensor], queue: str) -> None:
+        """Device tensors that a copy on `queue` reads (CUDA: keeps the allocator from reusing them early)."""
+
+    def _used_by_compute(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Uploaded tensors that compute now uses (CUDA: they were allocated on a copy stream)."""
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host buffer for t's download (a leaf already on the host is copied at once)."""
+        h = self.host_alloc(t.shape, t.dtype)
+        if t.device != self.device:
+            h.copy_(t)
+        return h
+
+    # ---- timing of a stage-microbatch (the profiler's input)
+    def timer_start(self) -> Any:
+        return time.perf_counter()
+
+    def timer_stop(self, start: Any, report: Callable[[float, float], None]) -> None:
+        """Calls report(t0, t1) with the execution time, now or (GPU) once it is known."""
+        report(start, time.perf_counter())
+
+    # ---- parameters and buffers
+    def upload_params(self, host: list[list[torch.Tensor]], windows: int) -> Upload:
+        """Device copies of a stage's host upload copies (already in compute dtype), in LPT windows."""
+        dev = [[self._empty(u.shape, u.dtype, "param_up") for u in layer] for layer in host]
+        flat_dev = [d for layer in dev for d in layer]
+        flat_host = [u for layer in host for u in layer]
+        return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows))
+
+    def params_ready(self, up: Upload) -> list[list[torch.Tensor]]:
+        """The uploaded weights, once compute has waited for them."""
+        self.copies.flush(up.bulk)
+        self._compute_waits(up.bulk.fences)
+        self._used_by_compute([t for layer in up.params for t in layer])
+        return up.params
+
+    def upload_done(self, up: Upload) -> Callable[[], None]:
+        """A host wait for the end of the upload (the P-copy may overwrite the host copy after it)."""
+        return lambda: self.copies.wait(up.bulk)
+
+    def upload_buffers(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Device copies of buffers, in their own dtype."""
+        if not host:
+            return []
+        dev = [self._empty(b.shape, b.dtype, "param_up") for b in host]
+        b = self.copies.bulk("param_up", dev, [h.contiguous() for h in host], 1)
+        self._compute_waits(b.fences)
+        self._used_by_compute(dev)
+        return dev
+
+    # ---- activations
+    def send(self, value: Any, need_host: bool, keep_device: bool) -> Handoff:
+        """Publishes a stage output; need_host: a consumer is elsewhere or it is a stage input to keep."""
+        value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
+        h = Handoff(device=self.device)
+        if need_host:
+            value = tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, value)
+        compute = self._compute_fence()   # after the contiguous copies, which run on the compute stream
+        if keep_device:
+            h.device_value, h.device_ready = value, compute
+        if need_host:
+            h.host = tree_map(lambda t: self._to_host(t) if isinstance(t, torch.Tensor) else t, value)
+            pairs = [(d, t) for d, t in zip(tree_leaves(h.host), tree_leaves(value))
+                     if isinstance(t, torch.Tensor) and t.device == self.device]
+            dsts, srcs = [d for d, _ in pairs], [t for _, t in pairs]
+            if srcs:
+                self._read_by_copy(srcs, "act_down")
+                h.host_ready = self.copies.act("act_down", dsts, srcs, [compute])
+        return h
+
+    def receive(self, handoff: Handoff) -> Arrival:
+        """Starts moving the handoff's tensors here; `use` them once they are needed."""
+        if handoff.device_value is not None and handoff.device == self.device:
+            return Arrival(handoff.device_value, [handoff.device_ready])
+        dsts, srcs = [], []
+
+        def up(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.device.type != "cpu":           # e.g. an input already on a GPU
+                return t.to(self.device)
+            d = self._empty(t.shape, t.dtype, "act_up")
+            dsts.append(d)
+            srcs.append(t.contiguous())
+            return d
+        value = tree_map(up, handoff.host)
+        fence = self.copies.act("act_up", dsts, srcs, [handoff.host_ready]) if dsts else None
+        return Arrival(value, [fence])
+
+    def use(self, arrival: Arrival) -> Any:
+        """The arrived tensors, private to the caller (safe to modify), once compute waited for them."""
+        self._compute_waits(arrival.fences)
+        self._used_by_compute([t for t in tree_leaves(arrival.value) if isinstance(t, torch.Tensor)])
+        return arrival.value
+
+    # ---- gradients and buffers back to the host
+    def _download(self, values: list, windows: int, then: Callable[[list], None]) -> None:
+        values = [None if t is None else t.contiguous() for t in values]
+        compute = self._compute_fence()
+        host = [None if t is None else self._to_host(t) for t in values]
+        pairs = [(h, t) for h, t in zip(host, values) if t is not None and t.device == self.device]
+        srcs = [t for _, t in pairs]
+        self._read_by_copy(srcs, "grad_down")
+        b = self.copies.bulk("grad_down", [h for h, _ in pairs], srcs, windows, [compute])
+
+        def land() -> None:
+            for f in self.copies.wait_sent(b):
+                if f is not None:
+                    f.wait()
+            then(host)
+        self._completer.submit(land)
+
+    def download_grads(self, grads: list[torch.Tensor | None], windows: int, then: Callable[[list], None]) -> None:
+        """Moves a stage's gradients to the host in LPT windows; then(host_grads) runs once they landed."""
+        self._download(grads, windows, then)
+
+    def download_buffers(self, device_bufs: list[torch.Tensor], then: Callable[[list], None]) -> None:
+        """Moves buffers to the host at once and calls then(host_bufs) once they landed."""
+        self._download(device_bufs, 1, then)
+
+    @abstractmethod
+    def scalar(self, t: torch.Tensor) -> torch.Tensor:
+        """A 0-dim fp32 copy of a device scalar (used for the loss), readable after drain()."""
+
+    def idle(self) -> None:
+        """The worker is about to wait: send every held-back bulk window now."""
+        self.copies.flush()
+
+    def drain(self) -> None:
+        """Waits until every copy and callback issued ran; re-raises the first callback error."""
+        self.copies.synchronize()
+        self._completer.wait_idle(raise_errors=True)
+
+    def abandon(self) -> None:
+        """After an aborted call: let copies and callbacks finish, dropping their errors."""
+        self.copies.synchronize()
+        self._completer.wait_idle()
+        self._completer.discard_error()   # the call already failed with its first error

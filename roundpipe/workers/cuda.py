@@ -1,0 +1,129 @@
+"""CUDA worker: one compute stream and four copy streams per worker (DESIGN.md 3.1).
+
+    param_up    host upload copies -> device weights (and buffers) of a stage
+    act_up      stage inputs (pinned host) and labels -> device
+    act_down    stage outputs and input gradients -> pinned host
+    grad_down   fp32 parameter gradients and buffers -> pinned host
+
+The four copy streams belong to the worker's CopyEngine (CUDA backend: one
+cudaMemcpyAsync per piece, an event per submission), so up and down copies
+keep both PCIe directions busy and bulk windows ride behind activation copies.
+Ordering between streams is by events only (`make_stream_wait` for the
+compute stream), never by a device-wide synchronisation; the worker thread
+only *issues* work.  Host memory comes from the model's pinned HostArena.
+
+Tensors used on a stream other than the one that allocated them are marked
+with `record_stream`, so the caching allocator does not hand their memory
+out again before that stream is done with them.
+
+Stage timings (`RoundPipe.stage_timing`) are GPU execution times: a pair of
+timing events around each stage-microbatch on the compute stream, read once
+the end event has completed (polled after later microbatches and at drain),
+so measuring never stalls the compute stream.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from roundpipe.workers.base import Alloc, Worker
+
+
+class CudaWorker(Worker):
+    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None):
+        with torch.cuda.device(device):
+            self.s_compute = torch.cuda.Stream(device)
+            self.s_act_up = torch.cuda.Stream(device)
+            self.s_act_down = torch.cuda.Stream(device)
+            self.s_param_up = torch.cuda.Stream(device)
+            self.s_grad_down = torch.cuda.Stream(device)
+        super().__init__(device, name, compute_dtype, alloc)
+        # Needs the native core and the CUDA runtime it loads; its RuntimeError says what is missing.
+        self.copies.attach_streams(device, [self.s_act_up, self.s_act_down, self.s_param_up, self.s_grad_down])
+        self._streams = {"act_up": self.s_act_up, "act_down": self.s_act_down,
+                         "param_up": self.s_param_up, "grad_down": self.s_grad_down}
+        self._timers: list[tuple[torch.cuda.Event, torch.cuda.Event, Callable[[float, float], None]]] = []
+        self._anchor: tuple[torch.cuda.Event, float] | None = None
+
+    prefetches = True
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.s_compute):
+            yield
+
+    def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
+        # Allocated on the copy stream that writes it: from the compute stream's pool it could
+        # reuse a block that kernels still queued on the compute stream read.
+        with torch.cuda.stream(self._streams[queue]):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _compute_fence(self) -> Any:
+        from roundpipe.offload import record_stream
+        return record_stream(self.s_compute)
+
+    def _compute_waits(self, fences: Sequence) -> None:
+        from roundpipe.offload import make_stream_wait
+        for f in fences:
+            if f is not None:
+                make_stream_wait(f, self.s_compute)
+
+    def _read_by_copy(self, tensors: Sequence[torch.Tensor], queue: str) -> None:
+        for t in tensors:
+            t.record_stream(self._streams[queue])
+
+    def _used_by_compute(self, tensors: Sequence[torch.Tensor]) -> None:
+        # Uploads were allocated on a copy stream, a same-device handoff on another worker's
+        # compute stream: their blocks must wait for this compute stream too before reuse.
+        for t in tensors:
+            if t.device.type == "cuda":
+                t.record_stream(self.s_compute)
+
+    def scalar(self, t: torch.Tensor) -> torch.Tensor:
+        # Stays on the device: the caller reads it after drain() synchronised the streams.
+        return t.detach().float().reshape(())
+
+    # ---- GPU timing
+    def timer_start(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.s_compute)
+        return ev
+
+    def timer_stop(self, start: torch.cuda.Event, report: Callable[[float, float], None]) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.s_compute)
+        self._timers.append((start, end, report))
+        self._resolve_timers(block=False)
+
+    def _resolve_timers(self, block: bool) -> None:
+        """Reports every timed run whose end event completed (all of them when block)."""
+        while self._timers:
+            start, end, report = self._timers[0]
+            if not block and not end.query():
+                return
+            end.synchronize()
+            if self._anchor is None:
+                # Host time of one completed event: GPU times are reported on the perf_counter clock.
+                self._anchor = (end, time.perf_counter())
+            anchor, at = self._anchor
+            self._timers.pop(0)
+            report(at + anchor.elapsed_time(start) / 1e3, at + anchor.elapsed_time(end) / 1e3)
+
+    def _sync_streams(self) -> None:
+        for s in (self.s_compute, self.s_param_up, self.s_act_up, self.s_act_down, self.s_grad_down):
+            s.synchronize()
+
+    def drain(self) -> None:
+        self.copies.synchronize()
+        self._sync_streams()
+        self._resolve_timers(block=True)
+        super().drain()
+
+    def abandon(self) -> None:
+        self.copies.synchronize()
+        self._sync_streams()
+        self._timers.clear()
+        super().abandon()

@@ -1,0 +1,179 @@
+"""A worker's copies: the four queues of its CopyEngine and the LPT windows of bulk traffic.
+
+Activation copies (a microbatch's stage input up, its output down) go out at
+once.  A stage's parameter upload or gradient download is bulk: it is packed
+into M windows by LPT (roundpipe.offload.pack_lpt) and window w is submitted
+only when the next activation copy of the same direction is, behind that
+copy's fence (DESIGN.md 3.1):
+
+    act_up    : | x(m1)        | x(m2)        | x(m3)        |
+    param_up  :     | W1 chunk 0   | W1 chunk 1   | W1 chunk 2  ...  next stage's weights
+    act_down  : | y(m0)        | y(m1)        | y(m2)        |
+    grad_down :     | G0 chunk 0   | G0 chunk 1   | G0 chunk 2  ...  previous stage's grads
+
+so bulk bytes never delay an activation.  Windows still unsent are submitted
+by `flush`: when the bulk is needed (weights about to be used, a P-copy
+waiting for the upload) and whenever the worker is about to block, so a
+worker never sits idle on bytes it is holding back.
+
+Without the native core the copies are done synchronously with torch (no
+windows, no fences: every fence is None, meaning "done").  A host engine may
+also do submissions of at most `inline_bytes` on the issuing thread, after
+waiting for their fences: on the 2-core CI machine a round trip through a
+memcpy thread measured 71 us for a 128-byte copy against 0.6 us inline, which
+is what the engine overhead per stage-microbatch is made of.  Under the test hook
+(roundpipe.testing.inject_delays) each copy is held back by a fence that a
+helper thread sets after the hook returns, so a copy completes late while its
+issuer goes on, and a missing wait gives a wrong number.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+
+from roundpipe import _native, testing
+
+QUEUES = ("act_up", "act_down", "param_up", "grad_down")
+_BULK_OF = {"act_up": "param_up", "act_down": "grad_down"}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class Bulk:
+    """A stage's parameter upload or gradient download: windows, and the fences of those sent."""
+
+    def __init__(self, queue: str, windows: list[tuple[list, list]], after: list):
+        self.queue = queue
+        self.unsent: deque = deque(windows)
+        self.after = after           # fences every window waits for (e.g. the compute that made the grads)
+        self.fences: list = []
+        self.sent = threading.Event()
+        if not self.unsent:
+            self.sent.set()
+
+
+class Transfers:
+    """The copy queues of one worker (see the module docstring)."""
+
+    def __init__(self, device: torch.device, inline_bytes: int = 0):
+        self.native = _native.available()
+        self.inline_bytes = inline_bytes
+        if self.native:
+            from roundpipe.offload import CopyEngine, pack_lpt
+            self._pack = pack_lpt
+            self.engine = CopyEngine(device) if device.type == "cpu" else None  # CUDA: attach_streams()
+        self._lock = threading.Lock()
+        self._waiting: dict[str, deque[Bulk]] = {"param_up": deque(), "grad_down": deque()}
+
+    def attach_streams(self, device: torch.device, streams: Sequence["torch.cuda.Stream"]) -> None:
+        """CUDA: the engine issues on the worker's own four copy streams (act_up, act_down, param_up, grad_down)."""
+        from roundpipe.offload import CopyEngine
+        self.engine = CopyEngine(device, streams=list(streams))
+
+    # ---- submission
+    def _submit(self, queue: str, dsts: list, srcs: list, after: list) -> Any:
+        if not self.native:
+            testing.delay_point(queue)
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+            return None
+        after = [f for f in after if f is not None]
+        if self._inline(srcs):
+            for f in after:
+                f.wait()
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+            return None
+        if testing.delays_active():
+            held = _native._C.HostFence()
+
+            def release() -> None:
+                try:
+                    testing.delay_point(queue)
+                finally:
+                    held.set()
+            threading.Thread(target=release, daemon=True).start()
+            after.append(held)
+        return self.engine.copy_many(queue, dsts, srcs, after=after or None)
+
+    def _inline(self, srcs: list) -> bool:
+        return (self.inline_bytes > 0 and not testing.delays_active()
+                and sum(s.numel() * s.element_size() for s in srcs) <= self.inline_bytes)
+
+    def act(self, queue: str, dsts: list, srcs: list, after: Sequence = ()) -> Any:
+        """An activation copy now; the oldest held-back bulk window of its direction goes right behind it."""
+        with self._lock:
+            fence = self._submit(queue, dsts, srcs, list(after))
+            waiting = self._waiting[_BULK_OF[queue]]
+            if waiting:
+                self._send_one(waiting, [fence])
+            return fence
+
+    def bulk(self, queue: str, dsts: list, srcs: list, windows: int, after: Sequence = ()) -> Bulk:
+        """A stage's bulk copy packed into `windows` windows, held back until activation copies release them."""
+        after = list(after)
+        # Small enough to be copied inline: nothing to hold back, the copy is done when this returns.
+        now = not self.native or windows <= 1 or self._inline(srcs)
+        if now or len(dsts) == 0:
+            b = Bulk(queue, [(dsts, srcs)] if dsts else [], after)
+        else:
+            dbytes, sbytes = [_bytes(d) for d in dsts], [_bytes(s) for s in srcs]
+            plan = self._pack([d.numel() for d in dbytes], windows)
+            wins = [([dbytes[i][o:o + n] for i, o, n in win], [sbytes[i][o:o + n] for i, o, n in win])
+                    for win in plan if win]
+            b = Bulk(queue, wins, after)
+        with self._lock:
+            if now:
+                while b.unsent:
+                    self._send_locked(b, [])
+            elif b.unsent:
+                self._waiting[queue].append(b)
+        return b
+
+    def _send_locked(self, b: Bulk, extra: list) -> None:
+        dsts, srcs = b.unsent.popleft()
+        b.fences.append(self._submit(b.queue, dsts, srcs, b.after + extra))
+        if not b.unsent:
+            b.sent.set()
+
+    def _send_one(self, waiting: deque, extra: list) -> None:
+        b = waiting[0]
+        self._send_locked(b, extra)
+        if not b.unsent:
+            waiting.popleft()
+
+    def flush(self, only: Bulk | None = None) -> None:
+        """Sends the held-back windows now: of `only`, or of every bulk (the worker is about to wait)."""
+        if not (self._waiting["param_up"] or self._waiting["grad_down"]):
+            return   # the common case, without taking the lock (a racing append is flushed by its own waiter)
+        with self._lock:
+            for waiting in self._waiting.values():
+                for b in list(waiting):
+                    if only is None or b is only:
+                        while b.unsent:
+                            self._send_locked(b, [])
+                        waiting.remove(b)
+
+    # ---- completion
+    @staticmethod
+    def wait_sent(b: Bulk) -> list:
+        """The fences of a bulk once every window has been sent (by activation copies or a flush)."""
+        b.sent.wait()
+        return b.fences
+
+    def wait(self, b: Bulk) -> None:
+        """Host wait for a bulk copy to complete, sending its held-back windows first."""
+        self.flush(b)
+        for f in b.fences:
+            if f is not None:
+                f.wait()
+
+    def synchronize(self) -> None:
+        self.flush()
+        if self.native and self.engine is not None:
+            self.engine.synchronize()

@@ -1,0 +1,104 @@
+"""Small models for the engine tests: low arithmetic density so that races show as wrong numbers."""
+import copy
+import random
+import time
+
+import torch
+from torch import nn
+
+
+class Mlp(nn.Sequential):
+    def __init__(self, width=8):
+        super().__init__(nn.Linear(width, width), nn.Tanh())
+
+
+class ResidualLN(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class ToTuple(nn.Module):
+    """Layer 0: takes (x, scale=...) and returns a tuple holding a non-tensor and a non-float leaf."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x, scale=1.0):
+        return (self.fc(x) * scale, torch.arange(x.shape[0]), "tag")
+
+
+class TupleToDict(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, t):
+        h, ids, tag = t
+        assert tag == "tag" and ids.dtype == torch.int64
+        return {"h": torch.tanh(self.a(h)), "g": self.b(h), "ids": ids}
+
+
+class DictToTensor(nn.Module):
+    def forward(self, d):
+        return d["h"] * torch.sigmoid(d["g"])
+
+
+class RunningMean(nn.Module):
+    """A buffer updated in every train-mode forward; the output does not depend on batch statistics."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("mean", torch.zeros(width))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+            self.calls += 1
+        return torch.tanh(self.fc(x))
+
+
+class Slow(nn.Module):
+    """Wraps a layer and sleeps a random time first, to shake up the schedule."""
+
+    def __init__(self, inner, max_s=0.002):
+        super().__init__()
+        self.inner, self.max_s = inner, max_s
+
+    def forward(self, *a, **k):
+        time.sleep(random.random() * self.max_s)
+        return self.inner(*a, **k)
+
+
+def mlp(n=6, width=8):
+    return [Mlp(width) for _ in range(n)]
+
+
+def residual(n=6, width=8):
+    return [nn.Linear(width, width)] + [ResidualLN(width) for _ in range(n - 1)]
+
+
+def nested(width=8):
+    return [ToTuple(width), TupleToDict(width), DictToTensor(), Mlp(width), Mlp(width)]
+
+
+def buffered(width=8):
+    return [Mlp(width), RunningMean(width), Mlp(width), RunningMean(width), Mlp(width)]
+
+
+MODELS = {"mlp": mlp, "residual": residual, "nested": nested, "buffered": buffered}
+
+
+def reference(layers):
+    """A plain-PyTorch copy with identical weights."""
+    return nn.Sequential(*copy.deepcopy(layers))
+
+
+def max_rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()

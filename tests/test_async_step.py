@@ -1,0 +1,213 @@
+"""The optimizer step: synchronous equals PyTorch, asynchronous equals a one-step-late reference."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import roundpipe as rp
+from rp_models import MODELS, Slow, max_rel_err, reference
+from roundpipe.async_step import LayerSync
+from roundpipe.testing import inject_delays, random_sleeps
+
+
+def batches(n, batch=6, width=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)) for _ in range(n)]
+
+
+def assert_params_close(model, ref, tol=1e-5):
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert max_rel_err(p.detach(), q.detach()) <= tol, (n, max_rel_err(p.detach(), q.detach()))
+
+
+def test_synchronous_adamw_matches_pytorch():
+    """20 synchronous AdamW steps over 3 workers equal plain PyTorch training."""
+    layers = MODELS["residual"]()
+    ref = reference(layers)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with rp.RoundPipe(layers, devices=["cpu"] * 3, num_microbatches=5) as model:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches(20):
+            loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.step(opt, asynchronous=False)
+            ref_loss = F.mse_loss(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert max_rel_err(loss, ref_loss.detach()) <= 1e-5
+        assert_params_close(model, ref)
+
+
+def one_step_late_reference(layers, data, lr, opt_class=torch.optim.AdamW):
+    """Pure PyTorch: the gradient of iteration t is taken at the weights before step t-1's update."""
+    cur = reference(layers)
+    opt = opt_class(cur.parameters(), lr=lr)
+    stale = copy.deepcopy(cur)
+    losses = []
+    for x, y in data:
+        stale.zero_grad()
+        loss = F.mse_loss(stale(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        for p, q in zip(cur.parameters(), stale.parameters()):
+            p.grad = q.grad.clone()
+        weights_t = copy.deepcopy(cur.state_dict())
+        opt.step()
+        opt.zero_grad()
+        stale.load_state_dict(weights_t)
+    return cur, losses
+
+
+def run_async(layers, data, lr, workers, num_mb, prefetch=False, make_opt=None):
+    with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb) as model:
+        for w in model.workers:
+            w.prefetches = prefetch   # the CUDA paths (weight prefetch, early input upload), forced on
+        opt = make_opt(model) if make_opt else torch.optim.AdamW(model.parameters(), lr=lr)
+        losses = []
+        for x, y in data:
+            losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
+            model.step(opt)   # asynchronous
+        model.synchronize()
+    return losses
+
+
+@pytest.mark.parametrize("workers, num_mb", [(1, 2), (3, 5), (2, 6)])
+def test_asynchronous_is_exactly_one_step_stale(workers, num_mb):
+    """Async training equals the one-step-late reference, losses included (several rounds for 2x6)."""
+    layers = MODELS["mlp"]()
+    data = batches(6)
+    ref, ref_losses = one_step_late_reference(layers, data, lr=5e-2)
+    losses = run_async(layers, data, 5e-2, workers, num_mb)
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), ref)
+
+
+def nn_seq(layers):
+    return torch.nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("workers, prefetch", [(3, False), (2, True)])
+def test_asynchronous_under_random_delays(workers, prefetch):
+    """Random sleeps in copies, the optimizer and layers do not change the one-step-late result."""
+    layers = [Slow(m, 0.001) for m in MODELS["mlp"](5)]
+    data = batches(5)
+    ref, ref_losses = one_step_late_reference(layers, data, lr=5e-2)
+    copies, host, opt = random_sleeps(0.002, seed=3), random_sleeps(0.02, seed=4, prob=0.7), random_sleeps(0.06, seed=5)
+
+    def hook(kind):   # the host side slow enough that the next call races it
+        {"optimizer": opt, "pcopy": host, "gcopy": host}.get(kind, copies)(kind)
+    with inject_delays(hook):
+        losses = run_async(layers, data, 5e-2, workers, num_mb=4, prefetch=prefetch)
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), ref)
+
+
+def test_synchronize_makes_the_next_call_fresh():
+    """After synchronize() the pending step is applied, so the next call uses the new weights."""
+    layers = MODELS["mlp"](3)
+    x, y = batches(1)[0]
+    with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.step(opt)
+        model.synchronize()
+        out = model(x)
+    torch.testing.assert_close(out, reference(layers)(x).detach())
+
+
+def test_protocol_orders_pcopy_after_next_iterations_uploads():
+    """A P-copy waits for the next iteration's uploads of that layer, and the upload after it waits for it."""
+    sync = LayerSync(2)
+    sync.begin_iteration([1, 1])
+    sync.uploaded(0, None)
+    sync.uploaded(1, None)
+    sync.end_iteration()
+    rec = sync.new_step()
+    assert not sync._pcopy_gate(rec, 0)          # iteration 2 has not uploaded yet
+    sync.begin_iteration([2, 1])
+    assert sync.upload_ready(0)                  # iteration 2 may read the old weights
+    sync.uploaded(1, None)
+    assert sync._pcopy_gate(rec, 1) and not sync._pcopy_gate(rec, 0)
+    sync.uploaded(0, None)
+    sync.uploaded(0, None)
+    assert sync._pcopy_gate(rec, 0)
+    sync.end_iteration()
+    sync.begin_iteration([1, 1])
+    assert not sync.upload_ready(0)              # iteration 3 must see step 1's weights
+    sync.pcopy_done(rec, 0)
+    assert sync.upload_ready(0) and not sync.upload_ready(1)
+
+
+def test_optimizer_error_surfaces_at_the_next_call():
+    """An exception inside an asynchronous step reaches the caller at its next call, with its type."""
+    layers = MODELS["mlp"](3)
+    x, y = batches(1)[0]
+
+    def bad_step():
+        raise FloatingPointError("non-finite gradient")
+    with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.step(bad_step)
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            model.synchronize()
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)   # usable afterwards
+        model.step(torch.optim.SGD(model.parameters(), lr=0.1), asynchronous=False)
+
+
+class LayerwiseSGD:
+    """A per-layer optimizer in the shape of the fused-step seam: update masters, write upload copies."""
+
+    def __init__(self, lr):
+        self.lr = lr
+
+    def step_layer(self, params, upload):
+        for p, u in zip(params, upload):
+            if p.grad is not None:
+                p.sub_(self.lr * p.grad)
+            u.copy_(p)
+
+
+def test_per_layer_optimizer_seam_is_one_step_stale():
+    """A step_layer optimizer runs through the per-layer gates and matches one-step-late SGD."""
+    layers = [Slow(m, 0.001) for m in MODELS["mlp"](4)]
+    data = batches(4)
+    ref, ref_losses = one_step_late_reference(layers, data, 0.1, torch.optim.SGD)
+    losses = run_async(layers, data, 0.1, workers=2, num_mb=3, make_opt=lambda model: LayerwiseSGD(0.1))
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), ref)
+
+
+def test_gradient_accumulation_is_one_step_stale():
+    """With k calls per step, every call of a group sees the weights from before the previous step."""
+    layers = MODELS["mlp"](4)
+    data = batches(8)
+    k = 2
+    cur, stale = reference(layers), reference(layers)
+    opt = torch.optim.AdamW(cur.parameters(), lr=5e-2)
+    ref_losses = []
+    for g in range(0, len(data), k):
+        stale.zero_grad()
+        for x, y in data[g:g + k]:
+            loss = F.mse_loss(stale(x), y)
+            loss.backward()
+            ref_losses.append(loss.detach())
+        for p, q in zip(cur.parameters(), stale.parameters()):
+            p.grad = q.grad.clone()
+        stale.load_state_dict(cur.state_dict())
+        opt.step()
+        opt.zero_grad()
+    with rp.RoundPipe(layers, devices=["cpu"] * 3, num_microbatches=3) as model:
+        ropt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+        losses = []
+        for i, (x, y) in enumerate(data):
+            losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
+            if i % k == k - 1:
+                model.step(ropt)
+        model.synchronize()
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), cur)

@@ -1,0 +1,77 @@
+"""Host state: every host buffer comes from the model's arena, returns on close, and a torch fallback."""
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import roundpipe as rp
+from roundpipe import _native
+from roundpipe.host_state import HostState
+from rp_models import MODELS, max_rel_err, reference
+
+native = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")
+
+
+@native
+def test_buffers_live_in_the_arena_and_return_on_close():
+    """Upload copies, landing buffers and worker staging are arena blocks; close() gives them all back."""
+    torch.manual_seed(0)
+    layers = MODELS["residual"]()
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    model = rp.RoundPipe(layers, devices=["cpu", "cpu"], num_microbatches=3)
+    arena = model.host.arena
+    assert arena is not None and not arena.pinned   # CPU workers: plain memory, same bookkeeping
+    st = model.host.layers[0]
+    assert all(arena.owns(u) for u in st.upload) and all(arena.owns(g) for g in st.gbuf)
+    params_bytes = sum(p.numel() * 4 for p in model.parameters())
+    before = arena.stats().requested_bytes
+    assert before == 2 * params_bytes   # fp32 upload copy + fp32 landing buffer, nothing rounded up
+    model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+    assert arena.stats().num_allocations > 2 * len(list(model.parameters()))   # + staging of the call
+    model.close()
+    gc.collect()
+    arena.synchronize()
+    assert arena.stats().in_use_bytes == 0
+
+
+@native
+def test_worker_staging_comes_from_the_arena():
+    """A stage output sent to the host lands in an arena tensor."""
+    with rp.RoundPipe(MODELS["mlp"](), devices=["cpu"]) as model:
+        w = model.workers[0]
+        w.copies.inline_bytes = 0
+        h = w.send(torch.randn(4, 8), need_host=True, keep_device=False)
+        h.host_ready.wait()
+        assert model.host.arena.owns(h.host)
+
+
+def test_alloc_and_staged_copies():
+    """alloc gives contiguous host tensors of the asked dtype; staged copies host tensors and passes others."""
+    host = HostState([torch.nn.Linear(3, 2)], torch.bfloat16, pinned=False)
+    t = host.alloc(torch.Size([5, 3]), torch.float16)
+    assert t.shape == (5, 3) and t.dtype == torch.float16 and t.is_contiguous()
+    assert host.layers[0].upload[0].dtype == torch.bfloat16
+    src = torch.randn(4)
+    dup = host.staged(src)
+    assert torch.equal(dup, src) and dup.data_ptr() != src.data_ptr()
+    assert host.staged("label") == "label"
+    host.close()
+    assert host.layers[0].upload == [] and host.arena is None
+
+
+def test_without_native_core_the_engine_still_matches_autograd(monkeypatch):
+    """With roundpipe._C reported missing: plain torch buffers, synchronous copies, exact gradients."""
+    monkeypatch.setattr(_native, "available", lambda: False)
+    torch.manual_seed(1)
+    layers = MODELS["mlp"]()
+    x, y = torch.randn(7, 8), torch.randn(7, 8)
+    ref = reference(layers)
+    F.mse_loss(ref(x), y).backward()
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
+        assert model.host.arena is None
+        assert not model.workers[0].copies.native
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert max_rel_err(p.grad, q.grad) <= 1e-5

@@ -1,0 +1,340 @@
+"""RoundPipe on CPU workers: exact gradients, API semantics, bad input and faults."""
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import roundpipe as rp
+from rp_models import MODELS, Mlp, RunningMean, Slow, max_rel_err, mlp, reference
+from roundpipe.testing import inject_delays, random_sleeps
+
+
+def ref_forward(seq, x, **kw):
+    h = seq[0](x, **kw)
+    for layer in seq[1:]:
+        h = layer(h)
+    return h
+
+
+def ref_grads(layers, x, y, loss_fn=F.mse_loss, **kw):
+    ref = reference(layers)
+    loss = loss_fn(ref_forward(ref, x, **kw), y)
+    loss.backward()
+    return loss, ref
+
+
+def assert_grads_equal(model, ref, tol=1e-5):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, name
+        assert max_rel_err(p.grad, q.grad) <= tol, (name, max_rel_err(p.grad, q.grad))
+
+
+PLANS = {
+    "default": None,
+    "all_fused": rp.Plan(forward=[], backward=[range(0, 5)]),
+    "misaligned": rp.Plan(forward=[range(0, 3)], backward=[range(3, 5), range(1, 3), range(0, 1)]),
+    "uniform": rp.Plan.uniform(5, backward_per_stage=2, forward_ratio=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_gradients_match_autograd(name, workers):
+    """Gradients and loss equal plain autograd for every model and pool size (uneven microbatches)."""
+    torch.manual_seed(workers)
+    layers = MODELS[name]()
+    x, y = torch.randn(11, 8), torch.randn(11, 8)
+    kw = {"scale": 0.5} if name == "nested" else {}
+    loss_ref, ref = ref_grads(layers, x, y, **kw)
+    with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=2 + workers) as model:
+        loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss, **kw)
+        model.synchronize()
+        assert loss.shape == () and loss.device.type == "cpu"
+        assert max_rel_err(loss, loss_ref.detach()) <= 1e-5
+        assert_grads_equal(model, ref)
+
+
+@pytest.mark.parametrize("num_mb", range(1, 8))
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_microbatch_counts_and_plans(num_mb, plan):
+    """1-7 microbatches (several rounds for 3 workers) under default and explicit plans give exact gradients."""
+    layers = [Slow(m, 0.0005) for m in mlp(5)]
+    x, y = torch.randn(9, 8), torch.randn(9, 8)
+    _, ref = ref_grads(layers, x, y)
+    with rp.RoundPipe(layers, devices=["cpu"] * 3, num_microbatches=num_mb, plan=PLANS[plan],
+                      microbatches_per_round=3) as model:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        assert_grads_equal(model, ref)
+
+
+def test_exact_under_random_copy_delays():
+    """Random sleeps at every copy point do not change the gradients."""
+    layers = MODELS["nested"]()
+    x, y = torch.randn(7, 8), torch.randn(7, 8)
+    _, ref = ref_grads(layers, x, y, scale=2.0)
+    with rp.RoundPipe(layers, devices=["cpu"] * 3, num_microbatches=7) as model, inject_delays(random_sleeps(0.002)):
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss, scale=2.0)
+        model.synchronize()
+        assert_grads_equal(model, ref)
+
+
+def test_calls_accumulate_and_step_clears():
+    """Two forward_backward calls accumulate like two backward() calls; step() clears p.grad."""
+    layers = mlp(4)
+    ref = reference(layers)
+    xs = [torch.randn(6, 8) for _ in range(2)]
+    with rp.RoundPipe(layers, devices=["cpu", "cpu"]) as model:
+        for x in xs:
+            model.forward_backward(x, labels=x, loss_fn=F.mse_loss)
+            F.mse_loss(ref(x), x).backward()
+        model.synchronize()
+        assert_grads_equal(model, ref)
+        model.step(lambda: None, asynchronous=False)
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_buffers_update_once_per_forward():
+    """Buffers end as in plain PyTorch: one update per microbatch forward, none from recompute."""
+    layers = [Mlp(), RunningMean(), nn.BatchNorm1d(8), Mlp(), RunningMean()]
+    ref = reference(layers)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=4,
+                      plan=rp.Plan(forward=[range(0, 4)], backward=[range(4, 5), range(2, 4), range(0, 2)])) as model:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        for xm, ym in zip(x.split(2), y.split(2)):   # BatchNorm sees microbatch statistics
+            (F.mse_loss(ref(xm), ym) / 4).backward()
+        for (n, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
+            assert torch.allclose(b.float(), rb.float(), rtol=1e-6, atol=1e-7), n
+        assert int(layers[1].calls) == 4
+        assert_grads_equal(model, ref)
+
+
+def test_forward_only_matches_and_keeps_no_grad():
+    """model(x) returns the concatenated output on the CPU with no autograd graph."""
+    layers = MODELS["nested"]()
+    ref = reference(layers)
+    x = torch.randn(5, 8)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
+        out = model(x, scale=3.0)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, ref_forward(ref, x, scale=3.0).detach())
+    assert all(p.grad is None for p in layers[0].parameters())
+
+
+def test_loss_is_weighted_by_microbatch_size():
+    """With a mean loss_fn the returned loss is the batch mean even for uneven microbatches."""
+    layers = mlp(3)
+    x = torch.randn(7, 8)
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=3) as model:
+        loss = model.forward_backward(x, labels=torch.zeros(7, 8), loss_fn=lambda o, t: (o - t).pow(2).mean())
+    torch.testing.assert_close(loss, reference(layers)(x).pow(2).mean().detach())
+
+
+def test_loss_from_last_layer_without_loss_fn():
+    """Without loss_fn the last layer's output is the loss."""
+    class MeanLoss(nn.Module):
+        def forward(self, h):
+            return h.pow(2).mean()
+    layers = mlp(3) + [MeanLoss()]
+    x = torch.randn(4, 8)
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=2) as model:
+        loss = model.forward_backward(x)
+    torch.testing.assert_close(loss, reference(layers)(x).detach())
+
+
+def test_state_dict_round_trip_and_names():
+    """Names are the wrapped module's; load_state_dict changes what the workers compute."""
+    layers = mlp(3)
+    with rp.RoundPipe(nn.Sequential(*layers), devices=["cpu"]) as model:
+        names = [n for n, _ in model.named_parameters()]
+        assert names[0] == "0.0.weight"
+        sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+        model.load_state_dict(sd)
+        assert torch.count_nonzero(model(torch.randn(3, 8))) == 0
+
+
+def test_trace_and_rotation():
+    """Every stage-microbatch is traced and timed, and the rotation continues across calls."""
+    layers = mlp(4)
+    plan = rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, plan=plan, num_microbatches=3) as model:
+        timings = []
+        model.stage_timing = lambda *a: timings.append(a)   # the profiler seam
+        with model.record_trace() as trace:
+            model.forward_backward(torch.randn(3, 8), labels=torch.randn(3, 8), loss_fn=F.mse_loss)
+        assert len(trace.events) == len(timings) == 3 * 3
+        assert sorted((w, k, first, m) for w, k, first, m, t0, t1 in timings if k == "B") == \
+            [("cpu:0", "B", 0, m) for m in range(3)]
+        placed = {(e.cat, e.args["layers"], e.worker) for e in trace.events}
+        assert placed == {("F", "0-1", "cpu:0"), ("fused", "2-3", "cpu:1"), ("B", "0-1", "cpu:0")}
+        with model.record_trace() as trace2:
+            model.forward_backward(torch.randn(3, 8), labels=torch.randn(3, 8), loss_fn=F.mse_loss)
+        f_stage = [e.worker for e in trace2.events if e.cat == "F"]
+        assert set(f_stage) == {"cpu:1"}   # 3 slots used last call, so slot 0 now goes to worker 1
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: rp.RoundPipe([]), ValueError, "layers is empty"),
+    (lambda: rp.RoundPipe([nn.Linear(2, 2), "x"]), TypeError, r"layers\[1\]"),
+    (lambda: rp.RoundPipe(mlp(2), devices=[]), ValueError, "devices=\\[\\] is empty"),
+    (lambda: rp.RoundPipe(mlp(2), devices=["tpu:0"]), ValueError, "tpu:0"),
+    (lambda: rp.RoundPipe(mlp(2), devices=["cuda:0"]), ValueError, "CUDA"),
+    (lambda: rp.RoundPipe(mlp(2), devices=["cpu"], num_microbatches=0), ValueError, "num_microbatches=0"),
+    (lambda: rp.RoundPipe(mlp(2), devices=["cpu"], compute_dtype=torch.int8), ValueError, "compute_dtype"),
+    (lambda: rp.RoundPipe(mlp(4), devices=["cpu"], plan=rp.Plan(forward=[], backward=[range(0, 3)])),
+     ValueError, "plan covers 3 layers"),
+])
+def test_bad_construction(make, exc, match):
+    """Bad constructor arguments raise ValueError/TypeError naming the argument."""
+    if "CUDA" in match and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_bad_plan_names_the_stage():
+    """Explicit plans with gaps or overlaps raise ValueError naming the stage."""
+    with pytest.raises(ValueError, match="backward stage 1"):
+        rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 3)])
+    with pytest.raises(ValueError, match="forward stage 1"):
+        rp.Plan(forward=[range(0, 1), range(2, 3)], backward=[range(3, 4), range(0, 3)])
+
+
+def test_bad_calls_and_closed_model():
+    """Bad call arguments raise ValueError/TypeError; any call after close() raises ValueError."""
+    model = rp.RoundPipe(mlp(2), devices=["cpu"], num_microbatches=4)
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="num_microbatches=4"):
+        model.forward_backward(x, labels=x, loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="labels have batch size 2"):
+        model.forward_backward(torch.randn(4, 8), labels=torch.randn(2, 8), loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="nothing to split"):
+        model.forward_backward(3.0, loss_fn=F.mse_loss)
+    with pytest.raises(TypeError, match="optimizer"):
+        model.step(42)
+    with pytest.raises(TypeError, match="loss_fn"):
+        model.forward_backward(torch.randn(4, 8), labels=x, loss_fn="mse")
+    model.close()
+    for call in (lambda: model(torch.randn(4, 8)), model.synchronize, lambda: model.step(lambda: None)):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    model.close()   # idempotent
+
+
+class Boom(nn.Module):
+    exc = None   # class attribute: workers run replicas, which share the class but not instance state
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if Boom.exc is not None:
+            raise Boom.exc
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("bad shape"), KeyError("k"), KeyboardInterrupt()])
+def test_layer_exception_surfaces_and_model_recovers(exc):
+    """A layer's exception reaches the caller fast with its type and layer index; nothing is changed."""
+    layers = mlp(3) + [Boom()] + mlp(2)
+    boom = Boom
+    opt_model = rp.RoundPipe(layers, devices=["cpu"] * 3, num_microbatches=4)
+    opt = torch.optim.AdamW(opt_model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    opt_model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+    opt_model.step(opt, asynchronous=False)
+    before = {k: v.clone() for k, v in opt_model.state_dict().items()}
+    opt_state = {id(p): s["exp_avg"].clone() for p, s in opt.state.items()}
+    boom.exc = exc
+    t0 = time.perf_counter()
+    with pytest.raises(type(exc)) as info:
+        opt_model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+    assert time.perf_counter() - t0 < 1.0
+    if not isinstance(exc, KeyboardInterrupt):
+        assert "layer 3" in str(info.value)
+    opt_model.synchronize()
+    assert all(torch.equal(v, before[k]) for k, v in opt_model.state_dict().items())
+    assert all(p.grad is None for p in opt_model.parameters())
+    assert all(torch.equal(s["exp_avg"], opt_state[id(p)]) for p, s in opt.state.items())
+    boom.exc = None   # usable again, and the failed call left no gradient behind
+    _, ref = ref_grads(layers, x, y)
+    opt_model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+    opt_model.synchronize()
+    assert_grads_equal(opt_model, ref)
+    opt_model.close()
+    assert threading.active_count() < 50
+
+
+def test_loss_fn_exception_is_tagged():
+    """An exception in loss_fn keeps its type and says it came from loss_fn."""
+    def bad_loss(out, y):
+        raise IndexError("label out of range")
+    with rp.RoundPipe(mlp(3), devices=["cpu"] * 2) as model:
+        with pytest.raises(IndexError, match="loss_fn"):
+            model.forward_backward(torch.randn(4, 8), labels=torch.zeros(4), loss_fn=bad_loss)
+        with pytest.raises(TypeError, match="scalar loss"):
+            model.forward_backward(torch.randn(4, 8), labels=torch.zeros(4), loss_fn=lambda o, y: o)
+        model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=F.mse_loss)
+
+
+def test_ctrl_c_in_the_caller_leaves_state_unchanged():
+    """A KeyboardInterrupt delivered to the waiting caller stops the call; weights and optimizer state stay."""
+    import _thread
+    layers = [Slow(m, 0.01) for m in mlp(4)]
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=4) as model:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.step(opt, asynchronous=False)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        steps = [s["step"].clone() for s in opt.state.values()]
+        timer = threading.Timer(0.05, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        timer.join()
+        model.synchronize()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        assert all(p.grad is None for p in model.parameters())
+        assert [s["step"] for s in opt.state.values()] == steps
+        _, ref = ref_grads(layers, x, y)
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        assert_grads_equal(model, ref)
+
+
+def test_frozen_parameters_get_no_gradient():
+    """Parameters with requires_grad=False stay without .grad; the others are exact."""
+    layers = mlp(4)
+    for p in layers[1].parameters():
+        p.requires_grad_(False)
+    x, y = torch.randn(5, 8), torch.randn(5, 8)
+    _, ref = ref_grads(layers, x, y)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (p.grad is None) == (not p.requires_grad)
+            if p.requires_grad:
+                assert max_rel_err(p.grad, q.grad) <= 1e-5
+
+
+def test_dropped_model_stops_its_threads():
+    """A model garbage-collected without close() lets its worker and host threads exit."""
+    import gc
+    before = threading.active_count()
+    model = rp.RoundPipe(mlp(2), devices=["cpu"] * 3)
+    model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=F.mse_loss)
+    assert threading.active_count() == before + 8   # 3 workers and their completion threads, step, G-copy
+    del model
+    gc.collect()
+    deadline = time.time() + 2
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before

@@ -1,0 +1,153 @@
+"""Tests for roundpipe.train: the `roundpipe train` job, its config and its flags."""
+import json
+import re
+
+import pytest
+import torch
+
+from roundpipe import train as rt
+from roundpipe.data import ByteCorpus
+
+TINY = dict(hidden=32, layers=2, heads=2, seq_len=32, batch_size=8, steps=40, lr=1e-2, eval_batches=2, progress=False)
+
+
+@pytest.mark.parametrize("engine, devices, asynchronous", [("torch", None, None), ("roundpipe", ["cpu", "cpu"], True)])
+def test_tiny_model_learns(engine, devices, asynchronous):
+    """40 steps on the stdlib bytes take the loss from ~ln 256 clearly down, train and held-out."""
+    result = rt.train(rt.TrainConfig(engine=engine, devices=devices, asynchronous=asynchronous, **TINY))
+    assert len(result.losses) == 40 and all(torch.isfinite(torch.tensor(result.losses)))
+    assert abs(result.start_loss - 5.545) < 0.15
+    assert result.end_loss < result.start_loss - 1.5
+    assert result.val_end < result.val_start - 1.5
+    assert result.tokens == 40 * 8 * 32 and result.tokens_per_s > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine, asynchronous", [("roundpipe", True), ("roundpipe", False), ("torch", None)])
+def test_tiny_model_learns_on_the_gpu(engine, asynchronous):
+    """On one GPU (bf16 compute) the tiny model learns as it does on CPU workers."""
+    devices = ["cuda:0", "cuda:0"] if engine == "roundpipe" else ["cuda:0"]
+    result = rt.train(rt.TrainConfig(engine=engine, devices=devices, asynchronous=asynchronous, **TINY))
+    assert result.devices[0].startswith("cuda")
+    assert result.end_loss < result.start_loss - 1.5
+    assert result.val_end < result.val_start - 1.5
+
+
+def test_sync_roundpipe_matches_the_torch_reference():
+    """With the synchronous step, RoundPipe on CPU workers trains exactly like the plain PyTorch loop."""
+    cfg = dict(TINY, steps=6, eval_batches=1)
+    ref = rt.train(rt.TrainConfig(engine="torch", **cfg))
+    ours = rt.train(rt.TrainConfig(engine="roundpipe", devices=["cpu", "cpu"], microbatches=3, asynchronous=False, **cfg))
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+    assert ours.val_end == pytest.approx(ref.val_end, rel=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["roundpipe", "torch"])
+def test_main_prints_start_and_end_loss(capsys, tmp_path, engine):
+    """The CLI prints the model, the data, and the loss at the start and at the end; --trace writes JSON."""
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    trace = tmp_path / "run.json"
+    argv = ["--engine", engine, "--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "16",
+            "--batch-size", "4", "--steps", "25", "--lr", "1e-2", "--data-dir", str(tmp_path),
+            "--no-progress", "--trace", str(trace)]
+    assert rt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "1 layers, hidden 32, 2 heads" in out and "1 text files" in out
+    start, end = (float(out.split(f"{k} ")[1].split()[0]) for k in ("loss: start", "end"))
+    assert end < start - 1.0
+    assert "25 steps, 1,600 tokens" in out and "tokens/s" in out
+    assert len(json.loads(trace.read_text())["traceEvents"]) > 25
+
+
+def test_same_seed_gives_the_same_losses():
+    """Two runs with one seed give identical losses; another seed differs."""
+    cfg = dict(TINY, steps=5, engine="torch")
+    a = rt.train(rt.TrainConfig(**cfg)).losses
+    assert a == rt.train(rt.TrainConfig(**cfg)).losses
+    assert a != rt.train(rt.TrainConfig(**{**cfg, "seed": 1})).losses
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
+def test_defaults_fit_the_machine():
+    """Without GPUs the default is the tiny preset on CPU with 16 x 128 batches."""
+    cfg = rt.TrainConfig().resolved()
+    assert (cfg.batch_size, cfg.seq_len, cfg.warmup, cfg.devices) == (16, 128, 30, ["cpu"])
+    assert cfg.asynchronous is False and rt.TrainConfig(asynchronous=True).resolved().asynchronous is True
+    assert cfg.model_config() == rt.PRESETS["tiny"]
+    assert rt.TrainConfig(hidden=256, devices=["cpu"]).model_config().heads == 4
+
+
+def test_learning_rate_schedule():
+    """Linear warmup to lr, then cosine decay to 10% of lr at the last step."""
+    cfg = rt.TrainConfig(steps=100, warmup=10, lr=1.0).resolved()
+    assert rt.lr_at(0, cfg) == pytest.approx(0.1)
+    assert rt.lr_at(9, cfg) == pytest.approx(1.0)
+    assert rt.lr_at(10, cfg) == pytest.approx(1.0)
+    assert rt.lr_at(100, cfg) == pytest.approx(0.1)
+    lrs = [rt.lr_at(s, cfg) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_optimizer_decays_matrices_only():
+    """make_optimizer puts >= 2-D parameters in the decayed group and norms in the other."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    opt = rt.make_optimizer(model.named_parameters(), 1e-3, 0.1)
+    assert isinstance(opt, torch.optim.AdamW)
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and [p.shape for p in decayed["params"]] == [(4, 3)]
+    assert plain["weight_decay"] == 0.0 and len(plain["params"]) == 3
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--steps", "0"], "steps=0 must be an int >= 1"),
+    (["--batch-size", "-2"], "batch_size=-2"),
+    (["--lr", "0"], "lr=0.0 must be"),
+    (["--lr", "nan"], "lr=nan"),
+    (["--hidden", "30", "--heads", "4"], "hidden=30 must be divisible by heads=4"),
+    (["--microbatches", "9", "--batch-size", "8"], "microbatches=9 must be <= batch_size=8"),
+    (["--engine", "torch", "--async"], "asynchronous=True needs engine='roundpipe'"),
+    (["--engine", "torch", "--devices", "cpu,cpu"], "exactly one device"),
+    (["--devices", "cpu,,cpu"], "devices=.* must be a non-empty list"),
+    (["--devices", "foo"], "'foo' is not a device name"),
+    (["--seq-len", "100000000"], "seq_len=100000000 needs at least"),
+    (["--size", "huge"], "invalid choice: 'huge'"),
+    (["--sync", "--async"], "not allowed with argument"),
+    (["--steps", "ten"], "invalid int value: 'ten'"),
+])
+def test_bad_flags_exit_with_a_message(capsys, argv, match):
+    """Invalid flags exit with status 2 and a message naming the flag and its value."""
+    with pytest.raises(SystemExit) as exc:
+        rt.main(argv + ["--no-progress"])
+    assert exc.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_exits_with_a_message(capsys):
+    """--devices cuda:0 where there is no CUDA exits with status 2 before loading anything."""
+    with pytest.raises(SystemExit):
+        rt.main(["--devices", "cuda:0", "--no-progress"])
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_data_dir_errors_exit_with_a_message(capsys, tmp_path):
+    """A missing --data-dir exits with status 2 naming it."""
+    with pytest.raises(SystemExit):
+        rt.main(["--data-dir", str(tmp_path / "nope"), "--no-progress"])
+    assert "is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, error", [({"engine": "jax"}, ValueError), ({"dtype": "fp8"}, ValueError),
+                                           ({"devices": "cpu"}, ValueError), ({"devices": []}, ValueError),
+                                           ({"eval_batches": -1}, ValueError), ({"steps": True}, ValueError)])
+def test_bad_config_raises(kwargs, error):
+    """TrainConfig validates every field at construction."""
+    with pytest.raises(error):
+        rt.TrainConfig(**kwargs)
+
+
+def test_corpus_can_be_passed_in():
+    """train(cfg, corpus) uses the given corpus instead of loading one."""
+    corpus = ByteCorpus(torch.tensor(list(b"abcabcabcabc" * 500), dtype=torch.uint8))
+    result = rt.train(rt.TrainConfig(**{**TINY, "steps": 30, "engine": "torch"}), corpus)
+    assert result.end_loss < 1.5

@@ -1,0 +1,104 @@
+"""Worker copy queues: bulk windows ride behind activation copies, flushes, byte-exact data, late copies."""
+import threading
+
+import pytest
+import torch
+
+from roundpipe import _native, testing
+from roundpipe.workers.transfers import Transfers
+
+pytestmark = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")
+
+
+def bulk_tensors(sizes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    srcs = [torch.randn(n, generator=g) for n in sizes]
+    return [torch.empty_like(s) for s in srcs], srcs
+
+
+def test_windows_go_out_behind_activation_copies():
+    """A 3-window bulk sends nothing until activation copies of its direction, one window behind each."""
+    tr = Transfers(torch.device("cpu"))
+    dsts, srcs = bulk_tensors([3000, 1000, 700, 5])
+    b = tr.bulk("param_up", dsts, srcs, 3)
+    assert b.fences == [] and not b.sent.is_set()
+    tr.act("act_down", [torch.empty(4)], [torch.ones(4)])   # other direction: releases nothing
+    assert b.fences == []
+    for k in range(1, 3):
+        x = torch.empty(16)
+        tr.act("act_up", [x], [torch.full((16,), float(k))])
+        assert len(b.fences) == k
+    tr.flush()
+    assert len(b.fences) == 3 and b.sent.is_set()
+    tr.wait(b)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_window_order_in_the_engine():
+    """In the engine, window k starts only after activation copy k, and the data arrive intact."""
+    tr = Transfers(torch.device("cpu"))
+    tr.engine.pause()
+    dsts, srcs = bulk_tensors([4096, 4096, 2048, 2048])
+    b = tr.bulk("grad_down", dsts, srcs, 3)
+    for _ in range(3):
+        tr.act("act_down", [torch.empty(8)], [torch.zeros(8)])
+    tr.engine.resume()
+    tr.wait(b)
+    order = [q for q, _ in tr.engine.history()]
+    assert sorted(order) == ["act_down"] * 3 + ["grad_down"] * 3
+    for k, i in enumerate(i for i, q in enumerate(order) if q == "grad_down"):
+        assert order[:i].count("act_down") >= k + 1, order   # window k started after activation k
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_single_window_and_empty_bulk_go_at_once():
+    """windows=1 (weights needed now) is sent immediately; an empty bulk counts as sent."""
+    tr = Transfers(torch.device("cpu"))
+    dsts, srcs = bulk_tensors([100, 33])
+    b = tr.bulk("param_up", dsts, srcs, 1)
+    assert len(b.fences) == 1
+    tr.wait(b)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert tr.bulk("grad_down", [], [], 4).sent.is_set()
+
+
+def test_wait_sent_blocks_until_an_activation_releases_the_windows():
+    """A completion thread waiting for a held-back bulk is woken by the activation copies that send it."""
+    tr = Transfers(torch.device("cpu"))
+    dsts, srcs = bulk_tensors([64, 64])
+    b = tr.bulk("grad_down", dsts, srcs, 2)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(len(Transfers.wait_sent(b))))
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive()
+    tr.act("act_down", [torch.empty(2)], [torch.ones(2)])
+    tr.act("act_down", [torch.empty(2)], [torch.ones(2)])
+    waiter.join(2)
+    assert got == [2]
+    tr.synchronize()
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_delay_hook_holds_copies_back():
+    """Under inject_delays a copy completes only after the hook returns, while its issuer goes on."""
+    release = threading.Event()
+    tr = Transfers(torch.device("cpu"))
+    dst, src = torch.zeros(1000), torch.arange(1000.0)
+    with testing.inject_delays(lambda kind: release.wait(5)):
+        fence = tr.act("act_up", [dst], [src])
+        assert fence.state == "pending" and not torch.equal(dst, src)
+        release.set()
+        fence.wait()
+    assert torch.equal(dst, src)
+
+
+def test_without_native_core_copies_are_synchronous(monkeypatch):
+    """Without roundpipe._C the queues copy at once with torch and every fence is None."""
+    monkeypatch.setattr(_native, "available", lambda: False)
+    tr = Transfers(torch.device("cpu"))
+    dsts, srcs = bulk_tensors([10, 20])
+    b = tr.bulk("param_up", dsts, srcs, 3)
+    assert b.fences == [None] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    x = torch.empty(3)
+    assert tr.act("act_up", [x], [torch.ones(3)]) is None and torch.equal(x, torch.ones(3))
