@@ -26,6 +26,7 @@ import torch
 
 from roundpipe.data import ByteCorpus
 from roundpipe.models.tiny_decoder import PRESETS, DecoderConfig, build_layers, loss_fn
+from roundpipe.optim import AdamW
 from roundpipe.train_engines import make_engine
 from roundpipe.workers import parse_devices
 
@@ -157,16 +158,16 @@ class TrainResult:
 
 
 def make_optimizer(named_params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW over the fp32 master weights; matrices decay, norms and biases do not.
+    """roundpipe.optim.AdamW over the fp32 master weights; matrices decay, norms and biases do not.
 
-    The one place that chooses the optimizer, so the native fused roundpipe.optim.AdamW
-    can replace torch's here.
+    The native fused step (torch.optim.AdamW's arithmetic); through RoundPipe it runs per
+    layer and writes each layer's upload copy in the same pass.
     """
     named = list(named_params)
     decay = [p for _, p in named if p.dim() >= 2]
     no_decay = [p for _, p in named if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+    return AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

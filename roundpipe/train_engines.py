@@ -36,6 +36,24 @@ def _step_with_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> Callabl
     return run
 
 
+class _LayerStepWithLr:
+    """A per-layer fused optimizer (roundpipe.optim) with this step's learning rate.
+
+    RoundPipe runs the layers of one step, then of the next, on one host thread, so
+    setting the rate at each layer's update is race-free and never leaks into a
+    step still being applied.
+    """
+
+    def __init__(self, optimizer, lr: float | None):
+        self.optimizer, self.lr = optimizer, lr
+
+    def step_layer(self, params, upload) -> None:
+        if self.lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr
+        self.optimizer.step_layer(params, upload)
+
+
 class TorchReference:
     """The layers as one nn.Sequential on one device; autocast when dtype is not fp32."""
 
@@ -117,7 +135,10 @@ class RoundPipeEngine:
         return self.model.forward_backward(x, labels=labels, loss_fn=loss_fn)
 
     def step(self, optimizer: torch.optim.Optimizer, *, lr: float | None = None, asynchronous: bool = True) -> None:
-        self.model.step(_step_with_lr(optimizer, lr), asynchronous=asynchronous)
+        if callable(getattr(optimizer, "step_layer", None)):  # fused per-layer path: update + upload copy in one pass
+            self.model.step(_LayerStepWithLr(optimizer, lr), asynchronous=asynchronous)
+        else:
+            self.model.step(_step_with_lr(optimizer, lr), asynchronous=asynchronous)
 
     def named_parameters(self):
         return self.model.named_parameters()

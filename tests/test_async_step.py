@@ -211,3 +211,39 @@ def test_gradient_accumulation_is_one_step_stale():
     for a, b in zip(losses, ref_losses):
         assert max_rel_err(a, b) <= 1e-5
     assert_params_close(nn_seq(layers), cur)
+
+
+def test_fused_adamw_per_layer_sync_matches_pytorch():
+    """roundpipe.optim.AdamW through the per-layer fused path equals torch.optim.AdamW, synchronously."""
+    layers = MODELS["residual"]()
+    ref = reference(layers)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches(10):
+            loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.step(opt, asynchronous=False)
+            ref_loss = F.mse_loss(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert max_rel_err(loss, ref_loss.detach()) <= 1e-5
+        assert_params_close(model, ref)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_fused_adamw_async_under_delays_is_one_step_stale(workers):
+    """The fused per-layer step under random host/copy delays equals the torch one-step-late reference."""
+    layers = [Slow(m, 0.001) for m in MODELS["mlp"](5)]
+    data = batches(5)
+    ref, ref_losses = one_step_late_reference(layers, data, lr=5e-2)
+    copies, host, opt = random_sleeps(0.002, seed=6), random_sleeps(0.02, seed=7, prob=0.7), random_sleeps(0.05, seed=8)
+
+    def hook(kind):
+        {"optimizer": opt, "pcopy": host, "gcopy": host}.get(kind, copies)(kind)
+    with inject_delays(hook):
+        losses = run_async(layers, data, 5e-2, workers, num_mb=4,
+                           make_opt=lambda m: rp.optim.AdamW(m.parameters(), lr=5e-2))
+    for a, b in zip(losses, ref_losses):
+        assert max_rel_err(a, b) <= 1e-5
+    assert_params_close(nn_seq(layers), ref)

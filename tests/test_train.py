@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 
+import roundpipe.optim
 from roundpipe import train as rt
 from roundpipe.data import ByteCorpus
 
@@ -92,7 +93,7 @@ def test_optimizer_decays_matrices_only():
     """make_optimizer puts >= 2-D parameters in the decayed group and norms in the other."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
     opt = rt.make_optimizer(model.named_parameters(), 1e-3, 0.1)
-    assert isinstance(opt, torch.optim.AdamW)
+    assert isinstance(opt, roundpipe.optim.AdamW)
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and [p.shape for p in decayed["params"]] == [(4, 3)]
     assert plain["weight_decay"] == 0.0 and len(plain["params"]) == 3
