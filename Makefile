@@ -7,8 +7,7 @@ STAMP := $(VENV)/.roundpipe-installed
 .PHONY: demo test setup clean
 
 demo: $(STAMP)
-	$(BIN)/roundpipe doctor
-	$(BIN)/roundpipe bench convert --quick --no-save
+	$(BIN)/roundpipe train
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -25,6 +25,7 @@ _LAZY = {
     "hostops": "roundpipe.hostops",
     "planner": "roundpipe.planner",
     "offload": "roundpipe.offload",
+    "PlanningConfig": "roundpipe.autoplan",
 }
 
 native_available = _native.available
