@@ -25,6 +25,7 @@ from roundpipe.workers.base import Alloc, Worker
 
 class CpuWorker(Worker):
     inline_copy_bytes: int = 64 << 10
+    lands_inline = True
 
     def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None):
         super().__init__(device, name, compute_dtype, alloc)
