@@ -21,6 +21,7 @@ class Board:
         self._cv = threading.Condition()
         self._items: dict[Hashable, list] = {}
         self._aborted = False
+        self._waiters = 0      # threads in get(): a put with none wakes nobody (saves the notify)
 
     def put(self, key: Hashable, value: Any, consumers: int) -> None:
         if consumers <= 0:
@@ -28,26 +29,34 @@ class Board:
         with self._cv:
             assert key not in self._items, f"{key} put twice"
             self._items[key] = [value, consumers]
-            self._cv.notify_all()
+            if self._waiters:
+                self._cv.notify_all()
+
+    def _take(self, key: Hashable) -> Any:
+        entry = self._items[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._items[key]
+        return entry[0]
 
     def get(self, key: Hashable) -> Any:
         with self._cv:
             while key not in self._items:
                 if self._aborted:
                     raise Aborted()
-                self._cv.wait()
-            entry = self._items[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._items[key]
-            return entry[0]
+                self._waiters += 1
+                try:
+                    self._cv.wait()
+                finally:
+                    self._waiters -= 1
+            return self._take(key)
 
     def poll(self, key: Hashable) -> tuple[bool, Any]:
         """Like get, but returns (False, None) at once when the value is not there yet."""
         with self._cv:
             if key not in self._items:
                 return False, None
-        return True, self.get(key)
+            return True, self._take(key)
 
     def abort(self) -> None:
         with self._cv:

@@ -16,15 +16,20 @@ microbatch sizes are read from dim 0 of the first tensor of each triple.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 SplitFn = Callable[[tuple, dict, Any, int], list]
 
 
+_NESTS = (tuple, list, dict)
+
+
 def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
     """Applies fn to every leaf of a nest of tuples (named ones too), lists and dicts."""
+    if isinstance(obj, torch.Tensor):   # the common case, a plain activation: no nest to walk
+        return fn(obj)
     if isinstance(obj, tuple):
         mapped = [tree_map(fn, o) for o in obj]
         return type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
@@ -35,15 +40,32 @@ def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
     return fn(obj)
 
 
-def tree_leaves(obj: Any) -> Iterator[Any]:
+def _collect(obj: Any, out: list) -> None:
     if isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from tree_leaves(o)
+            _collect(o, out)
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from tree_leaves(v)
+            _collect(v, out)
     else:
-        yield obj
+        out.append(obj)
+
+
+def tree_leaves(obj: Any) -> list[Any]:
+    """The leaves of a nest, in the order tree_map visits them."""
+    if not isinstance(obj, _NESTS):
+        return [obj]
+    out: list[Any] = []
+    _collect(obj, out)
+    return out
+
+
+def tree_unflatten(like: Any, leaves: list[Any]) -> Any:
+    """A nest shaped like `like` whose leaves are `leaves` (in tree_leaves order)."""
+    if not isinstance(like, _NESTS):
+        return leaves[0]
+    it = iter(leaves)
+    return tree_map(lambda _leaf: next(it), like)
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:

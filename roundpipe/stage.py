@@ -126,6 +126,7 @@ class StageRun:
         self.bound: list[list[torch.nn.Parameter]] = []
         self.acc: list[list[torch.Tensor | None]] = []
         self.early: dict[int, Arrival] = {}   # microbatch -> input upload issued one microbatch early
+        self._routes: dict[tuple, tuple[bool, bool]] = {}   # (kind, boundary) -> (keep_device, need_host)
 
     def _get(self, key: tuple) -> Any:
         """A board value; held-back bulk copies are sent first if it has to be waited for."""
@@ -133,12 +134,15 @@ class StageRun:
         if found:
             return value
         self.w.idle()
-        return self.ctx.board.get(key)
+        with self.w.yielded():   # another worker may need the turn to produce it
+            return self.ctx.board.get(key)
 
     def _use(self, arrival: Arrival) -> Any:
         """The arrived tensors, floating ones in compute dtype (uploads carry low precision)."""
         x = self.w.use(arrival)
         dt = self.w.compute_dtype
+        if isinstance(x, torch.Tensor):   # a plain activation: no nest to walk
+            return x.to(dt) if x.dtype != dt and x.is_floating_point() else x
         return tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
                         and t.dtype != dt else t, x)
 
@@ -188,12 +192,17 @@ class StageRun:
 
     def _handoff(self, key: tuple, x: Any, cons: list[Consumer]) -> None:
         w = self.w
-        keep = any(c.forward and c.worker.device == w.device for c in cons)
-        need_host = any((not c.forward) or c.worker.device != w.device for c in cons)
         if key[0] == "act" and key[1] == len(self.ctx.host):
             self.ctx.outputs[key[2]] = w.send(x, need_host=True, keep_device=False)
             return
-        self.ctx.board.put(key, w.send(x, need_host, keep) if cons else None, len(cons))
+        if not cons:
+            return   # nobody reads it (put with no consumers stores nothing)
+        # The same for every microbatch of the stage: worked out at its first one.
+        route = self._routes.get(key[:2])
+        if route is None:
+            route = self._routes[key[:2]] = (any(c.forward and c.worker.device == w.device for c in cons),
+                                            any((not c.forward) or c.worker.device != w.device for c in cons))
+        self.ctx.board.put(key, w.send(x, route[1], route[0]), len(cons))
 
     def forward(self, m: int) -> None:
         x = self._input(m)
@@ -337,7 +346,8 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
             for i, m in enumerate(task.mbs):
                 t0 = time.perf_counter()
                 timer = w.timer_start() if ctx.on_timing is not None else None
-                step(m)
+                with w.turn():
+                    step(m)
                 t1 = time.perf_counter()
                 if ctx.trace is not None:
                     ctx.trace.add(w.name, f"{task.label} mb{m}", t0, t1, cat=task.kind,

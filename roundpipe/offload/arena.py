@@ -120,7 +120,8 @@ class HostArena:
         """An uninitialised contiguous CPU tensor in an arena block (zero-size: an ordinary tensor)."""
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+        if not isinstance(shape, torch.Size):
+            shape = torch.Size((shape,) if isinstance(shape, int) else shape)
         numel = shape.numel()
         if numel <= 0:
             if any(d < 0 for d in shape):

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from roundpipe.executor import SerialExecutor
-from roundpipe.microbatch import tree_leaves, tree_map
+from roundpipe.microbatch import tree_leaves, tree_unflatten
 from roundpipe.recompute import RngDomain
 from roundpipe.workers.transfers import Bulk, Transfers
 
@@ -105,6 +105,14 @@ class Worker(ABC):
 
     def compute(self) -> contextlib.AbstractContextManager:
         """Context in which stage compute is issued (the compute stream on CUDA)."""
+        return contextlib.nullcontext()
+
+    def turn(self) -> contextlib.AbstractContextManager:
+        """Held while one stage-microbatch is issued (CPU workers take turns, see roundpipe/workers/cpu.py)."""
+        return contextlib.nullcontext()
+
+    def yielded(self) -> contextlib.AbstractContextManager:
+        """Around a wait for another worker's output: gives the turn back meanwhile, if held."""
         return contextlib.nullcontext()
 
     # True when issuing the next stage's weights and the next microbatch's input early
@@ -184,19 +192,23 @@ class Worker(ABC):
     # ---- activations
     def send(self, value: Any, need_host: bool, keep_device: bool) -> Handoff:
         """Publishes a stage output; need_host: a consumer is elsewhere or it is a stage input to keep."""
-        value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
-        h = Handoff(device=self.device)
+        # One pass over the flattened leaves (a plain tensor for most stages) instead of a walk per step.
+        leaves = tree_leaves(value)
         if need_host:
-            value = tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, value)
+            leaves = [t.detach().contiguous() if isinstance(t, torch.Tensor) else t for t in leaves]
+        else:
+            leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+        h = Handoff(device=self.device)
         compute = self._compute_fence()   # after the contiguous copies, which run on the compute stream
         if keep_device:
-            h.device_value, h.device_ready = value, compute
+            h.device_value, h.device_ready = tree_unflatten(value, leaves), compute
         if need_host:
-            h.host = tree_map(lambda t: self._to_host(t) if isinstance(t, torch.Tensor) else t, value)
-            pairs = [(d, t) for d, t in zip(tree_leaves(h.host), tree_leaves(value))
+            host = [self._to_host(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+            h.host = tree_unflatten(value, host)
+            pairs = [(d, t) for d, t in zip(host, leaves)
                      if isinstance(t, torch.Tensor) and t.device == self.device]
-            dsts, srcs = [d for d, _ in pairs], [t for _, t in pairs]
-            if srcs:
+            if pairs:
+                dsts, srcs = [d for d, _ in pairs], [t for _, t in pairs]
                 self._read_by_copy(srcs, "act_down")
                 h.host_ready = self.copies.act("act_down", dsts, srcs, [compute])
         return h
@@ -205,20 +217,19 @@ class Worker(ABC):
         """Starts moving the handoff's tensors here; `use` them once they are needed."""
         if handoff.device_value is not None and handoff.device == self.device:
             return Arrival(handoff.device_value, [handoff.device_ready])
-        dsts, srcs = [], []
-
-        def up(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.device.type != "cpu":           # e.g. an input already on a GPU
-                return t.to(self.device)
-            d = self._empty(t.shape, t.dtype, "act_up")
-            dsts.append(d)
-            srcs.append(t.contiguous())
-            return d
-        value = tree_map(up, handoff.host)
+        dsts, srcs, value = [], [], []
+        for t in tree_leaves(handoff.host):
+            if isinstance(t, torch.Tensor):
+                if t.device.type != "cpu":           # e.g. an input already on a GPU
+                    t = t.to(self.device)
+                else:
+                    d = self._empty(t.shape, t.dtype, "act_up")
+                    dsts.append(d)
+                    srcs.append(t.contiguous())
+                    t = d
+            value.append(t)
         fence = self.copies.act("act_up", dsts, srcs, [handoff.host_ready]) if dsts else None
-        return Arrival(value, [fence])
+        return Arrival(tree_unflatten(handoff.host, value), [fence])
 
     def use(self, arrival: Arrival) -> Any:
         """The arrived tensors, private to the caller (safe to modify), once compute waited for them."""

@@ -102,8 +102,14 @@ class Transfers:
         return self.engine.copy_many(queue, dsts, srcs, after=after or None)
 
     def _inline(self, srcs: list) -> bool:
-        return (self.inline_bytes > 0 and not testing.delays_active()
-                and sum(s.numel() * s.element_size() for s in srcs) <= self.inline_bytes)
+        left = self.inline_bytes
+        if left <= 0 or testing.delays_active():
+            return False
+        for s in srcs:
+            left -= s.numel() * s.element_size()
+            if left < 0:
+                return False
+        return True
 
     def act(self, queue: str, dsts: list, srcs: list, after: Sequence = ()) -> Any:
         """An activation copy now; the oldest held-back bulk window of its direction goes right behind it."""
