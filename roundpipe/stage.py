@@ -167,7 +167,8 @@ class StageRun:
             for l in task.layers:
                 if not ctx.sync.upload_ready(l):
                     w.idle()
-                    ctx.sync.wait_upload(l, ctx.abort_requested)
+                    with w.yielded():
+                        ctx.sync.wait_upload(l, ctx.abort_requested)
             prefetched = upload_stage(ctx, w, task.layers, windows=1)
         stage_params = w.params_ready(prefetched)
         for l, rep, params in zip(task.layers, self.reps, stage_params):
@@ -303,7 +304,8 @@ class StageRun:
         def land(host_grads: list) -> None:
             start = 0
             for l, n in zip(self.task.layers, sizes):
-                self.ctx.sync.wait_grad_write(l, self.task.round, self.ctx.abort_requested)
+                with self.w.yielded():   # earlier rounds' writes may come from another worker
+                    self.ctx.sync.wait_grad_write(l, self.task.round, self.ctx.abort_requested)
                 self.ctx.host.land_grads(l, host_grads[start:start + n], first=self.task.round == 0)
                 self.ctx.sync.grad_written(l)
                 start += n
@@ -340,14 +342,13 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
     run = StageRun(ctx, w, task)
     step = {"F": run.forward, "fused": run.fused, "B": run.backward}[task.kind]
     nxt = None
-    with w.compute():
+    with w.compute(), w.turn():
         try:
             run.upload(prefetched)
             for i, m in enumerate(task.mbs):
                 t0 = time.perf_counter()
                 timer = w.timer_start() if ctx.on_timing is not None else None
-                with w.turn():
-                    step(m)
+                step(m)
                 t1 = time.perf_counter()
                 if ctx.trace is not None:
                     ctx.trace.add(w.name, f"{task.label} mb{m}", t0, t1, cat=task.kind,
