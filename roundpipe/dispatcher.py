@@ -123,9 +123,17 @@ class Dispatcher:
     def __init__(self, workers: list[Worker]):
         self.workers = workers
         self.g0 = 0
+        self._schedules: dict[tuple, Schedule] = {}
 
     def schedule(self, plan: Plan, training: bool, num_mb: int, round_size: int) -> Schedule:
-        return Schedule(plan, training, num_mb, round_size, self.workers, self.g0)
+        """The call's schedule; built once per (plan, mode, sizes, g0) since a run only reads it."""
+        key = (tuple(plan.forward), tuple(plan.backward), training, num_mb, round_size, self.g0)
+        sched = self._schedules.get(key)
+        if sched is None:
+            if len(self._schedules) >= 4 * len(self.workers):   # a new plan or batch shape: start over
+                self._schedules.clear()
+            sched = self._schedules[key] = Schedule(plan, training, num_mb, round_size, self.workers, self.g0)
+        return sched
 
     def run(self, ctx: CallContext, sched: Schedule) -> None:
         """Runs every worker's slots; re-raises the first error after all workers have stopped."""
