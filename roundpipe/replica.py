@@ -55,7 +55,8 @@ class Replica:
         for (owner, leaf), t in zip(self._buffers, buffers):
             owner._buffers[leaf] = t
         for rep, master in self._modes:
-            rep.training = master.training
+            if rep.training != master.training:   # nn.Module.__setattr__ is slow; the flag rarely changes
+                rep.training = master.training
         return bound
 
     def bound_buffers(self) -> list[torch.Tensor]:

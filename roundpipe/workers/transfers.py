@@ -44,6 +44,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+_ALL_SENT = threading.Event()   # shared by the bulks sent in full when made (most of a CPU worker's)
+_ALL_SENT.set()
+
+
 class Bulk:
     """A stage's parameter upload or gradient download: windows, and the fences of those sent."""
 
@@ -52,9 +56,7 @@ class Bulk:
         self.unsent: deque = deque(windows)
         self.after = after           # fences every window waits for (e.g. the compute that made the grads)
         self.fences: list = []
-        self.sent = threading.Event()
-        if not self.unsent:
-            self.sent.set()
+        self.sent = threading.Event() if self.unsent else _ALL_SENT
 
 
 class Transfers:
@@ -123,21 +125,21 @@ class Transfers:
     def bulk(self, queue: str, dsts: list, srcs: list, windows: int, after: Sequence = ()) -> Bulk:
         """A stage's bulk copy packed into `windows` windows, held back until activation copies release them."""
         after = list(after)
-        # Small enough to be copied inline: nothing to hold back, the copy is done when this returns.
+        # One window, or small enough to be copied inline: nothing to hold back, sent at once.
         now = not self.native or windows <= 1 or self._inline(srcs)
         if now or len(dsts) == 0:
-            b = Bulk(queue, [(dsts, srcs)] if dsts else [], after)
-        else:
-            dbytes, sbytes = [_bytes(d) for d in dsts], [_bytes(s) for s in srcs]
-            plan = self._pack([d.numel() for d in dbytes], windows)
-            wins = [([dbytes[i][o:o + n] for i, o, n in win], [sbytes[i][o:o + n] for i, o, n in win])
-                    for win in plan if win]
-            b = Bulk(queue, wins, after)
-        with self._lock:
-            if now:
-                while b.unsent:
-                    self._send_locked(b, [])
-            elif b.unsent:
+            b = Bulk(queue, [], after)
+            if dsts:
+                with self._lock:
+                    b.fences.append(self._submit(queue, dsts, srcs, after))
+            return b
+        dbytes, sbytes = [_bytes(d) for d in dsts], [_bytes(s) for s in srcs]
+        plan = self._pack([d.numel() for d in dbytes], windows)
+        wins = [([dbytes[i][o:o + n] for i, o, n in win], [sbytes[i][o:o + n] for i, o, n in win])
+                for win in plan if win]
+        b = Bulk(queue, wins, after)
+        if b.unsent:
+            with self._lock:
                 self._waiting[queue].append(b)
         return b
 
