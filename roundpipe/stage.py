@@ -82,6 +82,12 @@ class CallContext:
         return self.board.aborted
 
 
+# Layers of a stage-microbatch running longer than this are real compute: the worker's next
+# ones run outside its turn, beside another worker's (see roundpipe/workers/cpu.py).  The
+# bench's trivial layers take ~0.02-0.05 ms, the tiny decoder's ~ms.
+LONG_COMPUTE_S = 0.5e-3
+
+
 def tag(exc: BaseException, where: str) -> BaseException:
     """Names the place of an exception in its message, once, keeping its type."""
     if getattr(exc, "_roundpipe_where", None) is None:
@@ -102,7 +108,10 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                publish: Callable[[int, Any], None] | None = None) -> Any:
     """Runs layers on x; reseeds at every saved boundary; publish(b, x) after each one inside."""
     reps = ctx.replicas[w.name]
-    with w.rng.hold():
+    # Long compute runs outside the worker's turn, beside another worker's (the turn is given
+    # back first: a thread waiting for the RNG lock must never hold the turn someone needs).
+    t0 = time.perf_counter()
+    with w.yielded_for_compute(), w.rng.hold():
         for l in layers:
             if ctx.abort_requested():
                 raise Aborted()
@@ -114,6 +123,7 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                 raise tag(e, f"layer {l}")
             if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
                 publish(l + 1, x)
+    w.long_compute = time.perf_counter() - t0 > LONG_COMPUTE_S
     return x
 
 
@@ -228,7 +238,8 @@ class StageRun:
         if not roots:
             return
         try:
-            torch.autograd.backward(roots, grads)
+            with self.w.yielded_for_compute():
+                torch.autograd.backward(roots, grads)
         except Exception as e:
             r = self.task.layers
             raise tag(e, f"backward of layers {r.start}-{r.stop - 1}")
