@@ -108,6 +108,7 @@ class RoundPipe:
         self.stage_timing: TimingFn | None = None   # profiler seam: (worker, kind, first_layer, mb, t0, t1)
         self._trace: Trace | None = None
         self._check_recompute = False
+        self._compute_s: dict[tuple[int, int], float] = {}   # layer range -> last run time (stage.py)
         self._api = threading.RLock()
         self._closed = False
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit.
@@ -201,7 +202,7 @@ class RoundPipe:
         ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, rng.base,
                           labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace_call(plan),
                           on_timing=self.autoplan.recorder(training, self.stage_timing),
-                          check_recompute={} if self._check_recompute else None)
+                          check_recompute={} if self._check_recompute else None, compute_s=self._compute_s)
         pin = self.host.staged if self._cuda else (lambda t: t)
         for m in range(len(mb)):
             ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m]))),

@@ -58,6 +58,12 @@ class StageTask:
         return f"{self.kind}{self.slot}[{self.layers.start}-{self.layers.stop - 1}]"
 
 
+# Layers of a stage-microbatch that took longer than this last time are real compute: they
+# run outside the worker's turn, beside another worker's (see roundpipe/workers/cpu.py).
+# The bench's trivial layers take ~0.02-0.05 ms, the tiny decoder's ~ms.
+LONG_COMPUTE_S = 0.5e-3
+
+
 @dataclass
 class CallContext:
     """Everything the stage runs of one call share."""
@@ -77,15 +83,15 @@ class CallContext:
     on_timing: Callable[[str, str, int, int, float, float], None] | None = None
     check_recompute: dict | None = None  # (boundary, mb) -> forward activation, when checking
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # (first, stop) layer -> seconds its last run took; kept by the model across calls
+    compute_s: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def long_compute(self, layers: range) -> bool:
+        """Whether running these layers is real compute (never measured yet counts as real)."""
+        return self.compute_s.get((layers.start, layers.stop), LONG_COMPUTE_S + 1) > LONG_COMPUTE_S
 
     def abort_requested(self) -> bool:
         return self.board.aborted
-
-
-# Layers of a stage-microbatch running longer than this are real compute: the worker's next
-# ones run outside its turn, beside another worker's (see roundpipe/workers/cpu.py).  The
-# bench's trivial layers take ~0.02-0.05 ms, the tiny decoder's ~ms.
-LONG_COMPUTE_S = 0.5e-3
 
 
 def tag(exc: BaseException, where: str) -> BaseException:
@@ -110,6 +116,7 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
     reps = ctx.replicas[w.name]
     # Long compute runs outside the worker's turn, beside another worker's (the turn is given
     # back first: a thread waiting for the RNG lock must never hold the turn someone needs).
+    w.long_compute = ctx.long_compute(layers)   # also read by the stage's backward
     t0 = time.perf_counter()
     with w.yielded_for_compute(), w.rng.hold():
         for l in layers:
@@ -123,7 +130,7 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                 raise tag(e, f"layer {l}")
             if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
                 publish(l + 1, x)
-    w.long_compute = time.perf_counter() - t0 > LONG_COMPUTE_S
+    ctx.compute_s[layers.start, layers.stop] = time.perf_counter() - t0
     return x
 
 

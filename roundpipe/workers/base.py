@@ -115,7 +115,7 @@ class Worker(ABC):
         """Around a wait for another worker's output: gives the turn back meanwhile, if held."""
         return contextlib.nullcontext()
 
-    long_compute = True   # the last layers run took long: compute outside the turn
+    long_compute = True   # the layers being run are real compute: run them outside the turn
 
     def yielded_for_compute(self) -> contextlib.AbstractContextManager:
         """Around layer compute: gives the turn back when it is long (it can overlap another worker's)."""
