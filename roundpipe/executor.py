@@ -15,6 +15,13 @@ from typing import Callable
 
 from roundpipe.async_step import Aborted
 
+_local = threading.local()   # .name: the engine thread's name, on engine threads only
+
+
+def engine_thread() -> str | None:
+    """The name of the engine thread the caller runs on (a layer, a loss_fn), or None."""
+    return getattr(_local, "name", None)
+
 
 class SerialExecutor:
     def __init__(self, name: str):
@@ -26,6 +33,7 @@ class SerialExecutor:
         self._thread.start()
 
     def _loop(self) -> None:
+        _local.name = self._thread.name
         while True:
             job = self._q.get()
             if job is None:

@@ -30,7 +30,7 @@ from roundpipe.async_step import LayerSync, run_gcopy, run_step
 from roundpipe.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.board import Board
 from roundpipe.dispatcher import Dispatcher, default_plan
-from roundpipe.executor import SerialExecutor
+from roundpipe.executor import SerialExecutor, engine_thread
 from roundpipe.host_state import HostState
 from roundpipe.microbatch import SplitFn, merge, split, tree_map
 from roundpipe.plan import Plan
@@ -159,6 +159,10 @@ class RoundPipe:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("this RoundPipe is closed; create a new one (calls after close() are not allowed)")
+        inside = engine_thread()
+        if inside is not None:   # it would wait for workers that wait for this one (turn, RNG lock)
+            raise RuntimeError(f"a RoundPipe was called from the engine thread {inside!r} (inside a layer, "
+                               "loss_fn or step callable run by a RoundPipe); RoundPipes cannot be nested")
         for t in self._host_threads():
             t.raise_error()
 

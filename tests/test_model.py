@@ -226,6 +226,35 @@ def test_bad_calls_and_closed_model():
     model.close()   # idempotent
 
 
+class Nested(nn.Module):
+    """A layer that calls another RoundPipe from its worker thread."""
+    inner = None
+
+    def forward(self, x):
+        return Nested.inner(x)
+
+
+def test_nested_roundpipe_is_refused_not_deadlocked():
+    """A RoundPipe called inside a layer of another raises RuntimeError in the caller; both stay usable."""
+    x = torch.randn(4, 8)
+    with rp.RoundPipe(mlp(2), devices=["cpu"]) as inner, \
+            rp.RoundPipe([nn.Linear(8, 8), Nested()], devices=["cpu"] * 2) as outer:
+        Nested.inner = inner
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="cannot be nested"):
+                outer(x)
+            assert time.monotonic() - t0 < 5
+        finally:
+            Nested.inner = None
+        assert inner(x).shape == (4, 8)
+        Nested.inner = lambda t: t   # the outer model is usable after the error
+        try:
+            assert outer(x).shape == (4, 8)
+        finally:
+            Nested.inner = None
+
+
 class Boom(nn.Module):
     exc = None   # class attribute: workers run replicas, which share the class but not instance state
 
