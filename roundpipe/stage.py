@@ -106,6 +106,24 @@ def tag(exc: BaseException, where: str) -> BaseException:
     return exc
 
 
+# torch.autograd.backward's own checks of explicit gradients (shapes through the symbolic-shape
+# layer, dtypes) cost ~20 us a call, as much as the rest of a trivial stage-microbatch.  The
+# engine's gradients match their roots by construction (the grad of the next stage's input,
+# converted to compute dtype), so after a plain shape and dtype comparison backward stages call
+# the autograd engine the way torch.autograd.backward itself does after its checks.  Anything
+# else (a mismatch: torch's error message; no such entry point) goes through torch.autograd.backward.
+_engine_backward = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
+
+
+def autograd_backward(roots: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+    """torch.autograd.backward(roots, grads); grads matching roots in shape and dtype skip its checks."""
+    if grads is None or _engine_backward is None or any(
+            r.shape != g.shape or r.dtype != g.dtype or r.device != g.device for r, g in zip(roots, grads)):
+        torch.autograd.backward(roots, grads)
+    else:
+        _engine_backward(tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
 def _float_leaves(x: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
@@ -246,7 +264,7 @@ class StageRun:
             return
         try:
             with self.w.yielded_for_compute():
-                torch.autograd.backward(roots, grads)
+                autograd_backward(roots, grads)
         except Exception as e:
             r = self.task.layers
             raise tag(e, f"backward of layers {r.start}-{r.stop - 1}")

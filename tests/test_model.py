@@ -367,3 +367,21 @@ def test_dropped_model_stops_its_threads():
     while threading.active_count() > before and time.time() < deadline:
         time.sleep(0.01)
     assert threading.active_count() == before
+
+
+def test_stage_backward_entry_matches_torch_and_keeps_its_errors():
+    """The stages' backward call gives torch.autograd.backward's gradients, and its error on a mismatch."""
+    from roundpipe.stage import autograd_backward
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, requires_grad=True)
+    x = torch.randn(4, 3)
+    g = torch.randn(4, 5)
+    autograd_backward([x @ w], [g])
+    ours, w.grad = w.grad.clone(), None
+    torch.autograd.backward([x @ w], [g])
+    assert torch.equal(ours, w.grad)
+    w.grad = None
+    autograd_backward([x @ w], [g.double()])   # another dtype: torch's path, which casts
+    assert torch.allclose(w.grad, ours)
+    with pytest.raises(RuntimeError, match="Mismatch in shape"):
+        autograd_backward([x @ w], [torch.randn(4, 6)])
