@@ -108,7 +108,7 @@ class RoundPipe:
         self.stage_timing: TimingFn | None = None   # profiler seam: (worker, kind, first_layer, mb, t0, t1)
         self._trace: Trace | None = None
         self._check_recompute = False
-        self._compute_s: dict[tuple[int, int], float] = {}   # layer range -> last run time (stage.py)
+        self._compute_s: dict[tuple[str, int, int], float] = {}   # last compute times (stage.ComputeSpan)
         self._api = threading.RLock()
         self._closed = False
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit.

@@ -83,15 +83,34 @@ class CallContext:
     on_timing: Callable[[str, str, int, int, float, float], None] | None = None
     check_recompute: dict | None = None  # (boundary, mb) -> forward activation, when checking
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # (first, stop) layer -> seconds its last run took; kept by the model across calls
-    compute_s: dict[tuple[int, int], float] = field(default_factory=dict)
-
-    def long_compute(self, layers: range) -> bool:
-        """Whether running these layers is real compute (never measured yet counts as real)."""
-        return self.compute_s.get((layers.start, layers.stop), LONG_COMPUTE_S + 1) > LONG_COMPUTE_S
+    # ("f" or "b", first, stop layer) -> seconds its last forward / backward took; kept by the model
+    compute_s: dict[tuple[str, int, int], float] = field(default_factory=dict)
 
     def abort_requested(self) -> bool:
         return self.board.aborted
+
+
+class ComputeSpan:
+    """Around a stage's layer compute: outside the worker's turn when that compute took long last time.
+
+    Never measured counts as long, so a slow layer never holds the turn even once.  Forward and
+    backward are timed apart: a cheap forward says nothing about its backward."""
+    __slots__ = ("ctx", "key", "yielded", "t0")
+
+    def __init__(self, ctx: CallContext, w: Worker, kind: str, layers: range):
+        self.ctx, self.key = ctx, (kind, layers.start, layers.stop)
+        long = ctx.compute_s.get(self.key, LONG_COMPUTE_S + 1) > LONG_COMPUTE_S
+        self.yielded = w.yielded() if long else None
+
+    def __enter__(self) -> None:
+        if self.yielded is not None:
+            self.yielded.__enter__()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.ctx.compute_s[self.key] = time.perf_counter() - self.t0
+        if self.yielded is not None:
+            self.yielded.__exit__(*exc)
 
 
 def tag(exc: BaseException, where: str) -> BaseException:
@@ -134,9 +153,7 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
     reps = ctx.replicas[w.name]
     # Long compute runs outside the worker's turn, beside another worker's (the turn is given
     # back first: a thread waiting for the RNG lock must never hold the turn someone needs).
-    w.long_compute = ctx.long_compute(layers)   # also read by the stage's backward
-    t0 = time.perf_counter()
-    with w.yielded_for_compute(), w.rng.hold():
+    with ComputeSpan(ctx, w, "f", layers), w.rng.hold():
         for l in layers:
             if ctx.abort_requested():
                 raise Aborted()
@@ -148,7 +165,6 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                 raise tag(e, f"layer {l}")
             if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
                 publish(l + 1, x)
-    ctx.compute_s[layers.start, layers.stop] = time.perf_counter() - t0
     return x
 
 
@@ -263,7 +279,7 @@ class StageRun:
         if not roots:
             return
         try:
-            with self.w.yielded_for_compute():
+            with ComputeSpan(self.ctx, self.w, "b", self.task.layers):
                 autograd_backward(roots, grads)
         except Exception as e:
             r = self.task.layers

@@ -221,3 +221,66 @@ def test_engine_path_end_to_end_matches_autograd(model_name, workers, num_mb):
         model.synchronize()
         for p, q in zip(model.parameters(), ref.parameters()):
             assert max_rel_err(p.grad, q.grad) <= 1e-5
+
+
+def test_turn_is_exclusive_and_given_back_around_waits():
+    """The CPU workers' turn: one holder; yielded() frees it for the body and takes it back after."""
+    from roundpipe.workers.cpu import Turn
+    turn, order = Turn(), []
+    inside = threading.Event()
+
+    def other():
+        with turn.held():
+            order.append("other")
+            inside.set()
+
+    with turn.held():
+        t = threading.Thread(target=other)
+        t.start()
+        assert not inside.wait(0.05)           # held: the other thread waits
+        with turn.yielded():
+            assert inside.wait(5)              # given back: it ran
+        order.append("back")
+    t.join(5)
+    assert order == ["other", "back"]
+    with turn.yielded():                       # not the holder: a no-op
+        pass
+    with turn.held():
+        pass
+
+
+class Sleeper(torch.nn.Module):
+    """Its backward sleeps (interpreter lock released, like a long matmul) and records when, on which thread."""
+    spans: list = []
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    @staticmethod
+    def _slow(grad):
+        t0 = time.monotonic()
+        time.sleep(0.02)
+        Sleeper.spans.append((threading.get_ident(), t0, time.monotonic()))
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.requires_grad:
+            y.register_hook(self._slow)
+        return y
+
+
+def test_long_backward_compute_of_cpu_workers_overlaps():
+    """Two CPU workers computing long backwards run them at the same time (outside their turns).
+
+    Forward and recompute compute of CPU workers is serialised anyway: they share the CPU
+    generator, whose lock makes reseeding and running a stage atomic (roundpipe/recompute.py)."""
+    Sleeper.spans = []
+    plan = rp.Plan(forward=[range(0, 1), range(1, 2)], backward=[range(2, 3), range(1, 2), range(0, 1)])
+    with rp.RoundPipe([Sleeper() for _ in range(3)], devices=["cpu", "cpu"], num_microbatches=4,
+                      plan=plan) as model:
+        model.forward_backward(torch.randn(8, 4), labels=torch.randn(8, 4), loss_fn=F.mse_loss)
+    spans = Sleeper.spans
+    assert len({tid for tid, _, _ in spans}) == 2
+    overlapping = [(a, b) for a in spans for b in spans if a[0] != b[0] and a[1] < b[2] and b[1] < a[2]]
+    assert overlapping, "the two workers never computed at the same time"

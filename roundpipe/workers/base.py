@@ -115,12 +115,6 @@ class Worker(ABC):
         """Around a wait for another worker's output: gives the turn back meanwhile, if held."""
         return contextlib.nullcontext()
 
-    long_compute = True   # the layers being run are real compute: run them outside the turn
-
-    def yielded_for_compute(self) -> contextlib.AbstractContextManager:
-        """Around layer compute: gives the turn back when it is long (it can overlap another worker's)."""
-        return self.yielded() if self.long_compute else contextlib.nullcontext()
-
     # True when issuing the next stage's weights and the next microbatch's input early
     # overlaps compute.  Copies are asynchronous on both kinds of worker, but on a CPU worker
     # they compete with compute for the same cores; tests switch it on to run those paths.
