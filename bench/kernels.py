@@ -8,7 +8,10 @@ median milliseconds of the forward and of forward+backward, the achieved rate
 of the three LM-head matmuls for the linear cross-entropy) as a percent of the
 device's limits measured in the same run (a device-to-device copy and a bf16
 8192^3 matmul), the speed relative to eager, and for the LM-head loss the peak
-memory above the inputs for T = 8K..32K tokens, V = 151,936.
+memory above the inputs for T = 8K..32K tokens, V = 151,936.  The LM-head loss
+runs roundpipe and Liger-Kernel with both weight-gradient accumulators:
+"accum=fp32" sums dW over the chunks in fp32 (roundpipe's default),
+"accum=None" in the weight's dtype (Liger-Kernel's default).
 
 Liger-Kernel is an optional import (never a roundpipe dependency); when it is
 missing the table says so.  Without a CUDA GPU the script runs a tiny CPU
@@ -89,13 +92,19 @@ def _providers(op: str, use_compile: bool, liger) -> dict[str, Callable]:
             "swiglu": lambda g, u: rk.swiglu(g, u), "rope": rk.apply_rope,
             "lce": lambda h, w, labels: rk.linear_cross_entropy(h, w, labels)}[op]
     found = {"eager": eager, "roundpipe": ours}
+    if op == "lce":
+        found = {"eager": eager, "roundpipe accum=fp32": ours,
+                 "roundpipe accum=None": lambda h, w, labels: rk.linear_cross_entropy(h, w, labels, accum_dtype=None)}
     if use_compile:
         found["torch.compile"] = torch.compile(eager)
-    if liger is not None:
+    if liger is not None and op == "lce":
+        found["liger accum=None"] = lambda h, w, labels: liger.liger_fused_linear_cross_entropy(h, w, labels)
+        found["liger accum=fp32"] = lambda h, w, labels: liger.liger_fused_linear_cross_entropy(
+            h, w, labels, accum_dtype=torch.float32)
+    elif liger is not None:
         found["liger"] = {"rms_norm": lambda x, w, r: (liger.liger_rms_norm(x + r, w, 1e-6), None),
                           "swiglu": lambda g, u: liger.liger_swiglu(g, u),
-                          "rope": lambda q, k, cos, sin: liger.liger_rope(q, k, cos, sin),
-                          "lce": lambda h, w, labels: liger.liger_fused_linear_cross_entropy(h, w, labels)}[op]
+                          "rope": lambda q, k, cos, sin: liger.liger_rope(q, k, cos, sin)}[op]
     return found
 
 

@@ -11,16 +11,34 @@ For each chunk of C tokens (torch does the matmuls, Triton the softmax):
             second pass overwrites logits in place with
             dlogits = (softmax - onehot(label)) * scale_t   (0 for ignored rows)
     dh_c   = dlogits @ W                   [C, H]
-    dW    += dlogits^T @ h_c               [V, H]
+    dW    += dlogits^T @ h_c               [V, H]   summed in accum_dtype
 
 With reduction "mean"/"sum" the gradients are produced during the forward
 (scale = 1/n_valid or 1) and the backward only multiplies them by the incoming
 scalar, so the logits are computed once.  With "none" the per-token incoming
 gradient is only known in the backward, which then recomputes the chunks.
-Extra peak memory is C*V (logits) + T*H (dh) + V*H (dW, accumulated in the
-weight's dtype like Liger-Kernel) instead of eager's several [T, V] tensors.
+Extra peak memory is C*V (logits) + T*H (dh) + V*H (dW) in the inputs' dtype
+instead of eager's several [T, V] tensors, plus V*H*4 bytes for dW's fp32
+accumulator when the weight is fp16/bf16 and accum_dtype=torch.float32 (the
+default; 2.5 GB at V=151936, H=4096; Liger-Kernel's accum_dtype=torch.float32
+allocates the same accumulator).  On CPU torch's mixed-dtype add_ also casts
+each chunk's [V, H] product through a transient fp32 copy (V*H*4 more).
 The default C makes the logits chunk about as large as `hidden`
 (C = next_pow2(ceil(T*H/V))), the same rule Liger-Kernel uses.
+
+Precision: dW is the only sum across chunks (each chunk writes its own dh rows
+once, from one matmul over V: dh's error measured the same with 1 and 32
+chunks).  Summed in the weight's dtype (accum_dtype=None or weight.dtype,
+Liger-Kernel's default) dW is rounded once per chunk and its error grows with
+the chunk count; summed in fp32 each chunk's product is rounded once to the
+weight's dtype, added in fp32, and the total rounded once at the end.  With 32
+chunks (test_fp32_accumulation_keeps_weight_gradient_within_twice_torch_error,
+CPU, Triton interpreter) dW's max error against the fp32 reference was, as a
+multiple of eager PyTorch's in the same dtype: fp16 2.6x summed in fp16, 1.0x
+in fp32; bf16 4.0x summed in bf16, 1.4x in fp32 (1.1x at one chunk: the
+interpreter truncates bf16 stores).  The kernels promise at most ~2x, hence the
+fp32 default; pass accum_dtype=None where the V*H*4 bytes matter more
+(bench/kernels.py --ops lce times both settings on a GPU).
 
 "mean" divides by the number of non-ignored labels; with every label ignored
 the loss is 0 with zero gradients (F.cross_entropy gives nan, and a padding-only
@@ -92,14 +110,21 @@ def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
     return max(1, min(tokens, triton.next_power_of_2(triton.cdiv(tokens * hidden, vocab))))
 
 
-def _chunked(hidden, weight, labels, ignore_index, scale, *, per_row, need_dh, need_dw, chunk):
-    """Loss [T] fp32 and, if asked, dh [T, H] and dW [V, H] scaled by `scale` (1 value or [T])."""
+def _chunked(hidden, weight, labels, ignore_index, scale, *, per_row, need_dh, need_dw, chunk, accum_dtype):
+    """Loss [T] fp32 and, if asked, dh [T, H] and dW [V, H] scaled by `scale` (1 value or [T]).
+
+    dW is summed over the chunks in `accum_dtype`; when that is wider than the
+    weight's dtype each chunk's product lands in a [V, H] buffer of the
+    weight's dtype (torch.mm writes its inputs' dtype), is added to the
+    accumulator, and the buffer receives the rounded sum at the end.
+    """
     T, H = hidden.shape
     V = weight.shape[0]
     compute_grad = need_dh or need_dw
     loss = torch.empty(T, dtype=torch.float32, device=hidden.device)
     dh = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device) if need_dh else None  # hidden may be strided
-    dw = torch.zeros_like(weight) if need_dw else None
+    dw = torch.zeros_like(weight, dtype=accum_dtype) if need_dw else None
+    product = torch.empty_like(weight) if need_dw and accum_dtype != weight.dtype else None
     logits_buf = torch.empty((min(chunk, T), V), dtype=hidden.dtype, device=hidden.device)
     block = min(triton.next_power_of_2(V), MAX_BLOCK_V)
     for start in range(0, T, chunk):
@@ -114,9 +139,11 @@ def _chunked(hidden, weight, labels, ignore_index, scale, *, per_row, need_dh, n
             num_warps=_triton.num_warps(block))
         if need_dh:
             torch.mm(logits, weight, out=dh[start:end])
-        if need_dw:
+        if product is not None:
+            dw.add_(torch.mm(logits.t(), h, out=product))
+        elif need_dw:
             dw.addmm_(logits.t(), h)
-    return loss, dh, dw
+    return loss, dh, (product.copy_(dw) if product is not None else dw)
 
 
 def _scale(labels, ignore_index, reduction):
@@ -138,33 +165,44 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk):
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk, accum_dtype):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         now = reduction != "none"
         scale = _scale(labels, ignore_index, reduction)
         loss, dh, dw = _chunked(hidden, weight, labels, ignore_index, scale, per_row=False,
-                                need_dh=need_dh and now, need_dw=need_dw and now, chunk=chunk)
-        ctx.args = (ignore_index, reduction, chunk, need_dh, need_dw)
+                                need_dh=need_dh and now, need_dw=need_dw and now, chunk=chunk,
+                                accum_dtype=accum_dtype)
+        ctx.args = (ignore_index, reduction, chunk, accum_dtype, need_dh, need_dw)
         ctx.save_for_backward(*((dh, dw) if now else (hidden, weight, labels)))
         return _reduce(loss, scale, reduction)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        ignore_index, reduction, chunk, need_dh, need_dw = ctx.args
+        ignore_index, reduction, chunk, accum_dtype, need_dh, need_dw = ctx.args
         if reduction == "none":
             hidden, weight, labels = ctx.saved_tensors
             _, dh, dw = _chunked(hidden, weight, labels, ignore_index, grad.float().contiguous(), per_row=True,
-                                 need_dh=need_dh, need_dw=need_dw, chunk=chunk)
+                                 need_dh=need_dh, need_dw=need_dw, chunk=chunk, accum_dtype=accum_dtype)
         else:
             dh, dw = ctx.saved_tensors
             for g in (dh, dw):
                 if g is not None:
                     g.mul_(grad)
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
 
 
-def _check(hidden, weight, labels, ignore_index, reduction, chunk_size) -> None:
+def _check_accum_dtype(accum_dtype, weight_dtype: torch.dtype | None = None) -> None:
+    """accum_dtype must be None, torch.float32 or the weight's dtype (any supported one while that is unknown)."""
+    if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
+        raise TypeError(f"accum_dtype={accum_dtype!r} must be a torch.dtype or None")
+    allowed = (torch.float32, weight_dtype) if weight_dtype else (torch.float32, torch.float16, torch.bfloat16)
+    if accum_dtype is not None and accum_dtype not in allowed:
+        raise ValueError(f"accum_dtype={accum_dtype} must be None, torch.float32 or the weight's dtype"
+                         f" ({weight_dtype or 'float16, bfloat16 or float32'})")
+
+
+def _check(hidden, weight, labels, ignore_index, reduction, chunk_size, accum_dtype) -> None:
     _triton.check_float("hidden", hidden)
     _triton.check_float("weight", weight)
     _triton.check_same("weight", weight, "hidden", hidden)
@@ -182,6 +220,7 @@ def _check(hidden, weight, labels, ignore_index, reduction, chunk_size) -> None:
         raise TypeError(f"ignore_index={ignore_index!r} must be an int")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+    _check_accum_dtype(accum_dtype, weight.dtype)
     if labels.device.type == "cpu" and labels.numel():
         bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
         if bad.any():
@@ -190,14 +229,18 @@ def _check(hidden, weight, labels, ignore_index, reduction, chunk_size) -> None:
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-                         reduction: Reduction = "mean", chunk_size: int | None = None) -> torch.Tensor:
+                         reduction: Reduction = "mean", chunk_size: int | None = None,
+                         accum_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
     """Cross-entropy of hidden @ weight.T against labels without materialising all logits; fp32 loss.
 
     hidden [..., H] and weight [V, H] share a float dtype; labels [...] int.
     Returns a scalar ("mean", "sum") or labels.shape ("none").  chunk_size
-    overrides the tokens per chunk (default: default_chunk_size).
+    overrides the tokens per chunk (default: default_chunk_size).  accum_dtype
+    is the dtype dW is summed over the chunks in: torch.float32 (default;
+    V*H*4 extra bytes for fp16/bf16 weights) or None / weight.dtype (no extra
+    buffer, one rounding per chunk); see the module docstring.
     """
-    _check(hidden, weight, labels, ignore_index, reduction, chunk_size)
+    _check(hidden, weight, labels, ignore_index, reduction, chunk_size, accum_dtype)
     if not _triton.use_triton(hidden):
         return linear_cross_entropy_ref(hidden, weight, labels, ignore_index, reduction)
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -205,12 +248,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if h.shape[0] == 0:
         return linear_cross_entropy_ref(hidden, weight, labels, ignore_index, reduction)
     chunk = chunk_size or default_chunk_size(h.shape[0], h.shape[1], weight.shape[0])
+    accum = accum_dtype or weight.dtype
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        out = LinearCrossEntropyFunction.apply(h, weight, flat, ignore_index, reduction, chunk)
+        out = LinearCrossEntropyFunction.apply(h, weight, flat, ignore_index, reduction, chunk, accum)
     else:
         scale = _scale(flat, ignore_index, reduction)
         loss = _chunked(h, weight, flat, ignore_index, scale, per_row=False, need_dh=False, need_dw=False,
-                        chunk=chunk)[0]
+                        chunk=chunk, accum_dtype=accum)[0]
         out = _reduce(loss, scale, reduction)
     return out.view(labels.shape) if reduction == "none" else out
 
@@ -218,14 +262,19 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 class LinearCrossEntropyLoss(nn.Module):
     """Module form: forward(hidden, weight, labels) -> linear_cross_entropy with fixed options."""
 
-    def __init__(self, ignore_index: int = -100, reduction: Reduction = "mean", chunk_size: int | None = None):
+    def __init__(self, ignore_index: int = -100, reduction: Reduction = "mean", chunk_size: int | None = None,
+                 accum_dtype: torch.dtype | None = torch.float32):
         super().__init__()
         _check(torch.empty(0, 1), torch.empty(1, 1), torch.empty(0, dtype=torch.long), ignore_index, reduction,
-               chunk_size)
+               chunk_size, None)
+        _check_accum_dtype(accum_dtype)  # against the weight's dtype again in forward
         self.ignore_index, self.reduction, self.chunk_size = ignore_index, reduction, chunk_size
+        self.accum_dtype = accum_dtype
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(hidden, weight, labels, self.ignore_index, self.reduction, self.chunk_size)
+        return linear_cross_entropy(hidden, weight, labels, self.ignore_index, self.reduction, self.chunk_size,
+                                    self.accum_dtype)
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, chunk_size={self.chunk_size}"
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, chunk_size={self.chunk_size}, "
+                f"accum_dtype={self.accum_dtype}")
