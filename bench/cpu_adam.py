@@ -8,8 +8,19 @@ Providers, side by side in one run, each stepping the same fp32 master weights
   (b') torch fused    AdamW(fused=True) on fp32 grads
   (c) roundpipe bf16  one pass: bf16 grad x 1/loss_scale, AdamW, bf16 copy written
   (c') roundpipe fp32 fp32 grads, no copy (same work as b')
-  (d) DeepSpeedCPUAdam on fp32 grads, only when importable from --peer-path or
-      $ROUNDPIPE_PEER_PATH (a separate environment; never installed here)
+  (d) DeepSpeedCPUAdam   fp32 params and grads, fp32 m and v, AdamW in place (same
+      work as b'/c').  Its step API has no bf16/fp16 copy output: adam_update takes
+      params and grads of one dtype (fp32, or bf16/fp16 params with no fp32 master),
+      so there is no (d) counterpart to (a)/(c).  Run only when deepspeed imports
+      from --peer-path or $ROUNDPIPE_PEER_PATH, a separate package folder that is
+      never one of roundpipe's dependencies, e.g.
+          DS_ACCELERATOR=cpu pip install --no-deps --no-build-isolation
+              --target /work/peers/deepspeed deepspeed==0.19.8
+              hjson ninja psutil msgpack einops py-cpuinfo      (one command)
+      (--no-deps and --no-build-isolation keep the torch already installed, the
+      CPU build, out of reach of a CUDA torch download).  Its cpu_adam op is built by
+      torch.utils.cpp_extension on first use (~2 min; gcc, -march=native, its
+      choice), with DeepSpeed's "cpu" accelerator unless DS_ACCELERATOR says otherwise.
 
 Bandwidth: three STREAM-style kernels over fp32 buffers far larger than the
 last-level cache, sampled in the same run between the providers: torch triad
@@ -99,37 +110,62 @@ def with_level(fn, level: str):
 
 
 def load_deepspeed(peer_path: str | None):
-    """DeepSpeedCPUAdam class from a separate environment, or (None, reason)."""
+    """(DeepSpeedCPUAdam class, version, None) from a separate package folder, or (None, None, reason).
+
+    The folder goes first on sys.path so its deepspeed wins over any other; roundpipe
+    is imported before this and a folder holding a `roundpipe` is refused, so the
+    peer never supplies our own package.  A one-element step builds and checks the
+    cpu_adam op here, so a build failure is reported as (d)'s skip reason.
+    """
     if not peer_path:
-        return None, "DeepSpeedCPUAdam skipped: no --peer-path / ROUNDPIPE_PEER_PATH given (not installed here)"
-    sys.path.insert(0, peer_path)
+        return None, None, "(d) DeepSpeedCPUAdam skipped: no --peer-path / ROUNDPIPE_PEER_PATH given (not installed here)"
+    peer = Path(peer_path).resolve()
+    if not (peer / "deepspeed").is_dir():
+        return None, None, f"(d) DeepSpeedCPUAdam skipped: {peer} has no deepspeed package"
+    if any(peer.glob("roundpipe*")):
+        return None, None, f"(d) DeepSpeedCPUAdam skipped: {peer} holds a roundpipe package; use a folder with deepspeed only"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.path.insert(0, str(peer))
     try:
+        import deepspeed  # type: ignore[import-not-found]
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
 
-        return DeepSpeedCPUAdam, None
+        if not Path(deepspeed.__file__).resolve().is_relative_to(peer):
+            return None, None, f"(d) DeepSpeedCPUAdam skipped: deepspeed imported from {deepspeed.__file__}, not {peer}"
+        probe = torch.nn.Parameter(torch.zeros(1))
+        probe.grad = torch.ones(1)
+        DeepSpeedCPUAdam([probe], lr=1e-4, adamw_mode=True).step()
+        return DeepSpeedCPUAdam, deepspeed.__version__, None
     except Exception as exc:  # a peer's build failure must not stop the run
-        return None, f"DeepSpeedCPUAdam skipped: import from {peer_path} failed ({type(exc).__name__}: {exc})"
+        cause = f" <- {type(exc.__cause__).__name__}: {exc.__cause__}" if exc.__cause__ else ""
+        return None, None, f"(d) DeepSpeedCPUAdam skipped: from {peer}: {type(exc).__name__}: {exc}{cause}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/cpu_adam.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=str, default=None,
-                        help="comma-separated parameter counts in millions (default 10,50,100; 10 with --quick)")
+                        help="comma-separated parameter counts in millions (default 10,50,100,200; 10 with --quick)")
     parser.add_argument("--peer-path", default=os.environ.get("ROUNDPIPE_PEER_PATH"),
-                        help="site-packages of an environment with deepspeed, for provider (d)")
+                        help="folder holding the deepspeed package (e.g. a pip --target dir), for provider (d); "
+                             "never installed with roundpipe")
     parser.add_argument("--levels", action="store_true", help="also time roundpipe bf16 at each lower SIMD level")
     add_common_args(parser)
     args = parser.parse_args(argv)
-    counts = [int(float(x) * 1e6) for x in (args.params or ("10" if args.quick else "10,50,100")).split(",")]
+    counts = [int(float(x) * 1e6) for x in (args.params or ("10" if args.quick else "10,50,100,200")).split(",")]
     rounds = 3 if args.quick else 7
 
     report = Report("cpu_adam", columns=["params", "provider", "ms", "Mparam/s", "vs (a)", "B/param", "GB/s", "% BW",
                                         "BW GB/s"],
                     device="cpu")
-    ds_cls, ds_reason = load_deepspeed(args.peer_path)
+    ds_cls, ds_version, ds_reason = load_deepspeed(args.peer_path)
     if ds_reason:
+        print(ds_reason, file=sys.stderr)
         report.note(ds_reason)
+    else:
+        report.note(f"(d) DeepSpeedCPUAdam {ds_version} (DS_ACCELERATOR={os.environ['DS_ACCELERATOR']}) from "
+                    f"{args.peer_path}: fp32 params, fp32 grads, fp32 m/v, AdamW in place; no bf16 copy out "
+                    "(its step API has none), so it does the work of (b')/(c'), not (a)/(c)")
     if not _native.available():
         report.note(f"native core unavailable ({_native.unavailable_reason()}): roundpipe rows use the torch fallback")
     triad_n = (64 << 20) if args.quick else (256 << 20)
