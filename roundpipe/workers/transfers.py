@@ -108,7 +108,7 @@ class Transfers:
         if left <= 0 or testing.delays_active():
             return False
         for s in srcs:
-            left -= s.numel() * s.element_size()
+            left -= s.nbytes
             if left < 0:
                 return False
         return True
