@@ -31,6 +31,18 @@ std::string hex(const void* p) {
   return buf;
 }
 
+// Removes the fences that have completed (order is not kept).
+void drop_completed(std::vector<FencePtr>& fs) {
+  for (size_t i = 0; i < fs.size();) {
+    if (fs[i]->poll() != FenceState::Pending) {
+      fs[i] = fs.back();
+      fs.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
 }  // namespace
 
 HostArena::HostArena(const ArenaOptions& options) : options_(options) {
@@ -181,14 +193,7 @@ void HostArena::free(void* p) {
   requested_ -= seg.requested;
   seg.requested = 0;
   auto& fs = seg.fences;
-  for (size_t i = 0; i < fs.size();) {
-    if (fs[i]->poll() != FenceState::Pending) {
-      fs[i] = fs.back();
-      fs.pop_back();
-    } else {
-      ++i;
-    }
-  }
+  drop_completed(fs);
   if (fs.empty()) {
     make_free_locked(it);
   } else {
@@ -213,16 +218,7 @@ void HostArena::record(const void* p, FencePtr fence) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& fs = find_live_locked(p, "record")->second.fences;
   // Long-lived blocks see a fence per copy: drop completed ones as they pile up.
-  if (fs.size() >= 8) {
-    for (size_t i = 0; i < fs.size();) {
-      if (fs[i]->poll() != FenceState::Pending) {
-        fs[i] = fs.back();
-        fs.pop_back();
-      } else {
-        ++i;
-      }
-    }
-  }
+  if (fs.size() >= 8) drop_completed(fs);
   fs.push_back(std::move(fence));
 }
 

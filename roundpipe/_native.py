@@ -64,8 +64,18 @@ def simd_level() -> str:
     return _C.simd_level() if _C is not None else "none"
 
 
+SIMD_LEVELS = ("scalar", "avx2", "avx512")
+
+
+def supported_simd_levels() -> list[str]:
+    """The levels this CPU can run, lowest first ([] without the extension)."""
+    if _C is None:
+        return []
+    return list(SIMD_LEVELS[: SIMD_LEVELS.index(_C.best_simd_level()) + 1])
+
+
 def set_simd_level(level: str) -> None:
     """Force a SIMD level ('scalar', 'avx2', 'avx512'); ValueError if unknown or unsupported."""
-    if level not in ("scalar", "avx2", "avx512"):
+    if level not in SIMD_LEVELS:
         raise ValueError(f"level={level!r} is unknown; expected 'scalar', 'avx2' or 'avx512'")
     require().set_simd_level(level)

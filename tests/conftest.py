@@ -29,6 +29,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def restore_level():
+    """Puts the native core's SIMD level back after a test that forces one."""
+    from roundpipe import _native
+
+    level = _native.simd_level()
+    yield
+    if _native.available():
+        _native.set_simd_level(level)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     import numpy as np

@@ -10,19 +10,7 @@ from roundpipe import _native, hostops
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="native extension not built")
 
-LEVELS = ["scalar", "avx2", "avx512"]
-
-
-def supported_levels():
-    best = _native._C.best_simd_level()
-    return LEVELS[: LEVELS.index(best) + 1]
-
-
-@pytest.fixture
-def restore_level():
-    start = _native.simd_level()
-    yield
-    _native.set_simd_level(start)
+LEVELS = list(_native.SIMD_LEVELS)
 
 
 def special_values():
@@ -47,7 +35,7 @@ def test_set_simd_level_rejects_unknown_and_unsupported(restore_level):
     """Unknown level names and levels above the CPU's best are ValueErrors naming the level."""
     with pytest.raises(ValueError, match="'sse9'"):
         _native.set_simd_level("sse9")
-    for level in supported_levels():
+    for level in _native.supported_simd_levels():
         _native.set_simd_level(level)
         assert _native.simd_level() == level
     if _native._C.best_simd_level() != "avx512":
@@ -64,12 +52,12 @@ def test_convert_bit_identical_across_levels(n, src_dtype, dst_dtype, restore_le
     src = special_values().repeat(n // 5000 + 1)[:n].to(src_dtype) if src_dtype == torch.float32 else \
         torch.randint(0, 2 ** 16, (n,), dtype=torch.int32).to(torch.int16).view(src_dtype)
     outs = []
-    for level in supported_levels():
+    for level in _native.supported_simd_levels():
         _native.set_simd_level(level)
         dst = torch.full((n,), 7, dtype=dst_dtype)
         hostops.convert_(dst, src)
         outs.append(dst.view(torch.int16 if dst_dtype != torch.float32 else torch.int32))
-    for level, out in zip(supported_levels()[1:], outs[1:]):
+    for level, out in zip(_native.supported_simd_levels()[1:], outs[1:]):
         assert torch.equal(out, outs[0]), f"{level} differs from scalar"
 
 
@@ -78,7 +66,7 @@ def test_convert_matches_torch_rounding(dst_dtype, restore_level):
     """Narrowing equals torch's round-to-nearest-even bit for bit on every non-NaN value; NaN stays NaN."""
     src = special_values()
     expected = src.to(dst_dtype)
-    for level in supported_levels():
+    for level in _native.supported_simd_levels():
         _native.set_simd_level(level)
         dst = torch.empty_like(src, dtype=dst_dtype)
         hostops.convert_(dst, src)
@@ -92,7 +80,7 @@ def test_widening_is_exact(src_dtype, restore_level):
     """Widening every 16-bit pattern to fp32 equals torch's exact conversion (NaNs stay NaN)."""
     src = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16).view(src_dtype)
     expected = src.float()
-    for level in supported_levels():
+    for level in _native.supported_simd_levels():
         _native.set_simd_level(level)
         dst = torch.empty(src.numel())
         hostops.convert_(dst, src)
@@ -121,7 +109,7 @@ def test_raw_binding_validates_arguments():
 @pytest.mark.parametrize("level", ["scalar", "avx2"])
 def test_env_var_forces_level_at_load(level):
     """ROUNDPIPE_SIMD chooses the level when the extension loads."""
-    if level not in supported_levels():
+    if level not in _native.supported_simd_levels():
         pytest.skip(f"CPU lacks {level}")
     env = {**os.environ, "ROUNDPIPE_SIMD": level}
     out = subprocess.run([sys.executable, "-c", "import roundpipe; print(roundpipe.simd_level())"],

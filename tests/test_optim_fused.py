@@ -11,17 +11,8 @@ from roundpipe.optim import fused
 from roundpipe.optim.fused import AdamConfig, adam_step
 
 native = pytest.mark.skipif(not _native.available(), reason="native core unavailable")
-LEVELS = [lvl for lvl in ("scalar", "avx2", "avx512") if _native.available() and
-          ("scalar", "avx2", "avx512").index(lvl) <= ("scalar", "avx2", "avx512").index(_native._C.best_simd_level())]
+LEVELS = _native.supported_simd_levels()
 LOWP = [torch.bfloat16, torch.float16]
-
-
-@pytest.fixture
-def restore_level():
-    level = _native.simd_level()
-    yield
-    if _native.available():
-        _native.set_simd_level(level)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,17 +10,8 @@ from roundpipe import _native
 from roundpipe.optim import accumulate_, clip_coef, grad_norm, grad_sumsq
 
 native = pytest.mark.skipif(not _native.available(), reason="native core unavailable")
-LEVELS = [lvl for lvl in ("scalar", "avx2", "avx512") if _native.available() and
-          ("scalar", "avx2", "avx512").index(lvl) <= ("scalar", "avx2", "avx512").index(_native._C.best_simd_level())]
+LEVELS = _native.supported_simd_levels()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture
-def restore_level():
-    level = _native.simd_level()
-    yield
-    if _native.available():
-        _native.set_simd_level(level)
 
 
 def grads(dtype, sizes=(1, 7, 1023, 1_000_003, 33)):
