@@ -151,8 +151,9 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                publish: Callable[[int, Any], None] | None = None) -> Any:
     """Runs layers on x; reseeds at every saved boundary; publish(b, x) after each one inside."""
     reps = ctx.replicas[w.name]
-    # Long compute runs outside the worker's turn, beside another worker's (the turn is given
-    # back first: a thread waiting for the RNG lock must never hold the turn someone needs).
+    # Long compute runs outside the worker's turn, beside another worker's.  The span is
+    # entered before the RNG lock and left after it, so the lock's holder never waits for
+    # the turn; a short span keeps the turn, which no holder of the lock can be waiting for.
     with ComputeSpan(ctx, w, "f", layers), w.rng.hold():
         for l in layers:
             if ctx.abort_requested():
@@ -190,12 +191,9 @@ class StageRun:
 
     def _use(self, arrival: Arrival) -> Any:
         """The arrived tensors, floating ones in compute dtype (uploads carry low precision)."""
-        x = self.w.use(arrival)
         dt = self.w.compute_dtype
-        if isinstance(x, torch.Tensor):   # a plain activation: no nest to walk
-            return x.to(dt) if x.dtype != dt and x.is_floating_point() else x
         return tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                        and t.dtype != dt else t, x)
+                        and t.dtype != dt else t, self.w.use(arrival))
 
     def _input(self, m: int) -> Any:
         if m in self.early:
