@@ -1,33 +1,53 @@
-"""The per-layer event protocol between workers and the host optimizer (DESIGN.md 3.2).
+"""The per-layer protocol between workers and the host optimizer (DESIGN.md 3.2).
 
-Iteration j is one `forward_backward` (or forward-only) call.  Two host copies
-bridge workers and optimizer, and four per-layer orderings make the
-asynchronous step exactly one step stale with no torn weights:
+A call is one `forward_backward` (training) or forward-only `model(...)`.  A
+step is one `RoundPipe.step`.  Two host copies bridge workers and optimizer:
+the G-copy (landed gradients -> `p.grad`) and the P-copy (fp32 masters -> the
+low-precision upload copy workers read; the fused optimizer writes it in the
+same pass as the update).  W_s are the weights after step s.
 
-    P-copy(step s, layer l)   waits until the uploads of l by the iterations allowed
-                              to read the old weights (the next k calls after s, k =
-                              calls per step so far: 1 without gradient accumulation)
-                              have finished, or until the next step() or a sync point
-    upload(iteration j, l)    waits for the P-copies of every step whose stale window
-                              ended before j
-    G-copy(iteration j, l)    runs after iteration j landed l's gradients, and after
-                              every step issued before it has read (and cleared) l's p.grad
-    step(s) reads p.grad(l)   after every G-copy issued before s
-    grad write(j+1, l)        waits until G-copy(j, l) has moved the gradients out
+Which weights a call reads.  When step s is issued it opens a stale window of
+k training calls, k = the number of training calls since step s-1 (at least
+1): those calls still read W_(s-1), so with a regular loop every call of a
+gradient-accumulation group sees the same one-step-old weights.  The window
+closes early at the next step, at every sync point (`synchronize`,
+`state_dict`, `load_state_dict`, a synchronous step, a forward-only call,
+`close`); a call started after it closed reads W_s.
 
-Time, N workers busy with iteration j+1 while the host thread steps iteration j:
+Gradients.  Workers land a call's gradients in per-layer landing buffers,
+which sum every call since the last G-copy (a parameter that got no gradient
+keeps none).  A G-copy is issued once per step (just before it) and at
+`synchronize`; it moves the sums into `p.grad`, after every step issued before
+it has read (and cleared) `p.grad`.
 
-    workers : | F..B of j | F..B of j+1 (uploads W_j) | F..B of j+2 (uploads W_j+1)
-    host    : |           | G(j) step(j) P-copy l=L-1..0 -> each as soon as j+1's
-                            last upload of l is done (tail layers first)
+The orderings, per layer l (every wait points to something issued earlier,
+so no cycle can form):
 
-Everything is per layer with one condition variable, so layer 0 of j+2 can
-start while the deep layers of step j+1 are still being copied.  Steps (with
-their P-copies) run in order on one host thread and G-copies on another
-(roundpipe.executor.SerialExecutor), so a G-copy never queues behind a P-copy
-that waits for a later call; every dependency above points to something issued
-earlier, hence no deadlock.  Host-thread errors are re-raised in the caller at
-its next call.
+    upload(call reading W_v, l)  waits until the P-copies of steps 1..v of l are done
+    P-copy / update(step s, l)   waits until its window is closed and no running call
+                                 that reads W_(s-1) still has an upload of l to issue,
+                                 and for those uploads' copies to complete
+    update(step s, l)            also waits for the G-copies issued before step s
+    G-copy(e, l)                 waits until the steps issued before e consumed p.grad(l)
+    grad landing(call, l)        waits for the G-copies issued before the call, and for
+                                 the earlier rounds of the same call (a fixed sum order)
+
+State of one step, as the host thread takes it through (table in docs/async_step.md):
+
+    issued --(window closed & uploads of l issued & fences done)--> gate open(l)
+    gate open(l) --(G-copies before it done for l)--> updated(l) --> consumed(l), pcopied(l)
+    all layers pcopied --> retired (lr scheduler stepped if the update succeeded)
+
+An error in the optimizer never stops the protocol: the remaining layers of
+that step still go through their gates (upload copy rewritten from the
+masters, gradients consumed), so the next calls run; the error is re-raised
+on the caller's thread at its next engine call (roundpipe/executor.py).
+
+Time, N workers busy with call t+1 while the host thread steps after call t:
+
+    workers : | F..B of t | F..B of t+1 (reads W_(s-1)) | F..B of t+2 (reads W_s)
+    host    : |           | G(t) update+P-copy of step s, l=L-1..0, each as soon
+                            as t+1 issued its last upload of l (tail layers first)
 """
 from __future__ import annotations
 
@@ -45,34 +65,33 @@ class Aborted(Exception):
 
 
 @dataclass
-class _StepRecord:
-    stale_until: int | None  # last iteration that still reads the old weights; None once flushed
-    need_gcopies: list[int]  # per layer: G-copies issued before this step, which it must see
-    after_steps: int         # steps issued before this one
-    pcopied: int = 0         # layers whose P-copy is done
+class StepRecord:
+    index: int          # s: this step produces W_s
+    readers_left: int   # training calls still to start that read W_(s-1); 0 once the window closed
+    gcopies: int        # G-copy epochs issued before this step (it consumes their gradients)
 
 
 class LayerSync:
     """Per-layer counters and one condition variable implementing the orderings above."""
 
     def __init__(self, num_layers: int):
+        L = num_layers
         self.cv = threading.Condition()
-        self.L = num_layers
-        self.iteration = 0
-        self.running = False
-        self.uploads_left = [0] * num_layers
-        self.upload_waits: list[list[Callable[[], None]]] = [[] for _ in range(num_layers)]
-        self.pcopied = [0] * num_layers          # P-copies done per layer, over all steps
-        self.steps: list[_StepRecord] = []       # steps whose P-copies are not all done
-        self.retired = 0                         # steps with all P-copies done
-        self.required = 0                        # P-copies per layer the running iteration must see
-        self.landed = [0] * num_layers           # gradient downloads landed this iteration
-        self.gcopy_pending = [False] * num_layers
-        self.gcopies_issued = [0] * num_layers
-        self.gcopies_done = [0] * num_layers
-        self.consumed = [0] * num_layers         # steps that have read (and cleared) p.grad, per layer
+        self.L = L
+        self.iteration = 0                  # calls begun
         self.steps_issued = 0
-        self.iter_at_last_step = 0
+        self.latest: StepRecord | None = None
+        self.calls_since_step = 0           # training calls since the last step (predicts the next window)
+        self.pcopied = [0] * L              # steps whose update + upload copy of l is done
+        self.consumed = [0] * L             # steps that have read and cleared p.grad of l
+        self.gcopies_issued = 0
+        self.gcopied = [0] * L              # G-copy epochs done, per layer
+        # the running (or last) call
+        self.running = False
+        self.version = 0                    # it reads W_version
+        self.uploads_left = [0] * L
+        self.upload_waits: list[list[Callable[[], None]]] = [[] for _ in range(L)]
+        self.landed = [0] * L               # gradient rounds landed by it
 
     def _wait(self, ready: Callable[[], bool], abort: Callable[[], bool] | None) -> None:
         while not ready():
@@ -80,31 +99,51 @@ class LayerSync:
                 raise Aborted()
             self.cv.wait(0.05)
 
-    # ---- iteration boundaries (caller thread)
-    def begin_iteration(self, uploads_per_layer: list[int]) -> None:
+    # ---- calls (caller thread)
+    def begin_call(self, training: bool, uploads_per_layer: list[int]) -> int:
+        """Starts a call; returns the weights version it reads."""
         with self.cv:
             assert not self.running
             self.iteration += 1
+            s = self.latest
+            if training and s is not None and s.readers_left > 0:
+                s.readers_left -= 1
+                self.version = s.index - 1
+            else:
+                self.version = self.steps_issued
+            if training:
+                self.calls_since_step += 1
             self.running = True
             self.uploads_left = list(uploads_per_layer)
             self.upload_waits = [[] for _ in range(self.L)]
             self.landed = [0] * self.L
-            self.required = self.retired + sum(1 for s in self.steps
-                                               if s.stale_until is None or s.stale_until < self.iteration)
+            return self.version
 
-    def end_iteration(self) -> None:
+    def end_call(self) -> None:
         with self.cv:
             self.running = False
             self.cv.notify_all()
 
-    # ---- uploads (worker threads)
-    def wait_upload(self, layer: int, abort: Callable[[], bool] | None = None) -> None:
+    def flush(self) -> None:
+        """A sync point: the stale window closes, later calls read every issued step's weights."""
         with self.cv:
-            self._wait(lambda: self.pcopied[layer] >= self.required, abort)
+            if self.latest is not None:
+                self.latest.readers_left = 0
+            self.cv.notify_all()
 
+    def settled(self, layer: int) -> bool:
+        """No issued step still has to update or copy this layer (the host thread leaves it alone)."""
+        with self.cv:
+            return self.pcopied[layer] == self.steps_issued
+
+    # ---- uploads (worker threads)
     def upload_ready(self, layer: int) -> bool:
         with self.cv:
-            return self.pcopied[layer] >= self.required
+            return self.pcopied[layer] >= self.version
+
+    def wait_upload(self, layer: int, abort: Callable[[], bool] | None = None) -> None:
+        with self.cv:
+            self._wait(lambda: self.pcopied[layer] >= self.version, abort)
 
     def uploaded(self, layer: int, done: Waitable) -> None:
         with self.cv:
@@ -113,143 +152,80 @@ class LayerSync:
                 self.upload_waits[layer].append(done)
             self.cv.notify_all()
 
-    # ---- gradient downloads (worker threads)
+    # ---- gradient landings (worker threads)
     def wait_grad_write(self, layer: int, round_index: int, abort: Callable[[], bool] | None = None) -> None:
-        """Waits for the G-copy of the previous iteration and for earlier rounds' writes of this one."""
+        """Waits for the G-copies issued before this call and for this call's earlier rounds of the layer."""
         with self.cv:
-            self._wait(lambda: not self.gcopy_pending[layer] and self.landed[layer] == round_index, abort)
+            self._wait(lambda: self.gcopied[layer] == self.gcopies_issued and self.landed[layer] == round_index,
+                       abort)
 
     def grad_written(self, layer: int) -> None:
         with self.cv:
             self.landed[layer] += 1
             self.cv.notify_all()
 
-    def issue_gcopy(self, layers: list[int]) -> int:
-        """Marks the layers' landed gradients as waiting for their G-copy; returns the steps it must follow."""
+    # ---- G-copies (caller issues, G-copy thread completes)
+    def issue_gcopy(self) -> int:
+        """Registers a G-copy epoch; returns the number of steps that must consume p.grad before it."""
         with self.cv:
-            for l in layers:
-                self.gcopy_pending[l] = True
-                self.gcopies_issued[l] += 1
+            self.gcopies_issued += 1
             return self.steps_issued
 
     def wait_gcopy_ready(self, after_steps: int, pending: set[int]) -> int:
         """A layer of `pending` whose p.grad every step issued before the G-copy has consumed."""
         with self.cv:
             while True:
-                for l in sorted(pending):
+                for l in sorted(pending, reverse=True):
                     if self.consumed[l] >= after_steps:
                         return l
                 self.cv.wait(0.05)
 
     def gcopy_done(self, layer: int) -> None:
         with self.cv:
-            self.gcopy_pending[layer] = False
-            self.gcopies_done[layer] += 1
+            self.gcopied[layer] += 1
             self.cv.notify_all()
 
-    def wait_grads(self, rec: _StepRecord, layer: int) -> None:
+    # ---- steps (caller issues, host thread completes)
+    def new_step(self, asynchronous: bool) -> StepRecord:
+        """Registers a step after its G-copy; a synchronous step opens no stale window."""
+        with self.cv:
+            if self.latest is not None:
+                self.latest.readers_left = 0
+            k = max(1, self.calls_since_step) if asynchronous else 0
+            self.calls_since_step = 0
+            self.steps_issued += 1
+            rec = self.latest = StepRecord(self.steps_issued, k, self.gcopies_issued)
+            self.cv.notify_all()
+            return rec
+
+    def _gate(self, rec: StepRecord, layer: int) -> bool:
+        if rec.readers_left > 0:
+            return False
+        return not self.running or self.version >= rec.index or self.uploads_left[layer] == 0
+
+    def wait_gate(self, rec: StepRecord, pending: set[int]) -> tuple[int, list[Callable[[], None]]]:
+        """Blocks until one layer of `pending` may be overwritten; returns it and the upload copies to wait for."""
+        with self.cv:
+            while True:
+                for l in sorted(pending, reverse=True):
+                    if self._gate(rec, l):
+                        return l, list(self.upload_waits[l]) if self.version < rec.index else []
+                self.cv.wait(0.05)
+
+    def wait_grads(self, rec: StepRecord, layer: int) -> None:
         """Waits until p.grad of the layer holds every gradient issued before the step."""
         with self.cv:
-            self._wait(lambda: self.gcopies_done[layer] >= rec.need_gcopies[layer], None)
+            self._wait(lambda: self.gcopied[layer] >= rec.gcopies, None)
 
     def grads_consumed(self, layer: int) -> None:
         with self.cv:
             self.consumed[layer] += 1
             self.cv.notify_all()
 
-    # ---- optimizer steps (caller thread issues, host thread completes)
-    def new_step(self) -> _StepRecord:
-        """Registers a step; the next k calls still read the old weights, k = calls per step so far.
-
-        k is the number of calls between the previous two steps (gradient accumulation), so with
-        a regular loop every call of a group sees the same, one-step-old weights.  A step issued
-        earlier than predicted ends the previous step's stale window at once.
-        """
-        with self.cv:
-            k = max(1, self.iteration - self.iter_at_last_step)
-            for s in self.steps:
-                if s.stale_until is not None and s.stale_until > self.iteration:
-                    s.stale_until = self.iteration
-            rec = _StepRecord(self.iteration + k, list(self.gcopies_issued), self.steps_issued)
-            self.steps_issued += 1
-            self.steps.append(rec)
-            self.iter_at_last_step = self.iteration
-            self.cv.notify_all()
-            return rec
-
-    def flush(self) -> None:
-        """A sync point: no later iteration may read the weights of pending steps' predecessors."""
-        with self.cv:
-            for s in self.steps:
-                s.stale_until = None
-            self.cv.notify_all()
-
-    def _pcopy_gate(self, rec: _StepRecord, layer: int) -> bool:
-        j = rec.stale_until
-        return (j is None or self.iteration > j
-                or (self.iteration == j and (not self.running or self.uploads_left[layer] == 0)))
-
-    def wait_pcopy_gate(self, rec: _StepRecord, pending: set[int]) -> tuple[int, list[Callable[[], None]]]:
-        """Blocks until one layer of `pending` may be P-copied; returns it and the upload waits to honour."""
-        with self.cv:
-            while True:
-                for l in sorted(pending, reverse=True):
-                    if self._pcopy_gate(rec, l):
-                        return l, list(self.upload_waits[l]) if rec.stale_until == self.iteration else []
-                self.cv.wait(0.05)
-
-    def pcopy_done(self, rec: _StepRecord, layer: int) -> None:
+    def pcopy_done(self, layer: int) -> None:
         with self.cv:
             self.pcopied[layer] += 1
-            rec.pcopied += 1
-            if rec.pcopied == self.L:
-                self.steps.remove(rec)
-                self.retired += 1
             self.cv.notify_all()
-
-
-def run_step(sync: LayerSync, rec: _StepRecord, step_all: Callable[[], None] | None,
-             per_layer: Callable[[int], None], clear_grads: Callable[[int], None]) -> None:
-    """Host-thread job: one optimizer step, with each layer's upload copy written once its gate opens.
-
-    Two shapes of optimizer fit this seam:
-      torch optimizer / callable   step_all() reads every p.grad and updates every master (the
-                                   gradients are cleared right after); per_layer(l) is the P-copy
-      fused per-layer step         step_all is None, per_layer(l) reads layer l's gradients,
-                                   updates its masters and writes its upload copy in one pass (so
-                                   it, too, waits for the layer's gate)
-    Layers go in the order their gates open (tail first during the next iteration's backward).
-    After a layer's gradients are consumed, the G-copy of a later call may refill p.grad.
-    """
-    pending = set(range(sync.L))
-    try:
-        delay_point("optimizer")
-        if step_all is not None:
-            for l in range(sync.L):
-                sync.wait_grads(rec, l)
-            try:
-                step_all()
-            finally:
-                for l in range(sync.L):
-                    clear_grads(l)
-                    sync.grads_consumed(l)
-    finally:
-        # Even after a failed step the upload copies must follow the masters and the records
-        # must retire, or the next iteration would wait forever.
-        while pending:
-            layer, waits = sync.wait_pcopy_gate(rec, pending)
-            for w in waits:
-                w()
-            try:
-                if step_all is None:
-                    sync.wait_grads(rec, layer)
-                per_layer(layer)
-            finally:
-                if step_all is None:
-                    clear_grads(layer)
-                    sync.grads_consumed(layer)
-                pending.discard(layer)
-                sync.pcopy_done(rec, layer)
 
 
 def run_gcopy(sync: LayerSync, after_steps: int, gcopy: Callable[[int], None]) -> None:
@@ -262,3 +238,74 @@ def run_gcopy(sync: LayerSync, after_steps: int, gcopy: Callable[[int], None]) -
         finally:
             pending.discard(layer)
             sync.gcopy_done(layer)
+
+
+class StepFns:
+    """What one step does, as the protocol calls it (built by roundpipe/optimizer_step.py).
+
+      prepare()   runs once every layer's gradients are in p.grad, before any layer is
+                  updated (a torch optimizer's whole step, the global gradient norm), or None
+      whole       prepare() is the whole update and consumed every p.grad (torch optimizer)
+      update(l)   updates layer l and writes its upload copy (fused per-layer path), or
+                  only writes the upload copy (after a whole update)
+      pcopy(l)    rewrites layer l's upload copy from the masters (after an error)
+      clear(l)    clears layer l's p.grad
+      after()     runs once the update succeeded on every layer (the lr scheduler), or None
+    """
+
+    def __init__(self, prepare: Callable[[], None] | None, whole: bool, update: Callable[[int], None],
+                 pcopy: Callable[[int], None], clear: Callable[[int], None], after: Callable[[], None] | None):
+        self.prepare, self.whole, self.update, self.pcopy, self.clear, self.after = \
+            prepare, whole, update, pcopy, clear, after
+
+
+def run_step(sync: LayerSync, rec: StepRecord, fns: StepFns) -> None:
+    """Host-thread job: one step, each layer updated (or copied) once its gate opens.
+
+    Layers go in the order their gates open (tail first during the next call's backward).
+    After the first error no layer is updated any more, but every layer still passes its
+    gate, gets its upload copy rewritten from its masters, has its gradients cleared and is
+    counted, so the protocol goes on; the error is raised at the end.
+    """
+    error: BaseException | None = None
+    cleared = False
+    try:
+        delay_point("optimizer")
+        if fns.prepare is not None:
+            for l in range(sync.L):
+                sync.wait_grads(rec, l)
+            try:
+                fns.prepare()
+            finally:
+                if fns.whole:   # p.grad was read; later G-copies may refill it
+                    for l in range(sync.L):
+                        fns.clear(l)
+                        sync.grads_consumed(l)
+                    cleared = True
+    except BaseException as e:  # noqa: BLE001 - re-raised below, after the protocol went on
+        error = e
+    pending = set(range(sync.L))
+    while pending:
+        layer, waits = sync.wait_gate(rec, pending)
+        try:
+            for w in waits:
+                w()
+            if not cleared:
+                sync.wait_grads(rec, layer)
+            if error is None:
+                try:
+                    fns.update(layer)
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    error = e
+            if error is not None:
+                fns.pcopy(layer)
+        finally:
+            if not cleared:
+                fns.clear(layer)
+                sync.grads_consumed(layer)
+            pending.discard(layer)
+            sync.pcopy_done(layer)
+    if error is not None:
+        raise error
+    if fns.after is not None:
+        fns.after()

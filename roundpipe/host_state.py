@@ -6,8 +6,16 @@ For every parameter of layer l the host keeps:
               `p.grad` is the accumulated fp32 gradient the optimizer reads)
     upload    copy in compute_dtype that workers upload from (written only by the
               P-copy, so an optimizer step never tears a weight a worker is reading)
-    gbuf      fp32 landing buffer for downloaded gradients (written by workers,
-              moved into `p.grad` by the G-copy between two optimizer steps)
+    gbuf      fp32 landing buffer for downloaded gradients: the sum of every call's
+              gradient since the last G-copy, which moves it into `p.grad`; a
+              parameter that got no gradient (unused, off the autograd path) has
+              none (`ghas`), so its `p.grad` stays None as in PyTorch.  Frozen
+              parameters (requires_grad=False) have no landing buffer at all.
+
+A stamp (requires_grad, version counter, storage address) of every master
+taken at each P-copy lets a call find the masters the user changed since
+(`edited`): an in-place edit under no_grad, `load_state_dict`, `p.data = ...`,
+a freeze or unfreeze.
 
 Buffers (BatchNorm running stats, ...) have no extra copy: forward stages
 upload them with the parameters and write them back after the stage; they stay
@@ -33,6 +41,14 @@ from torch import nn
 
 from roundpipe import _native, hostops
 from roundpipe.testing import delay_point
+
+
+def _stamp(p: torch.Tensor) -> tuple:
+    """What an edit of a master changes: its version counter, storage, requires_grad.
+
+    `p.data.mul_()` bumps no version counter (`.data` is invisible to autograd), so edits
+    through `.data` are found only at the next explicit `synchronize()` (see RoundPipe)."""
+    return (p.requires_grad, p._version, p.data_ptr())
 
 
 def make_arena(pinned: bool):
@@ -67,6 +83,8 @@ class LayerState:
     buffer_names: list[str]
     buffers: list[torch.Tensor]
     trainable: list[int] = field(default_factory=list)  # indices of params with requires_grad
+    ghas: list[bool] = field(default_factory=list)       # per param: gbuf holds a gradient
+    stamp: list[tuple] = field(default_factory=list)     # per param: _stamp(p) at the last P-copy
 
 
 class HostState:
@@ -78,6 +96,8 @@ class HostState:
         self.upload_dtype = upload_dtype
         self.pinned = pinned
         self.arena = make_arena(pinned)
+        # this call's landings per (layer, param): None if it started the sum, else what it added
+        self._landed: dict[tuple[int, int], list[torch.Tensor] | None] = {}
         seen: dict[int, str] = {}
         self.layers: list[LayerState] = []
         for i, layer in enumerate(layers):
@@ -102,9 +122,10 @@ class HostState:
                 u = self.alloc(p.shape, dtype)
                 self.copy(u, p.data)
                 state.upload.append(u)
-                state.gbuf.append(self.alloc(p.shape, torch.float32) if p.requires_grad else None)
-                if p.requires_grad:
-                    state.trainable.append(j)
+                state.gbuf.append(None)
+                state.ghas.append(False)
+            self._set_trainable(state)
+            state.stamp = [_stamp(p) for p in state.params]
             self.layers.append(state)
 
     def __len__(self) -> int:
@@ -131,36 +152,91 @@ class HostState:
             st.gbuf.clear()
         self.arena = None
 
+    def _set_trainable(self, st: LayerState) -> None:
+        """Landing buffers for the parameters that require grad now, none for frozen ones."""
+        st.trainable = [j for j, p in enumerate(st.params) if p.requires_grad]
+        for j, p in enumerate(st.params):
+            if p.requires_grad and st.gbuf[j] is None:
+                st.gbuf[j] = self.alloc(p.shape, torch.float32)
+            elif not p.requires_grad:
+                st.gbuf[j] = None
+                st.ghas[j] = False
+
+    def edited(self, layer: int) -> bool:
+        """Whether a master of the layer changed (or was frozen/unfrozen) since its last P-copy."""
+        st = self.layers[layer]
+        return any(_stamp(p) != s for p, s in zip(st.params, st.stamp))
+
+    def refresh(self, layer: int) -> None:
+        """After the user changed masters: checks them, follows freezes, rewrites the upload copy."""
+        st = self.layers[layer]
+        for j, (p, u) in enumerate(zip(st.params, st.upload)):
+            if p.shape != u.shape or p.dtype != torch.float32 or p.device.type != "cpu":
+                raise ValueError(f"parameter {st.param_names[j]} of layer {layer} is now a {p.dtype} tensor of shape "
+                                 f"{tuple(p.shape)} on {p.device}; after wrapping, a master may change its values "
+                                 f"only (it must stay fp32, on the CPU, of shape {tuple(u.shape)})")
+        self._set_trainable(st)
+        self.pcopy(layer)
+
     def pcopy(self, layer: int) -> None:
         """P-copy: new fp32 master weights -> upload copy of one layer."""
         delay_point("pcopy")
         st = self.layers[layer]
         for u, p in zip(st.upload, st.params):
             self.copy(u, p.data)
+        self.stamp(layer)
+
+    def stamp(self, layer: int) -> None:
+        """Records the masters as the upload copy now holds them (after any P-copy or fused update)."""
+        st = self.layers[layer]
+        st.stamp = [_stamp(p) for p in st.params]
 
     def gcopy(self, layer: int) -> None:
         """G-copy: landed gradients of one layer -> `p.grad` (accumulating, as autograd does)."""
         delay_point("gcopy")
         st = self.layers[layer]
         for j in st.trainable:
+            if not st.ghas[j]:
+                continue
             p, g = st.params[j], st.gbuf[j]
             if p.grad is None:
                 p.grad = g.clone()
             else:
                 p.grad.add_(g)
+            st.ghas[j] = False
 
-    def land_grads(self, layer: int, grads: list[torch.Tensor | None], first: bool) -> None:
-        """Writes (first download of this call) or adds one stage's gradients into gbuf."""
+    def land_grads(self, layer: int, grads: list[torch.Tensor | None]) -> None:
+        """Adds one stage's downloaded gradients to the layer's landing sums (None: no gradient).
+
+        Each landing is logged until the call ends (`end_call`), so that a failed call can
+        take its gradients out again: a first landing is dropped exactly; one added to an
+        earlier call's sum still waiting for its G-copy (gradient accumulation while the
+        previous step is pending) is subtracted, exact up to fp32 rounding."""
         st = self.layers[layer]
         for j, g in zip(st.trainable, grads):
-            dst = st.gbuf[j]
             if g is None:
-                if first:
-                    dst.zero_()
-            elif first:
-                self.copy(dst, g)
+                continue
+            log = self._landed.get((layer, j), ())
+            if st.ghas[j]:
+                st.gbuf[j].add_(g)
+                if log is not None:   # the sum predates this call: keep what to subtract
+                    self._landed[(layer, j)] = [*log, g]
             else:
-                dst.add_(g)
+                self.copy(st.gbuf[j], g)
+                st.ghas[j] = True
+                self._landed[(layer, j)] = None   # this call started the sum: dropped whole
+
+    def end_call(self, ok: bool) -> None:
+        """Keeps (ok) or takes back the gradients the call landed; the workers have stopped."""
+        if not ok:
+            for (layer, j), log in self._landed.items():
+                st = self.layers[layer]
+                if log is None:
+                    st.ghas[j] = False
+                else:
+                    for g in log:
+                        st.gbuf[j].sub_(g)
+        self._landed = {}
 
     def clear_grads(self, layer: int) -> None:
         for p in self.layers[layer].params:

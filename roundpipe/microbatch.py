@@ -116,12 +116,21 @@ class Microbatches:
 
 
 def split(args: tuple, kwargs: dict, labels: Any, num_microbatches: int | None, default: int,
-          split_fn: SplitFn | None = None) -> Microbatches:
-    """Validates the call's inputs and splits them into microbatches."""
+          split_fn: SplitFn | None = None, labels_required: bool = False) -> Microbatches:
+    """Validates the call's inputs and splits them into microbatches.
+
+    labels_required: labels go to a loss_fn, so they must hold a tensor with the batch along
+    dim 0 (anything else could not be split per microbatch)."""
     batch = batch_size_of((args, kwargs))
     if batch is None:
         raise ValueError("nothing to split into microbatches: no tensor argument with a batch dimension "
                          "(dim 0) was passed; pass at least one tensor of shape (batch, ...)")
+    if batch == 0:
+        raise ValueError("the batch is empty (dim 0 of the first tensor argument is 0); pass at least one sample")
+    if labels_required and split_fn is None and not any(t.dim() >= 1 for t in tensors(labels)):
+        raise TypeError(f"labels must be a tensor (or a nest holding tensors) with the batch ({batch}) along dim 0, "
+                        f"got {type(labels).__name__}" + (f" {labels!r}"[:80] if not isinstance(labels, torch.Tensor)
+                                                          else f" of shape {tuple(labels.shape)}"))
     if labels is not None:
         for t in tensors(labels):
             if t.dim() >= 1 and t.shape[0] != batch:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from roundpipe.async_step import LayerSync, run_gcopy, run_step
+from roundpipe.optimizer_step import check_step_args, make_step
 from roundpipe.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.board import Board
 from roundpipe.dispatcher import Dispatcher, default_plan
@@ -111,6 +112,7 @@ class RoundPipe:
         self._compute_s: dict[tuple[str, int, int], float] = {}   # last compute times (stage.ComputeSpan)
         self._api = threading.RLock()
         self._closed = False
+        self._stale_uploads = False   # after synchronize(): re-copy every settled layer's masters
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit.
         self._finalizer = weakref.finalize(self, _stop_threads,
                                            [e for w in self.workers for e in w.executors()] + self._host_threads())
@@ -137,15 +139,18 @@ class RoundPipe:
         return self.module.named_buffers(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        self.synchronize()
-        return self.module.state_dict(*args, **kwargs)
+        with self._api:
+            self._check_open()
+            self._drain()
+            return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         with self._api:
-            self.synchronize()
+            self._check_open()
+            self._drain()
             result = self.module.load_state_dict(state_dict, strict=strict)
             for l in range(len(self.host)):
-                self.host.pcopy(l)
+                self.host.refresh(l)
             return result
 
     def train(self, mode: bool = True) -> "RoundPipe":
@@ -174,7 +179,8 @@ class RoundPipe:
                 raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
             if labels is not None and loss_fn is None:
                 raise ValueError("labels were given but loss_fn is None; pass loss_fn(output, labels)")
-            mb = split(args, kwargs, labels, self.num_microbatches, self.round_size, self.split_fn)
+            mb = split(args, kwargs, labels, self.num_microbatches, self.round_size, self.split_fn,
+                       labels_required=loss_fn is not None and labels is not None)
             ctx = self._run(mb, training=True, loss_fn=loss_fn)
             losses = [ctx.losses[m].cpu() * w for m, w in enumerate(mb.weights)]
             total = losses[0].clone()
@@ -186,7 +192,7 @@ class RoundPipe:
         """Forward only (no state kept for backward); outputs are concatenated along dim 0 on the CPU."""
         with self._api:
             self._check_open()
-            self.sync.flush()   # a forward after step() sees the updated weights
+            self.sync.flush()   # a sync point: a forward after step() sees the updated weights
             mb = split(args, kwargs, None, self.num_microbatches, self.round_size, self.split_fn)
             ctx = self._run(mb, training=False, loss_fn=None)
             outs = []
@@ -199,7 +205,24 @@ class RoundPipe:
 
     forward = __call__
 
+    def _refresh_edited(self) -> None:
+        """Masters the user changed since their last P-copy (in place, load, freeze): new upload copies.
+
+        Only layers no pending step will touch are looked at; with a step pending the user had
+        no sync point, so an edit would race the update anyway."""
+        host, sync = self.host, self.sync
+        edited = [l for l in range(len(host)) if (self._stale_uploads or host.edited(l)) and sync.settled(l)]
+        self._stale_uploads = False
+        if not edited:
+            return
+        if any(self.host.layers[l].trainable != [j for j, p in enumerate(host.layers[l].params) if p.requires_grad]
+               for l in edited):
+            self._drain()   # a freeze drops landed gradients' buffers: land every pending one first
+        for l in edited:
+            host.refresh(l)
+
     def _run(self, mb, training: bool, loss_fn: Callable | None) -> CallContext:
+        self._refresh_edited()
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
         rng = CallerRng(self.devices)
@@ -211,64 +234,64 @@ class RoundPipe:
         for m in range(len(mb)):
             ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m]))),
                           sched.input_consumers)
-        self.sync.begin_iteration(sched.uploads)
+        self.sync.begin_call(training, sched.uploads)
         ok = False
         try:
             self.dispatcher.run(ctx, sched)
             ok = True
         finally:
-            self.sync.end_iteration()
+            self.host.end_call(ok)
+            self.sync.end_call()
             rng.restore()
             self.autoplan.after_call(plan, training, ok)
-            if ok and training:
-                self._issue_gcopy()
         return ctx
 
     def _issue_gcopy(self) -> None:
-        after = self.sync.issue_gcopy(list(range(len(self.host))))
+        after = self.sync.issue_gcopy()
         self.gcopy_thread.submit(lambda: run_gcopy(self.sync, after, self.host.gcopy))
 
-    def step(self, optimizer, asynchronous: bool = True) -> None:
-        """Applies the accumulated gradients, then clears them; asynchronous=True overlaps the
-        update with the next call (one step stale).
+    def step(self, optimizer, asynchronous: bool = True, *, lr_scheduler=None,
+             max_grad_norm: float | None = None) -> None:
+        """Applies the gradients accumulated since the last step, then clears them.
 
-        optimizer: a torch.optim.Optimizer over `parameters()`, a zero-argument callable, or a
-        per-layer fused optimizer (an object with `step_layer(params, upload)` that updates one
-        layer's fp32 masters from their `.grad` and writes their low-precision upload copies).
+        optimizer: a torch.optim.Optimizer over `parameters()` (every parameter that requires
+        grad, nothing else), a zero-argument callable, or a per-layer fused optimizer (an object
+        with `step_layer(params, upload)`, e.g. roundpipe.optim.AdamW: updates one layer's fp32
+        masters from their `.grad` and writes their upload copies, layer by layer as the next
+        call frees them).  asynchronous=True overlaps the update with the next call (one step
+        stale, see roundpipe/async_step.py); False returns with the update applied.
+        lr_scheduler: stepped right after this update, as `opt.step(); sched.step()` would.
+        max_grad_norm: clip like torch.nn.utils.clip_grad_norm_ over every gradient first.
+        Errors inside the update are raised here (synchronous) or at the next call.
         """
         with self._api:
             self._check_open()
-            host = self.host
-            if callable(getattr(optimizer, "step_layer", None)):
-                step_all = None
-
-                def per_layer(l: int) -> None:
-                    with torch.no_grad():
-                        optimizer.step_layer(host.layers[l].params, host.layers[l].upload)
-            elif isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer):
-                fn = optimizer.step if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-
-                def step_all() -> None:
-                    with torch.no_grad():
-                        fn()
-                per_layer = host.pcopy
-            else:
-                raise TypeError(f"optimizer must be a torch.optim.Optimizer, a zero-argument callable or an "
-                                f"object with step_layer(params, upload), got {type(optimizer).__name__}")
-            rec = self.sync.new_step()
-            self.host_thread.submit(lambda: run_step(self.sync, rec, step_all, per_layer, host.clear_grads))
+            max_norm = check_step_args(asynchronous, lr_scheduler, max_grad_norm, optimizer)
+            fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm)
+            self._issue_gcopy()
+            rec = self.sync.new_step(asynchronous)
+            self.host_thread.submit(lambda: run_step(self.sync, rec, fns))
             if not asynchronous:
-                self.synchronize()
+                self._drain()
+
+    def _drain(self) -> None:
+        """A sync point: every landed gradient in p.grad, every issued step applied; raises their errors."""
+        self.sync.flush()
+        self._issue_gcopy()
+        for t in self._host_threads():
+            t.wait_idle()
+        for t in self._host_threads():
+            t.raise_error()
 
     def synchronize(self) -> None:
-        """Waits for pending gradient copies and optimizer steps; masters and p.grad are then consistent."""
+        """Waits for pending gradient copies and optimizer steps; masters and p.grad are then consistent.
+
+        After it, the masters may be edited in any way (in place, through `.data`, by
+        `load_state_dict`): the next call uploads them as they are then."""
         with self._api:
             self._check_open()
-            self.sync.flush()
-            for t in self._host_threads():
-                t.wait_idle()
-            for t in self._host_threads():
-                t.raise_error()
+            self._drain()
+            self._stale_uploads = True
 
     @contextlib.contextmanager
     def record_trace(self) -> Iterator[Trace]:

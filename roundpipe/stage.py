@@ -356,7 +356,7 @@ class StageRun:
             for l, n in zip(self.task.layers, sizes):
                 with self.w.yielded():   # earlier rounds' writes may come from another worker
                     self.ctx.sync.wait_grad_write(l, self.task.round, self.ctx.abort_requested)
-                self.ctx.host.land_grads(l, host_grads[start:start + n], first=self.task.round == 0)
+                self.ctx.host.land_grads(l, host_grads[start:start + n])
                 self.ctx.sync.grad_written(l)
                 start += n
         return land

@@ -120,27 +120,47 @@ def test_synchronize_makes_the_next_call_fresh():
     torch.testing.assert_close(out, reference(layers)(x).detach())
 
 
-def test_protocol_orders_pcopy_after_next_iterations_uploads():
-    """A P-copy waits for the next iteration's uploads of that layer, and the upload after it waits for it."""
+def test_protocol_orders_pcopy_after_next_calls_uploads():
+    """A P-copy waits for the next call's uploads of that layer, and the upload after it waits for it."""
     sync = LayerSync(2)
-    sync.begin_iteration([1, 1])
+    assert sync.begin_call(True, [1, 1]) == 0
     sync.uploaded(0, None)
     sync.uploaded(1, None)
-    sync.end_iteration()
-    rec = sync.new_step()
-    assert not sync._pcopy_gate(rec, 0)          # iteration 2 has not uploaded yet
-    sync.begin_iteration([2, 1])
-    assert sync.upload_ready(0)                  # iteration 2 may read the old weights
+    sync.end_call()
+    sync.issue_gcopy()
+    rec = sync.new_step(asynchronous=True)
+    assert rec.readers_left == 1 and not sync._gate(rec, 0)   # call 2 has not started yet
+    assert sync.begin_call(True, [2, 1]) == 0                 # call 2 may read the old weights
+    assert sync.upload_ready(0)
     sync.uploaded(1, None)
-    assert sync._pcopy_gate(rec, 1) and not sync._pcopy_gate(rec, 0)
+    assert sync._gate(rec, 1) and not sync._gate(rec, 0)
     sync.uploaded(0, None)
     sync.uploaded(0, None)
-    assert sync._pcopy_gate(rec, 0)
-    sync.end_iteration()
-    sync.begin_iteration([1, 1])
-    assert not sync.upload_ready(0)              # iteration 3 must see step 1's weights
-    sync.pcopy_done(rec, 0)
+    assert sync._gate(rec, 0)
+    sync.end_call()
+    assert sync.begin_call(True, [1, 1]) == 1                 # call 3 must see step 1's weights
+    assert not sync.upload_ready(0)
+    sync.pcopy_done(0)
     assert sync.upload_ready(0) and not sync.upload_ready(1)
+
+
+def test_protocol_window_is_the_accumulation_group():
+    """With k calls per step, the next k calls read the old weights; a flush or the next step closes it."""
+    sync = LayerSync(1)
+    for _ in range(3):
+        assert sync.begin_call(True, [1]) == 0
+        sync.end_call()
+    rec = sync.new_step(asynchronous=True)
+    assert rec.readers_left == 3
+    for _ in range(2):
+        assert sync.begin_call(True, [1]) == 0
+        sync.end_call()
+    assert not sync._gate(rec, 0)
+    sync.flush()                                             # e.g. synchronize(): the window closes
+    assert sync._gate(rec, 0)
+    assert sync.begin_call(True, [1]) == 1
+    sync.end_call()
+    assert sync.new_step(asynchronous=False).readers_left == 0   # a synchronous step opens no window
 
 
 def test_optimizer_error_surfaces_at_the_next_call():

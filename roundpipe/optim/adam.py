@@ -137,9 +137,11 @@ class Adam(torch.optim.Optimizer):
         return True
 
     @torch.no_grad()
-    def step_layer(self, params: Sequence[torch.Tensor], upload: Sequence[torch.Tensor | None] | None = None) -> None:
+    def step_layer(self, params: Sequence[torch.Tensor], upload: Sequence[torch.Tensor | None] | None = None,
+                   clip_coef: float = 1.0) -> None:
         """The engine's per-layer step: updates those of `params` that have a `.grad` and writes
         each updated weight into upload[i] (the copy workers upload, any float dtype) in the same pass.
+        The gradients are read as grad * clip_coef (global-norm clipping folded into the pass).
 
         RoundPipe.step calls this once per layer as the layer's P-copy gate opens, so
         the update of shallow layers overlaps the next iteration's use of deep ones.
@@ -149,11 +151,13 @@ class Adam(torch.optim.Optimizer):
         upload = [None] * len(params) if upload is None else list(upload)
         if len(upload) != len(params):
             raise ValueError(f"upload has {len(upload)} entries but params has {len(params)}; they must match")
+        if not (clip_coef > 0 and math.isfinite(clip_coef)):
+            raise ValueError(f"clip_coef={clip_coef!r} must be a finite number > 0")
         live = [i for i, p in enumerate(params) if p.grad is not None]
         for gi, idx in self._by_group([params[i] for i in live]).items():
             chosen = [live[i] for i in idx]
             self._update(self.param_groups[gi], [params[i] for i in chosen], [params[i].grad for i in chosen],
-                         [upload[i] for i in chosen], 1.0)
+                         [upload[i] for i in chosen], clip_coef)
 
     def _by_group(self, params: Sequence[torch.Tensor]) -> dict[int, list[int]]:
         """Indices into `params` per param-group index; ValueError for a parameter not in this optimizer."""

@@ -1,0 +1,132 @@
+"""How `RoundPipe.step` drives an optimizer: checks, clipping, per-layer updates, the lr scheduler.
+
+Three shapes of optimizer fit the per-layer protocol (roundpipe/async_step.py):
+
+    per-layer fused   an object with `step_layer(params, upload)` (roundpipe.optim.Adam/AdamW):
+                      layer l is updated and its upload copy written in one pass as soon
+                      as l's gate opens, tail layers first
+    torch optimizer   one `optimizer.step()` over every p.grad once all layers' gradients
+                      are in, then each layer's upload copy as its gate opens
+    callable          a zero-argument function, run like a torch optimizer's step
+
+`max_grad_norm` clips like `torch.nn.utils.clip_grad_norm_` over every parameter
+with a gradient.  The global norm needs every layer's gradient, so with it even the
+fused path updates no layer before the step's G-copies are all done and one pass
+has read every gradient (roundpipe.optim folds the factor into its update; any
+other step_layer optimizer gets p.grad scaled in place first).  In the
+asynchronous step those G-copies run while the next call's forward stages run,
+before the first gate opens, so the overlap stays (bench/dispatch.py measures it).
+
+The lr scheduler is stepped on the host thread right after the update of every
+layer went through, so every update uses the rate PyTorch's `opt.step();
+sched.step()` would; after a failed update it is not stepped.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from roundpipe.async_step import StepFns
+from roundpipe.host_state import HostState
+
+
+def check_optimizer_params(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """ValueError unless the optimizer's parameters are the model's own (frozen ones may be left out)."""
+    model = {id(p): name for name, p in named_params}
+    seen = set()
+    for gi, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in model:
+                raise ValueError(f"optimizer: param_groups[{gi}]['params'][{j}] (shape {tuple(p.shape)}) is not a "
+                                 "parameter of this RoundPipe (a copy, or another model's?); build the optimizer "
+                                 "over model.parameters()")
+            seen.add(id(p))
+    for name, p in named_params:
+        if p.requires_grad and id(p) not in seen:
+            raise ValueError(f"optimizer: the model's parameter {name!r} (shape {tuple(p.shape)}) requires grad but "
+                             "is not in the optimizer, so it would never be updated; build the optimizer over "
+                             "model.parameters() (or freeze it with requires_grad_(False))")
+
+
+def check_step_args(asynchronous: Any, lr_scheduler: Any, max_grad_norm: Any, optimizer: Any) -> float | None:
+    """Validates step()'s keyword arguments; returns max_grad_norm as a float (or None)."""
+    if not isinstance(asynchronous, bool):
+        raise TypeError(f"asynchronous must be True or False, got {asynchronous!r} ({type(asynchronous).__name__})")
+    if lr_scheduler is not None:
+        if not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(f"lr_scheduler must have a step() method (a torch.optim.lr_scheduler.LRScheduler), got "
+                            f"{type(lr_scheduler).__name__}")
+        owner = getattr(lr_scheduler, "optimizer", None)
+        if isinstance(optimizer, torch.optim.Optimizer) and owner is not None and owner is not optimizer:
+            raise ValueError("lr_scheduler belongs to another optimizer than the one passed to step(); build it over "
+                             "the same optimizer")
+    if max_grad_norm is None:
+        return None
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or a finite number > 0")
+    return float(max_grad_norm)
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    get = getattr(torch.nn.utils, "get_total_norm", None)   # torch >= 2.6: clip_grad_norm_'s own norm
+    if get is not None:
+        return get(grads, 2.0)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+def clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> float:
+    """clip_grad_norm_'s factor: min(1, max_norm / (total_norm + 1e-6)), computed in fp32 as torch does."""
+    if not grads:
+        return 1.0
+    coef = max_norm / (_total_norm(grads) + 1e-6)
+    return float(torch.clamp(coef, max=1.0))
+
+
+def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, torch.nn.Parameter]],
+              lr_scheduler: Any = None, max_grad_norm: float | None = None) -> StepFns:
+    """The protocol's view of one step with this optimizer (TypeError/ValueError before anything runs)."""
+    from roundpipe.optim.adam import Adam
+
+    params = [p for _, p in named_params]
+    after = lr_scheduler.step if lr_scheduler is not None else None
+    if callable(getattr(optimizer, "step_layer", None)):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            check_optimizer_params(optimizer, named_params)
+        native_clip = isinstance(optimizer, Adam)
+        clip = [1.0]
+
+        def measure() -> None:
+            clip[0] = clip_coefficient([p.grad for p in params if p.grad is not None], max_grad_norm)
+
+        def update(l: int) -> None:
+            st = host.layers[l]
+            with torch.no_grad():
+                if native_clip:
+                    optimizer.step_layer(st.params, st.upload, clip_coef=clip[0])
+                else:
+                    if clip[0] != 1.0:
+                        for p in st.params:
+                            if p.grad is not None:
+                                p.grad.mul_(clip[0])
+                    optimizer.step_layer(st.params, st.upload)
+            host.stamp(l)
+        return StepFns(measure if max_grad_norm is not None else None, False, update, host.pcopy,
+                       host.clear_grads, after)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        check_optimizer_params(optimizer, named_params)
+        fn: Callable[[], Any] = optimizer.step
+    elif callable(optimizer):
+        fn = optimizer
+    else:
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, a zero-argument callable or an object with "
+                        f"step_layer(params, upload), got {type(optimizer).__name__}")
+
+    def whole_step() -> None:
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
+        with torch.no_grad():
+            fn()
+    return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after)
