@@ -295,10 +295,14 @@ class AutoPlanner:
             if self.config.timer is not None:
                 sample = self.config.timer(kind, r, sample)
             prof.record(r, PHASES[kind], sample)
-        if self.replanner.update() and self._worth_it(self.replanner.plan):
+        if not self.replanner.update():
+            return
+        if self._worth_it(self.replanner.plan):
             with self._lock:
                 if self._pending is None:   # an explicit request wins over the measured plan
                     self._pending = self.replanner.plan
+        else:   # staying: later candidates are compared with the running plan, not the refused one
+            self.replanner.keep(self.plan)
 
     def _worth_it(self, candidate: Plan) -> bool:
         """Hysteresis: switch only when the candidate's predicted iteration time is more than

@@ -238,6 +238,8 @@ class RoundPipe:
         ok = False
         try:
             self.dispatcher.run(ctx, sched)
+            for t in self._host_threads():   # a step that failed meanwhile: this call then had no effect
+                t.raise_error()
             ok = True
         finally:
             self.host.end_call(ok)
@@ -268,6 +270,7 @@ class RoundPipe:
             self._check_open()
             max_norm = check_step_args(asynchronous, lr_scheduler, max_grad_norm, optimizer)
             fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm)
+            self._refresh_edited()   # calls in this step's stale window read the masters as they are now
             self._issue_gcopy()
             rec = self.sync.new_step(asynchronous)
             self.host_thread.submit(lambda: run_step(self.sync, rec, fns))

@@ -98,6 +98,12 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         native_clip = isinstance(optimizer, Adam)
         clip = [1.0]
 
+        def finish() -> None:
+            # step() never ran, so tell an lr scheduler the update happened (its own wrapper's flag)
+            optimizer._opt_called = True
+            if lr_scheduler is not None:
+                lr_scheduler.step()
+
         def measure() -> None:
             clip[0] = clip_coefficient([p.grad for p in params if p.grad is not None], max_grad_norm)
 
@@ -114,7 +120,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                     optimizer.step_layer(st.params, st.upload)
             host.stamp(l)
         return StepFns(measure if max_grad_norm is not None else None, False, update, host.pcopy,
-                       host.clear_grads, after)
+                       host.clear_grads, finish)
     if isinstance(optimizer, torch.optim.Optimizer):
         check_optimizer_params(optimizer, named_params)
         fn: Callable[[], Any] = optimizer.step

@@ -251,3 +251,33 @@ def test_fused_adamw_async_under_delays_is_one_step_stale(workers):
     for a, b in zip(losses, ref_losses):
         assert max_rel_err(a, b) <= 1e-5
     assert_params_close(nn_seq(layers), ref)
+
+
+def fit_calls(model, opt, plan, asynchronous=True, seed=2):
+    """Runs `plan`: a list of groups, each a list of 'fb' (training call) and 'eval' entries, a step after each."""
+    g = torch.Generator().manual_seed(seed)
+    for group in plan:
+        for op in group:
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+            if op == "fb":
+                model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            else:
+                model(x)
+        model.step(opt, asynchronous=asynchronous)
+    model.synchronize()
+
+
+@pytest.mark.parametrize("case, num_mb, plan", [
+    ("three calls per step", None, [["fb"] * 3] * 3),
+    ("two calls of several rounds", 7, [["fb"] * 2] * 3),
+    ("accumulation with an eval call", None, [["fb", "fb", "eval", "fb"]] * 3),
+])
+def test_fused_adamw_async_loops_do_not_deadlock(case, num_mb, plan):
+    """Gradient accumulation, multi-round calls and eval calls between steps finish with the fused async step
+    (each hung before: the step gate, the pending uploads and the G-copy waited on each other)."""
+    from test_call_sequences import run_with_watchdog
+
+    def run():
+        with rp.RoundPipe(MODELS["mlp"](4), devices=["cpu"] * 2, num_microbatches=num_mb) as model:
+            fit_calls(model, rp.optim.AdamW(model.parameters(), lr=1e-2), plan)
+    run_with_watchdog(run, timeout_s=30)

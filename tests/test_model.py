@@ -385,3 +385,119 @@ def test_stage_backward_entry_matches_torch_and_keeps_its_errors():
     assert torch.allclose(w.grad, ours)
     with pytest.raises(RuntimeError, match="Mismatch in shape"):
         autograd_backward([x @ w], [torch.randn(4, 6)])
+
+
+class Branchy(nn.Module):
+    """A parameter on an unused branch and one used only when asked: both get no gradient otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.unused = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.gate = nn.Parameter(torch.ones(8))
+        self.use_gate = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return h * self.gate if self.use_gate else h
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_parameters_without_gradient_keep_grad_none(asynchronous):
+    """Unused or off-path parameters keep p.grad None (zeros before), so AdamW's decay and momentum leave
+    them alone and training equals PyTorch; a parameter used in a later call of the group gets its grad."""
+    layers = [Mlp(), Branchy(), Mlp()]
+    ref = reference(layers)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.5)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
+        for _ in range(3):
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.synchronize()
+            assert layers[1].unused.weight.grad is None and layers[1].gate.grad is None
+            model.step(opt, asynchronous=False)
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert max_rel_err(p.detach(), q.detach()) <= 1e-5
+        assert torch.equal(layers[1].gate.detach(), torch.ones(8))
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        for m in (layers[1], model.replicas[model.workers[0].name][1].module,
+                  model.replicas[model.workers[1].name][1].module):
+            m.use_gate = True
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.step(opt, asynchronous=asynchronous)   # gradients of the group: gate's from the second call only
+        model.synchronize()
+        assert not torch.equal(layers[1].gate.detach(), torch.ones(8))
+
+
+def test_frozen_parameters_cost_no_gradient_buffer():
+    """A frozen parameter has no landing buffer, is not downloaded and keeps its value; freezing after
+    wrapping takes effect at the next call."""
+    layers = mlp(3)
+    layers[0][0].weight.requires_grad_(False)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
+        st = model.host.layers[0]
+        assert st.gbuf[0] is None and st.trainable == [1]
+        layers[2][0].bias.requires_grad_(False)                # frozen after wrapping
+        w0, b2 = layers[0][0].weight.detach().clone(), layers[2][0].bias.detach().clone()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        for _ in range(2):
+            model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=F.mse_loss)
+            model.step(opt)
+        model.synchronize()
+        assert model.host.layers[2].gbuf[1] is None
+        assert torch.equal(layers[0][0].weight.detach(), w0) and torch.equal(layers[2][0].bias.detach(), b2)
+        assert layers[0][0].weight.grad is None and layers[2][0].bias.grad is None
+
+
+@pytest.mark.parametrize("how", ["inplace", "data", "load_state_dict", "tie", "after_sync_step"])
+def test_edits_of_masters_reach_the_next_call(how):
+    """Masters edited between steps (in place, through .data, by load_state_dict, tied by the user) are what
+    the next forward uses (before: the old upload copy was reused until the next step)."""
+    layers = mlp(3)
+    x, y = torch.randn(5, 8), torch.randn(5, 8)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.step(opt, asynchronous=False)
+        if how != "after_sync_step":
+            model.synchronize()
+        w = layers[1][0].weight
+        if how == "inplace" or how == "after_sync_step":
+            with torch.no_grad():
+                w.mul_(0.5)
+        elif how == "data":
+            w.data.mul_(0.5)
+        elif how == "load_state_dict":
+            model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+        else:
+            with torch.no_grad():
+                w.copy_(layers[0][0].weight)
+        expected = reference(layers)(x).detach()
+        torch.testing.assert_close(model(x), expected)
+        loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        torch.testing.assert_close(loss, F.mse_loss(expected, y))
+
+
+def test_bad_batches_and_labels_are_named():
+    """An empty batch, non-tensor labels for a loss_fn and non-scalar or integer losses raise named errors."""
+    with rp.RoundPipe(mlp(2), devices=["cpu"] * 2) as model:
+        with pytest.raises(ValueError, match="batch is empty"):
+            model.forward_backward(torch.randn(0, 8), labels=torch.randn(0, 8), loss_fn=F.mse_loss)
+        with pytest.raises(ValueError, match="batch is empty"):
+            model(torch.randn(0, 8))
+        with pytest.raises(TypeError, match="labels must be a tensor.*got list"):
+            model.forward_backward(torch.randn(4, 8), labels=[0, 1, 2, 3], loss_fn=F.cross_entropy)
+        with pytest.raises(ValueError, match="labels have batch size 3"):
+            model.forward_backward(torch.randn(4, 8), labels=torch.zeros(3, dtype=torch.long),
+                                   loss_fn=F.cross_entropy)
+        with pytest.raises(TypeError, match="floating scalar loss, got a tensor of shape \\(2, 8\\)"):
+            model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=lambda o, y: o)
+        with pytest.raises(TypeError, match="floating scalar loss"):
+            model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8),
+                                   loss_fn=lambda o, y: (o > 0).sum())
+        model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=F.mse_loss)   # still usable
+        model.synchronize()
+        assert all(p.grad is not None for p in model.parameters())

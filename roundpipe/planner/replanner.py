@@ -64,6 +64,12 @@ class Replanner:
                     return float("inf")
         return worst
 
+    def keep(self, plan: Plan) -> None:
+        """The caller stays on `plan` rather than switching to `self.plan` (e.g. a gain below its
+        hysteresis): the basis stays, and the next update reports any candidate that differs from
+        `plan`, the one refused now included, so it can be taken once the costs make it worth it."""
+        self._plan = plan.check(self.profiler.num_layers)
+
     def update(self) -> bool:
         """Re-plans if the costs drifted past the threshold; True when the plan changed."""
         if self.drift() <= self.threshold:

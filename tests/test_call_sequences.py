@@ -1,0 +1,139 @@
+"""Random sequences of engine calls never hang and equal a plain-PyTorch stale-1 reference.
+
+Each case drives a random mix of forward_backward (gradient accumulation), forward-only
+calls, step (asynchronous and synchronous), synchronize, state_dict, load_state_dict and
+in-place edits of the masters, on 1-3 CPU workers, with roundpipe's AdamW (fused per-layer
+path), torch's AdamW or a callable, against `StaleReference`, which spells out the
+documented semantics (roundpipe/async_step.py): step s opens a window of k training
+calls (k = training calls since the previous step) that still read the weights before
+step s; the next step or any sync point closes it.
+
+Every case runs under a watchdog: a hang fails that case with every thread's stack and
+the run goes on.  ROUNDPIPE_SOAK=N runs N more seeds (a longer soak, not in CI).
+"""
+import os
+import random
+import sys
+import threading
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import roundpipe as rp
+from rp_models import max_rel_err, mlp, reference
+from stale_reference import StaleReference
+from roundpipe.testing import inject_delays, random_sleeps
+
+LR = 2e-2
+TOL = 2e-5   # fp32; microbatch sums in another order than the whole-batch reference, over ~10 AdamW steps
+CASE_TIMEOUT_S = 60
+
+
+def run_with_watchdog(fn, timeout_s=CASE_TIMEOUT_S):
+    """Runs fn on a thread; a hang fails the test with every thread's stack (the threads are left behind)."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            box["error"] = e
+    t = threading.Thread(target=target, name="sequence-case", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        names = {th.ident: th.name for th in threading.enumerate()}
+        stacks = "\n".join(f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+                           for ident, frame in sys._current_frames().items())
+        pytest.fail(f"hang: no progress within {timeout_s} s\n{stacks}", pytrace=False)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def make_optimizer(kind, model, weight_decay):
+    if kind == "rp":
+        return rp.optim.AdamW(model.parameters(), lr=LR, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=weight_decay)
+    return opt if kind == "torch" else (lambda: opt.step())
+
+
+OPS = ["fb"] * 9 + ["step_async"] * 3 + ["step_sync", "eval", "eval", "sync", "state_dict", "load", "edit"]
+
+
+def run_case(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    workers = rng.choice([1, 2, 3])
+    num_mb = rng.choice([None, workers + 3])          # None: one round of N+1; else several rounds
+    kind = rng.choice(["rp", "torch", "callable"])
+    weight_decay = rng.choice([0.0, 0.1])
+    layers = mlp(rng.choice([2, 4]))
+    ref = StaleReference(reference(layers), lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=weight_decay))
+    ops = [rng.choice(OPS) for _ in range(rng.randint(6, 14))] + ["step_async", "fb"]
+    g = torch.Generator().manual_seed(seed)
+    data = lambda: (torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g))  # noqa: E731
+    where = f"seed {seed}: {workers} workers, num_mb {num_mb}, {kind}, ops {ops}"
+    with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb) as model:
+        opt = make_optimizer(kind, model, weight_decay)
+        for i, op in enumerate(ops):
+            at = f"{where}, op {i} ({op})"
+            if op == "fb":
+                x, y = data()
+                loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                assert max_rel_err(loss, ref.forward_backward(x, y)) <= TOL, at
+            elif op.startswith("step"):
+                model.step(opt, asynchronous=op == "step_async")
+                ref.step(op == "step_async")
+            elif op == "eval":
+                x, _ = data()
+                assert max_rel_err(model(x), ref(x)) <= TOL, at
+            elif op == "sync":
+                model.synchronize()
+                ref.flush()
+                for (n, p), q in zip(model.named_parameters(), ref.cur.parameters()):
+                    assert (p.grad is None) == (q.grad is None), at
+                    if p.grad is not None:
+                        assert max_rel_err(p.grad, q.grad) <= TOL, (at, n)
+            elif op == "state_dict":
+                sd = model.state_dict()
+                ref.flush()
+                for k, v in ref.cur.state_dict().items():
+                    assert max_rel_err(sd[k], v) <= TOL, (at, k)
+            elif op == "load":
+                sd = {k: v * 0.9 for k, v in model.state_dict().items()}
+                model.load_state_dict(sd)
+                ref.flush()
+                ref.cur.load_state_dict(sd)
+            elif op == "edit":   # an in-place edit of a master after a sync point (an EMA copy-back, say)
+                model.synchronize()
+                ref.flush()
+                j = rng.randrange(len(layers))
+                with torch.no_grad():
+                    next(model.module[j].parameters()).mul_(0.5)
+                    next(ref.cur[j].parameters()).mul_(0.5)
+        model.synchronize()
+    for (n, p), q in zip(torch.nn.Sequential(*layers).named_parameters(), ref.cur.parameters()):
+        assert max_rel_err(p.detach(), q.detach()) <= TOL, (where, n)
+
+
+SOAK = int(os.environ.get("ROUNDPIPE_SOAK", "0"))
+
+
+@pytest.mark.parametrize("seed", range(150 + SOAK))
+def test_random_call_sequence(seed):
+    """A random sequence of calls neither hangs nor departs from the stale-1 reference."""
+    run_with_watchdog(lambda: run_case(seed))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_call_sequence_under_delays(seed):
+    """The same under random sleeps in copies, G-/P-copies and the optimizer (a missing wait shows)."""
+    copies, host = random_sleeps(0.001, seed=seed), random_sleeps(0.01, seed=seed + 100, prob=0.5)
+
+    def hook(kind):
+        (host if kind in ("optimizer", "pcopy", "gcopy") else copies)(kind)
+    with inject_delays(hook):
+        run_with_watchdog(lambda: run_case(1000 + seed))
