@@ -16,7 +16,9 @@ Two measurements, both on CPU workers so they run anywhere:
    step, AdamW) trained for a few steps by the plain PyTorch loop and by RoundPipe on
    1 and 2 CPU workers, sync and async step, and by the plain loop with one extra forward
    per step (what full recomputation costs anyway); tokens/s and the ratio to PyTorch from the
-   median and from the best of the step times of interleaved rounds.
+   median and from the best of the step times of interleaved rounds.  The async rows are
+   repeated with `max_grad_norm=1.0`: global-norm clipping needs every gradient before the
+   first layer's update, and the "+clip" rows show what that costs the overlap.
 
     python bench/dispatch.py [--quick] [--no-save]
 """
@@ -101,7 +103,8 @@ class TorchRecompute(TorchReference):
         return super().forward_backward(x, labels=labels, loss_fn=loss_fn)
 
 
-def _step_periods(engine, corpus: ByteCorpus, cfg: TrainConfig, steps: int, asynchronous: bool) -> list[float]:
+def _step_periods(engine, corpus: ByteCorpus, cfg: TrainConfig, steps: int, asynchronous: bool,
+                  max_grad_norm: float | None) -> list[float]:
     """Wall time between consecutive step ends, `steps` of them after two warmup steps.
 
     Periods rather than one total: the caller takes a median, so a step descheduled by
@@ -109,12 +112,13 @@ def _step_periods(engine, corpus: ByteCorpus, cfg: TrainConfig, steps: int, asyn
     asynchronous step a period still contains the optimizer, which overlaps the next step.
     """
     optimizer = make_optimizer(engine.named_parameters(), cfg.lr, cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
     batches = corpus.batches(cfg.batch_size, cfg.seq_len, seed=0)
     ends = []
     for step in range(steps + 2):
         x, y = next(batches)
         engine.forward_backward(x, labels=y, loss_fn=loss_fn)
-        engine.step(optimizer, lr=lr_at(step, cfg), asynchronous=asynchronous)
+        engine.step(optimizer, lr_scheduler=schedule, asynchronous=asynchronous, max_grad_norm=max_grad_norm)
         ends.append(time.perf_counter())
     engine.synchronize()
     return [b - a for a, b in zip(ends[1:], ends[2:])]
@@ -125,20 +129,22 @@ def throughput(report: Report, steps: int, rounds: int) -> None:
     load from other processes on a shared machine then hits every provider alike."""
     cfg = TrainConfig(devices=["cpu"], steps=steps).resolved()
     corpus = ByteCorpus.load()
-    providers = {"torch (1 device)": lambda: TorchReference(build_layers(cfg.model_config(), seed=0), "cpu",
-                                                              torch.float32),
-                 "torch + recompute": lambda: TorchRecompute(build_layers(cfg.model_config(), seed=0), "cpu",
-                                                             torch.float32)}
+    # name -> (engine factory, asynchronous step, max_grad_norm)
+    providers = {"torch (1 device)": (lambda: TorchReference(build_layers(cfg.model_config(), seed=0), "cpu",
+                                                               torch.float32), False, None),
+                 "torch + recompute": (lambda: TorchRecompute(build_layers(cfg.model_config(), seed=0), "cpu",
+                                                              torch.float32), False, None)}
     for workers in (1, 2):
-        for asynchronous in (False, True):
-            name = f"roundpipe {workers} cpu worker{'s' * (workers > 1)} {'async' if asynchronous else 'sync'}"
+        for asynchronous, clip in ((False, None), (True, None), (True, 1.0)):
+            name = (f"roundpipe {workers} cpu worker{'s' * (workers > 1)} {'async' if asynchronous else 'sync'}"
+                    f"{' +clip' if clip else ''}")
             providers[name] = (lambda w=workers: RoundPipeEngine(build_layers(cfg.model_config(), seed=0),
-                                                                 ["cpu"] * w, None, None))
+                                                                 ["cpu"] * w, None, None), asynchronous, clip)
     periods: dict[str, list[float]] = {name: [] for name in providers}
     for _ in range(rounds):
-        for name, make in providers.items():
+        for name, (make, asynchronous, clip) in providers.items():
             with make() as engine:
-                periods[name] += _step_periods(engine, corpus, cfg, steps, asynchronous=name.endswith("async"))
+                periods[name] += _step_periods(engine, corpus, cfg, steps, asynchronous, clip)
     # Median and best step: on a 2-core machine shared with other jobs, a 2-thread OpenMP
     # step whose partner thread is descheduled was seen to take 40x its time (3.5 s
     # instead of 92 ms), so the best step is quoted too as the unloaded speed.

@@ -15,7 +15,7 @@ For every parameter of layer l the host keeps:
 A stamp (requires_grad, version counter, storage address) of every master
 taken at each P-copy lets a call find the masters the user changed since
 (`edited`): an in-place edit under no_grad, `load_state_dict`, `p.data = ...`,
-a freeze or unfreeze.
+a freeze or unfreeze (not an in-place op on `p.data`, see `_stamp`).
 
 Buffers (BatchNorm running stats, ...) have no extra copy: forward stages
 upload them with the parameters and write them back after the stage; they stay
@@ -46,8 +46,9 @@ from roundpipe.testing import delay_point
 def _stamp(p: torch.Tensor) -> tuple:
     """What an edit of a master changes: its version counter, storage, requires_grad.
 
-    `p.data.mul_()` bumps no version counter (`.data` is invisible to autograd), so edits
-    through `.data` are found only at the next explicit `synchronize()` (see RoundPipe)."""
+    In-place ops through `.data` (`p.data.mul_()`) bump no version counter (`.data` is
+    invisible to autograd by design), so they are not seen; `p.data = t` is.  Checking the
+    values themselves would cost a full pass over the masters at every call."""
     return (p.requires_grad, p._version, p.data_ptr())
 
 

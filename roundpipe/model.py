@@ -112,7 +112,6 @@ class RoundPipe:
         self._compute_s: dict[tuple[str, int, int], float] = {}   # last compute times (stage.ComputeSpan)
         self._api = threading.RLock()
         self._closed = False
-        self._stale_uploads = False   # after synchronize(): re-copy every settled layer's masters
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit.
         self._finalizer = weakref.finalize(self, _stop_threads,
                                            [e for w in self.workers for e in w.executors()] + self._host_threads())
@@ -211,8 +210,7 @@ class RoundPipe:
         Only layers no pending step will touch are looked at; with a step pending the user had
         no sync point, so an edit would race the update anyway."""
         host, sync = self.host, self.sync
-        edited = [l for l in range(len(host)) if (self._stale_uploads or host.edited(l)) and sync.settled(l)]
-        self._stale_uploads = False
+        edited = [l for l in range(len(host)) if host.edited(l) and sync.settled(l)]
         if not edited:
             return
         if any(self.host.layers[l].trainable != [j for j, p in enumerate(host.layers[l].params) if p.requires_grad]
@@ -289,12 +287,11 @@ class RoundPipe:
     def synchronize(self) -> None:
         """Waits for pending gradient copies and optimizer steps; masters and p.grad are then consistent.
 
-        After it, the masters may be edited in any way (in place, through `.data`, by
+        After it the masters may be edited (in place under no_grad, `p.data = ...`,
         `load_state_dict`): the next call uploads them as they are then."""
         with self._api:
             self._check_open()
             self._drain()
-            self._stale_uploads = True
 
     @contextlib.contextmanager
     def record_trace(self) -> Iterator[Trace]:

@@ -200,13 +200,14 @@ def train(cfg: TrainConfig, corpus: ByteCorpus | None = None) -> TrainResult:
     losses: list[float] = []
     with make_engine(layers, cfg) as model:
         optimizer = make_optimizer(model.named_parameters(), cfg.lr, cfg.weight_decay)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
         val_start = evaluate(model, corpus, cfg)
         batches = corpus.batches(cfg.batch_size, cfg.seq_len, seed=cfg.seed, steps=cfg.steps)
         bar = tqdm(total=cfg.steps, unit="step", disable=not cfg.progress, dynamic_ncols=True, file=sys.stderr)
         start = time.perf_counter()
         for step, (x, y) in enumerate(batches):
             loss = model.forward_backward(x, labels=y, loss_fn=loss_fn)
-            model.step(optimizer, lr=lr_at(step, cfg), asynchronous=cfg.asynchronous)
+            model.step(optimizer, lr_scheduler=schedule, asynchronous=cfg.asynchronous)
             losses.append(float(loss))
             elapsed = time.perf_counter() - start
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{(step + 1) * x.numel() / elapsed:,.0f}", refresh=False)

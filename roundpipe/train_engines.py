@@ -5,53 +5,24 @@ layers as one `nn.Sequential` on one device with a plain PyTorch loop (the refer
 for losses and tokens/s).  Both offer what the training loop needs and nothing more:
 
     engine.forward_backward(x, labels=y, loss_fn=f) -> 0-dim CPU loss
-    engine.step(optimizer, lr=..., asynchronous=...)   # sets the learning rate, steps, clears grads
-                                                       # (RoundPipe clears them itself after the step)
+    engine.step(optimizer, lr_scheduler=..., asynchronous=..., max_grad_norm=...)   # steps, then the scheduler; clears grads
+                                                                 # (RoundPipe clears them itself)
     engine(x) -> output;  engine.named_parameters();  engine.synchronize()
     engine.devices;  engine.save_trace(path or None);  with engine: ...
 
-The learning rate is set inside the optimizer step, not before it: RoundPipe's
-asynchronous step of iteration t runs while iteration t+1 computes, and a rate
-written from the training loop at that moment would race with it.
+The lr scheduler goes into RoundPipe's public `step(lr_scheduler=)`, which steps it
+right after the update it belongs to: the asynchronous step of iteration t runs while
+iteration t+1 computes, and a scheduler stepped from the loop would race with it.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
 
 import torch
 from torch import nn
 
 from roundpipe.trace import Trace
-
-
-def _step_with_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> Callable[[], None]:
-    def run() -> None:
-        if lr is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-        optimizer.step()
-
-    return run
-
-
-class _LayerStepWithLr:
-    """A per-layer fused optimizer (roundpipe.optim) with this step's learning rate.
-
-    RoundPipe runs the layers of one step, then of the next, on one host thread, so
-    setting the rate at each layer's update is race-free and never leaks into a
-    step still being applied.
-    """
-
-    def __init__(self, optimizer, lr: float | None):
-        self.optimizer, self.lr = optimizer, lr
-
-    def step_layer(self, params, upload) -> None:
-        if self.lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr
-        self.optimizer.step_layer(params, upload)
 
 
 class TorchReference:
@@ -86,9 +57,14 @@ class TorchReference:
             self.trace.add(self.devices[0], f"forward_backward {self._step}", start, time.perf_counter(), "fused")
         return loss
 
-    def step(self, optimizer: torch.optim.Optimizer, *, lr: float | None = None, asynchronous: bool = False) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None, asynchronous: bool = False,
+             max_grad_norm: float | None = None) -> None:
         start = time.perf_counter()
-        _step_with_lr(optimizer, lr)()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm)
+        optimizer.step()
+        if lr_scheduler is not None:
+            lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if self.trace is not None:
             self.synchronize()
@@ -134,11 +110,9 @@ class RoundPipeEngine:
     def forward_backward(self, x: torch.Tensor, *, labels: torch.Tensor, loss_fn) -> torch.Tensor:
         return self.model.forward_backward(x, labels=labels, loss_fn=loss_fn)
 
-    def step(self, optimizer: torch.optim.Optimizer, *, lr: float | None = None, asynchronous: bool = True) -> None:
-        if callable(getattr(optimizer, "step_layer", None)):  # fused per-layer path: update + upload copy in one pass
-            self.model.step(_LayerStepWithLr(optimizer, lr), asynchronous=asynchronous)
-        else:
-            self.model.step(_step_with_lr(optimizer, lr), asynchronous=asynchronous)
+    def step(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None, asynchronous: bool = True,
+             max_grad_norm: float | None = None) -> None:
+        self.model.step(optimizer, asynchronous=asynchronous, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm)
 
     def named_parameters(self):
         return self.model.named_parameters()

@@ -454,7 +454,7 @@ def test_frozen_parameters_cost_no_gradient_buffer():
 
 @pytest.mark.parametrize("how", ["inplace", "data", "load_state_dict", "tie", "after_sync_step"])
 def test_edits_of_masters_reach_the_next_call(how):
-    """Masters edited between steps (in place, through .data, by load_state_dict, tied by the user) are what
+    """Masters edited between steps (in place, `p.data = t`, by load_state_dict, tied by the user) are what
     the next forward uses (before: the old upload copy was reused until the next step)."""
     layers = mlp(3)
     x, y = torch.randn(5, 8), torch.randn(5, 8)
@@ -469,7 +469,7 @@ def test_edits_of_masters_reach_the_next_call(how):
             with torch.no_grad():
                 w.mul_(0.5)
         elif how == "data":
-            w.data.mul_(0.5)
+            w.data = w.data * 0.5
         elif how == "load_state_dict":
             model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
         else:
