@@ -168,6 +168,11 @@ class HostState:
         st = self.layers[layer]
         return any(_stamp(p) != s for p, s in zip(st.params, st.stamp))
 
+    def freezes_changed(self, layer: int) -> bool:
+        """Whether a parameter of the layer was frozen or unfrozen since the landing buffers were set."""
+        st = self.layers[layer]
+        return st.trainable != [j for j, p in enumerate(st.params) if p.requires_grad]
+
     def refresh(self, layer: int) -> None:
         """After the user changed masters: checks them, follows freezes, rewrites the upload copy."""
         st = self.layers[layer]

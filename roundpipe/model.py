@@ -207,17 +207,18 @@ class RoundPipe:
     def _refresh_edited(self) -> None:
         """Masters the user changed since their last P-copy (in place, load, freeze): new upload copies.
 
-        Only layers no pending step will touch are looked at; with a step pending the user had
-        no sync point, so an edit would race the update anyway."""
-        host, sync = self.host, self.sync
-        edited = [l for l in range(len(host)) if host.edited(l) and sync.settled(l)]
+        A freeze or unfreeze drains first (the landing buffers follow requires_grad).  Otherwise
+        only layers no pending step will touch are refreshed: with a step pending the user had
+        no sync point, so an edit races the update anyway, which then copies the layer itself."""
+        host = self.host
+        edited = [l for l in range(len(host)) if host.edited(l)]
         if not edited:
             return
-        if any(self.host.layers[l].trainable != [j for j, p in enumerate(host.layers[l].params) if p.requires_grad]
-               for l in edited):
-            self._drain()   # a freeze drops landed gradients' buffers: land every pending one first
+        if any(host.freezes_changed(l) for l in edited):
+            self._drain()
         for l in edited:
-            host.refresh(l)
+            if self.sync.settled(l):
+                host.refresh(l)
 
     def _run(self, mb, training: bool, loss_fn: Callable | None) -> CallContext:
         self._refresh_edited()

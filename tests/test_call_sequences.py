@@ -27,7 +27,10 @@ from stale_reference import StaleReference
 from roundpipe.testing import inject_delays, random_sleeps
 
 LR = 2e-2
-TOL = 2e-5   # fp32; microbatch sums in another order than the whole-batch reference, over ~10 AdamW steps
+# fp32 microbatch sums in another order than the whole-batch reference, amplified by up to ~14
+# AdamW steps (2.3e-5 seen in a 2,800-case soak).  Reading the wrong weights version is off by
+# about one update, lr = 2e-2 relative: 200x this.
+TOL = 1e-4
 CASE_TIMEOUT_S = 60
 
 
@@ -122,7 +125,7 @@ def run_case(seed):
 SOAK = int(os.environ.get("ROUNDPIPE_SOAK", "0"))
 
 
-@pytest.mark.parametrize("seed", range(150 + SOAK))
+@pytest.mark.parametrize("seed", range(300 + SOAK))
 def test_random_call_sequence(seed):
     """A random sequence of calls neither hangs nor departs from the stale-1 reference."""
     run_with_watchdog(lambda: run_case(seed))
