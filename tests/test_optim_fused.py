@@ -67,7 +67,7 @@ CONFIGS = [AdamConfig(lr=1e-3, weight_decay=wd, decoupled=dec, amsgrad=ams, maxi
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"wd{c.weight_decay}-dec{c.decoupled}-ams{c.amsgrad}-max{c.maximize}")
 def test_matches_torch_over_50_steps_all_options(config):
-    """50 steps with fp32 grads stay within 1e-6 (relative) of torch's fused Adam/AdamW, 4e-6 of its single-tensor one."""
+    """50 steps with fp32 grads stay within 1e-6 (relative) of torch's fused Adam/AdamW, 4e-6 of single-tensor."""
     sizes = [1, 7, 1023, 4099]
     grads = grads_for(sizes, 50)
     ours, st, _ = run_ours(sizes, grads, config)
