@@ -263,7 +263,8 @@ class RoundPipe:
         stale, see roundpipe/async_step.py); False returns with the update applied.
         lr_scheduler: stepped right after this update, as `opt.step(); sched.step()` would.
         max_grad_norm: clip like torch.nn.utils.clip_grad_norm_ over every gradient first.
-        Errors inside the update are raised here (synchronous) or at the next call.
+        Errors inside the update are raised here (synchronous), else by the engine call during
+        which they happen or by the next one (README: Errors).
         """
         with self._api:
             self._check_open()
