@@ -16,9 +16,10 @@ closes early at the next step, at every sync point (`synchronize`,
 
 Gradients.  Workers land a call's gradients in per-layer landing buffers,
 which sum every call since the last G-copy (a parameter that got no gradient
-keeps none).  A G-copy is issued once per step (just before it) and at
-`synchronize`; it moves the sums into `p.grad`, after every step issued before
-it has read (and cleared) `p.grad`.
+keeps none).  A G-copy moves the sums into `p.grad`, after every step issued
+before it has read (and cleared) `p.grad`.  One is issued at the end of a
+training call when no step still has to read `p.grad` (it then waits for
+nothing), else just before the next step or at `synchronize`.
 
 The orderings, per layer l (every wait points to something issued earlier,
 so no cycle can form):
@@ -170,6 +171,11 @@ class LayerSync:
         with self.cv:
             self.gcopies_issued += 1
             return self.steps_issued
+
+    def gcopy_free(self) -> bool:
+        """Every issued step has consumed every layer's p.grad: a G-copy issued now waits for nothing."""
+        with self.cv:
+            return all(c >= self.steps_issued for c in self.consumed)
 
     def wait_gcopy_ready(self, after_steps: int, pending: set[int]) -> int:
         """A layer of `pending` whose p.grad every step issued before the G-copy has consumed."""

@@ -112,6 +112,7 @@ class RoundPipe:
         self._compute_s: dict[tuple[str, int, int], float] = {}   # last compute times (stage.ComputeSpan)
         self._api = threading.RLock()
         self._closed = False
+        self._grads_pending = False   # a training call landed gradients that no G-copy has been issued for
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit.
         self._finalizer = weakref.finalize(self, _stop_threads,
                                            [e for w in self.workers for e in w.executors()] + self._host_threads())
@@ -245,9 +246,17 @@ class RoundPipe:
             self.sync.end_call()
             rng.restore()
             self.autoplan.after_call(plan, training, ok)
+        if training:
+            self._grads_pending = True
+            if self.sync.gcopy_free():   # nothing to wait for: p.grad fills while the caller goes on
+                self._issue_gcopy()
         return ctx
 
     def _issue_gcopy(self) -> None:
+        """Moves the gradients landed since the last G-copy into p.grad (after earlier steps read it)."""
+        if not self._grads_pending:
+            return
+        self._grads_pending = False
         after = self.sync.issue_gcopy()
         self.gcopy_thread.submit(lambda: run_gcopy(self.sync, after, self.host.gcopy))
 
