@@ -23,8 +23,8 @@ first), which is how CI tests ordering, priority, packing and completion.
 The engine keeps every tensor it was given referenced until the copy's fence
 completes, so dropping a tensor right after submitting is safe, and an arena
 block (or a CUDA caching-allocator block) under a copy cannot be reused before
-the copy finished.  References are dropped lazily (when the in-flight list has
-doubled), so `record_into(arena, fence, tensors)` is there to make reuse
+the copy finished.  References are dropped lazily (every few submissions, or when
+the in-flight list has doubled), so `record_into(arena, fence, tensors)` is there to make reuse
 prompt, and for copies the engine did not issue use `HostArena.record_stream`.
 """
 from __future__ import annotations
@@ -79,6 +79,12 @@ def pack_lpt(sizes: Sequence[int], windows: int, align: int = 256) -> list[list[
     return _native.require().pack_lpt(sizes, windows, align)
 
 
+# In-flight references are dropped once this many copies accumulated (and then whenever the
+# list doubled): a stage's device weights must not outlive their copies by more than a few
+# submissions, since a GPU holds only the running and the prefetched stage (tests/test_memory.py).
+_PRUNE_MIN = 8
+
+
 class CopyEngine:
     """Four copy queues for one device (CUDA streams, or host worker threads for 'cpu')."""
 
@@ -108,7 +114,7 @@ class CopyEngine:
             raise ValueError(f"device={str(device)!r} must be 'cpu' or a CUDA device")
         self._inflight: list[tuple[object, tuple]] = []
         self._inflight_lock = threading.Lock()
-        self._prune_at = 64
+        self._prune_at = _PRUNE_MIN
 
     @property
     def backend(self) -> str:
@@ -150,7 +156,7 @@ class CopyEngine:
             self._inflight.extend((f, refs) for f in fences)
             if len(self._inflight) >= self._prune_at:
                 self._inflight = [(f, r) for f, r in self._inflight if f.state == "pending"]
-                self._prune_at = max(64, 2 * len(self._inflight))
+                self._prune_at = max(_PRUNE_MIN, 2 * len(self._inflight))
 
     # -- submission ---------------------------------------------------------------------------
     def copy(self, queue: "Queue | str", dst: torch.Tensor, src: torch.Tensor, *, after=None, tag: int = -1):
