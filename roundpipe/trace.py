@@ -6,6 +6,12 @@ simulation): a name such as "F2 mb1" or "B1 mb0", a category ("forward",
 `Trace.save` writes the "traceEvents" JSON that chrome://tracing and
 ui.perfetto.dev open; `Trace.load` reads it back, so `roundpipe timeline` can
 draw a simulated and a measured iteration the same way.
+
+Categories: the simulator writes the names in `CATEGORIES`; the engine writes
+its stage kinds ("F", "fused", "B"; a "B" event holds the recompute and the
+backward of its microbatch, which the simulator draws as two events).
+`category()` reads either as the shared name, so both are drawn and counted
+alike; the recorded `cat` itself is kept as written.
 """
 from __future__ import annotations
 
@@ -16,6 +22,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+
+# The shared event categories, in the order a timeline's legend lists them.
+CATEGORIES = ("forward", "fused", "recompute", "backward", "copy", "optimizer")
+_ENGINE_KINDS = {"F": "forward", "B": "backward"}
+
+
+def category(cat: str) -> str:
+    """The shared name of an event category: the engine's "F" / "B" read as "forward" / "backward"."""
+    return _ENGINE_KINDS.get(cat, cat)
 
 
 @dataclass(frozen=True)

@@ -79,13 +79,14 @@ def test_invariants_and_work_accounting(schedule, seed):
 
 
 def test_roundpipe_dispatch_rules():
-    """Slots go round-robin with g0 carried between rounds; recompute precedes its gradient."""
+    """Slots go round-robin with g0 carried between rounds of N + 1; recompute precedes its gradient."""
     costs = Costs.uniform(8, 1.0, 2.0, head_fwd=2.0, head_bwd=4.0)
-    r = simulate("roundpipe", costs, 3, 6, partition=([4, 2], [2, 2, 4]))
+    r = simulate("roundpipe", costs, 3, 7, partition=([4, 2], [2, 2, 4]))
     tasks = r.run.schedule.tasks
+    assert r.run.schedule.meta["round_size"] == 4
     slot_worker = {}
     for t in tasks:
-        rnd = t.mb // 3
+        rnd = t.mb // 4
         slot_worker.setdefault((rnd, t.stage), set()).add(t.worker)
     seq = ["F1", "F2", "B1", "B2", "B3"]
     for (rnd, stage), ws in slot_worker.items():
@@ -95,6 +96,21 @@ def test_roundpipe_dispatch_rules():
     idx = {t.name: i for i, t in enumerate(tasks)}
     assert r.run.start[idx["B2 mb0 recompute"]] < r.run.end[idx["B1 mb0"]]
     assert r.run.start[idx["B2 mb0"]] >= r.run.end[idx["B1 mb0"]]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_default_round_size_matches_engine(workers):
+    """Without round_size the simulator groups microbatches as the engine does by default (N + 1)."""
+    import torch.nn as nn
+
+    import roundpipe as rp
+
+    with rp.RoundPipe([nn.Linear(2, 2) for _ in range(2)], devices=["cpu"] * workers) as model:
+        engine = model.round_size
+    r = simulate("roundpipe", Costs.uniform(2, 1.0, 2.0), workers, 2 * engine + 1, partition=([1], [1, 1]))
+    assert r.run.schedule.meta["round_size"] == engine == workers + 1
+    assert simulate("roundpipe", Costs.uniform(2, 1.0, 2.0), workers, 4, partition=([1], [1, 1]),
+                    round_size=2).run.schedule.meta["round_size"] == 2
 
 
 def test_roundpipe_head_only_fused_stage():

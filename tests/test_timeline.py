@@ -4,8 +4,8 @@ import json
 import pytest
 
 from roundpipe.sim import Costs, bubbles, simulate
-from roundpipe.sim.timeline import draw, main as timeline_main
-from roundpipe.trace import Trace
+from roundpipe.sim.timeline import colour, draw, figure, main as timeline_main
+from roundpipe.trace import Trace, category
 
 
 def test_simulated_trace_round_trip(tmp_path):
@@ -67,3 +67,93 @@ def test_timeline_rejects_non_trace(tmp_path):
     bad.write_text("{}")
     with pytest.raises(SystemExit):
         timeline_main([str(bad), "--png", str(tmp_path / "x.png")])
+
+
+def _engine_style_trace() -> Trace:
+    """Events named and categorised as the engine records them (stage kinds F / fused / B)."""
+    t = Trace()
+    for m in range(3):
+        t.add("cpu:0", f"F0[0-1] mb{m}", m, m + 1, "F", stage="F0[0-1]", iteration=0)
+        t.add("cpu:1", f"fused1[2-3] mb{m}", 3 + m, 4 + m, "fused", stage="fused1[2-3]", iteration=0)
+        t.add("cpu:0", f"B2[0-1] mb{m}", 6 + m, 7 + m, "B", stage="B2[0-1]", iteration=0)
+    return t
+
+
+def _legend(fig) -> dict[str, tuple]:
+    legend = fig.axes[0].get_legend()
+    return {text.get_text(): tuple(patch.get_facecolor()) for text, patch in zip(legend.get_texts(),
+                                                                                 legend.get_patches())}
+
+
+def test_recorded_and_simulated_share_categories_and_colours():
+    """The engine's F / B events are drawn as forward / backward, in the simulator's colours and legend order."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    assert (category("F"), category("B"), category("fused")) == ("forward", "backward", "fused")
+    assert colour("F") == colour("forward") and colour("zz-new") == colour("zz-new") != colour("forward")
+    sim = figure(simulate("roundpipe", Costs.uniform(4, 1e-3, 2e-3, 1e-3, 2e-3), 2, 3,
+                          partition=([2, 2], [0, 2, 2])).trace())
+    rec = figure(_engine_style_trace())
+    sim_legend, rec_legend = _legend(sim), _legend(rec)
+    assert list(sim_legend) == ["forward", "fused", "recompute", "backward"]
+    assert list(rec_legend) == ["forward", "fused", "backward"]
+    assert all(rec_legend[c] == sim_legend[c] for c in rec_legend)
+    plt.close(sim)
+    plt.close(rec)
+
+
+def test_legend_outside_plot(tmp_path):
+    """The legend lies right of the axes and inside the saved picture."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    fig = figure(simulate("gpipe", Costs.uniform(4, 1e-3, 2e-3), 2, 2).trace())
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
+    plt.close(fig)
+    draw(simulate("gpipe", Costs.uniform(4, 1e-3, 2e-3), 2, 2).trace(), tmp_path / "g.png")
+    from matplotlib.image import imread
+
+    img = imread(tmp_path / "g.png")
+    assert img.shape[1] > img.shape[0] * 2   # wide: plot plus legend column, no legend rows below
+
+
+def _labels(fig):
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    return [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts], ax.get_window_extent(renderer)
+
+
+@pytest.mark.parametrize("schedule, workers, partition", [
+    ("roundpipe", 8, ([2] * 18, [4] + [2] * 18)),   # 40 stages on 8 workers
+    ("1f1b", 40, None),                              # 40 stages on 40 workers
+])
+def test_readable_at_40_stages(schedule, workers, partition):
+    """At 40 stages every worker row has a tick label, box labels never overlap and stay inside the
+    axes, and (round-robin) every stage is named somewhere."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    trace = simulate(schedule, Costs.uniform(40, 1e-3, 2e-3, 4e-3, 8e-3, 1e-4), workers, 16,
+                     partition=partition).trace()
+    fig = figure(trace)
+    width, height = fig.get_size_inches()
+    assert width <= 24 and height / workers >= 0.3
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [f"GPU {w}" for w in range(workers)]
+    labels, axes = _labels(fig)
+    assert labels
+    boxes = sorted((box for _, box in labels), key=lambda box: box.x0)
+    for box in boxes:
+        assert axes.x0 - 1 <= box.x0 and box.x1 <= axes.x1 + 1
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if b.x0 >= a.x1:
+                break
+            assert not a.overlaps(b), (a, b)
+    if schedule == "roundpipe":
+        named = {text.split("\n")[0] for text, _ in labels}
+        assert named == {e.args["stage"] for e in trace.events}
+    plt.close(fig)

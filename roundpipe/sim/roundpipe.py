@@ -2,16 +2,18 @@
 
 Stage sequence of an iteration: F1..Fk, B1..Bm (B1 = fused tail: forward, head,
 loss and backward with no recompute).  Microbatches go in rounds of `round_size`
-(default N).  Slot i of a round goes to GPU (g0 + i) mod N and g0 advances by
-k + m after every round, also across iterations.  A GPU runs its slots in
-dispatch order and a slot's microbatches in order.  In a backward stage Bj the
-recompute of microbatch m needs only its input (already in host memory, written
-by the forward stage that produced it) and starts when the GPU is free; its
-backward waits for the gradient of Bj-1.  N = 3, k = 1, m = 2, one round:
+(default N + 1, the engine's default: RoundPipe's `microbatches_per_round`, the
+smallest count with no structural bubble).  Slot i of a round goes to GPU
+(g0 + i) mod N and g0 advances by k + m after every round, also across
+iterations.  A GPU runs its slots in dispatch order and a slot's microbatches in
+order.  In a backward stage Bj the recompute of microbatch m needs only its
+input (already in host memory, written by the forward stage that produced it)
+and starts when the GPU is free; its backward waits for the gradient of Bj-1.
+N = 3, k = 1, m = 2, one round of 4 microbatches:
 
-    GPU 0  F1 mb0 mb1 mb2
-    GPU 1        B1 mb0 mb1 mb2                 (fused)
-    GPU 2  R mb0  . B mb0 R mb1 B mb1 ...      (B2: recompute early, backward on gradient)
+    GPU 0  F1 mb0 mb1 mb2 mb3
+    GPU 1        B1 mb0 mb1 mb2 mb3                  (fused)
+    GPU 2  R mb0  . B mb0 R mb1 B mb1 ...           (B2: recompute early, backward on gradient)
 
 Asynchronous mode simulates `iterations` consecutive iterations without a flush.
 With the one-step-stale optimizer, iteration t uses the weights updated from
@@ -27,6 +29,11 @@ from roundpipe.sim.costs import Costs, check_sizes
 from roundpipe.sim.events import Schedule, Task
 
 
+def default_round_size(workers: int) -> int:
+    """Microbatches per round when none is given: N + 1, as the engine (roundpipe.dispatcher)."""
+    return workers + 1
+
+
 def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: Sequence[int],
                        backward: Sequence[int], iterations: int = 1, round_size: int | None = None,
                        g0: int = 0) -> Schedule:
@@ -34,7 +41,7 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
     N, M, L = workers, microbatches, costs.num_layers
     backward = check_sizes("backward", backward, L, allow_empty_first=True)
     forward = check_sizes("forward", forward, L - backward[0])
-    round_size = N if round_size is None else round_size
+    round_size = default_round_size(N) if round_size is None else round_size
     if not isinstance(round_size, int) or round_size < 1:
         raise ValueError(f"round_size={round_size!r} must be an int >= 1 (microbatches per round)")
     if not isinstance(iterations, int) or iterations < 1:
