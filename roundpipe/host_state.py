@@ -168,6 +168,18 @@ class HostState:
         st = self.layers[layer]
         return any(_stamp(p) != s for p, s in zip(st.params, st.stamp))
 
+    def host_bytes(self) -> dict[str, int]:
+        """Host bytes of the training state by kind (the masters' own bytes included)."""
+        def total(get) -> int:
+            return sum(t.nbytes for st in self.layers for t in get(st) if t is not None)
+        out = {"masters": total(lambda st: st.params), "upload_copies": total(lambda st: st.upload),
+               "grad_landing": total(lambda st: st.gbuf), "grads": total(lambda st: [p.grad for p in st.params]),
+               "buffers": total(lambda st: st.buffers)}
+        if self.arena is not None:
+            a = self.arena.stats()
+            out["arena_reserved"], out["arena_in_use"] = a.reserved_bytes, a.in_use_bytes
+        return out
+
     def freezes_changed(self, layer: int) -> bool:
         """Whether a parameter of the layer was frozen or unfrozen since the landing buffers were set."""
         st = self.layers[layer]

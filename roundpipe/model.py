@@ -304,6 +304,27 @@ class RoundPipe:
             self._check_open()
             self._drain()
 
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Device bytes per worker (current and peak per category, roundpipe/workers/ledger.py) and host
+        bytes of the training state; with `optimizer`, its state's bytes too.  Peaks since the last
+        `reset_peak_memory()`.  On CUDA each worker also reports torch.cuda.memory_allocated."""
+        workers = {}
+        for w in self.workers:
+            stats = w.ledger.stats()
+            stats["device"] = str(w.device)
+            if w.device.type == "cuda":
+                stats["cuda_allocated"] = torch.cuda.memory_allocated(w.device)
+            workers[w.name] = stats
+        host = self.host.host_bytes()
+        if optimizer is not None:
+            host["optimizer_state"] = sum(v.nbytes for state in optimizer.state.values()
+                                          for v in state.values() if isinstance(v, torch.Tensor))
+        return {"workers": workers, "host": host}
+
+    def reset_peak_memory(self) -> None:
+        for w in self.workers:
+            w.ledger.reset_peak()
+
     @contextlib.contextmanager
     def record_trace(self) -> Iterator[Trace]:
         """Records every stage-microbatch run on every worker into a Trace while the block runs."""

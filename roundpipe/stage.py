@@ -227,8 +227,12 @@ class StageRun:
             self.acc.append([None] * len(st.trainable))
 
     def release(self) -> None:
+        """The end of the stage: its weights die once their copies completed (tests/test_memory.py)."""
         for rep in self.reps:
             rep.unbind()
+        self.bound.clear()
+        self.acc.clear()
+        self.w.copies.release_completed()
 
     # ---- microbatch steps
     def _publish_act(self, m: int) -> Callable[[int, Any], None]:

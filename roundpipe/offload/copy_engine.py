@@ -202,8 +202,13 @@ class CopyEngine:
     def synchronize(self) -> None:
         """Blocks until everything submitted has completed."""
         self._engine.synchronize()
+        self.release_completed()
+
+    def release_completed(self) -> None:
+        """Drops the references to tensors whose copies have completed (e.g. when a stage ends)."""
         with self._inflight_lock:
             self._inflight = [(f, r) for f, r in self._inflight if f.state == "pending"]
+            self._prune_at = max(_PRUNE_MIN, 2 * len(self._inflight))
 
     def record_into(self, arena: HostArena, fence, tensors: Sequence[torch.Tensor]) -> None:
         """Records `fence` against every arena tensor in `tensors` (others are skipped)."""

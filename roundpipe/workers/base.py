@@ -39,6 +39,7 @@ import torch
 from roundpipe.executor import SerialExecutor
 from roundpipe.microbatch import tree_leaves, tree_unflatten
 from roundpipe.recompute import RngDomain
+from roundpipe.workers.ledger import DeviceLedger
 from roundpipe.workers.transfers import Bulk, Transfers
 
 Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
@@ -85,6 +86,7 @@ class Worker(ABC):
         self.rng = RngDomain.of(device)
         self.host_alloc = alloc or _plain_alloc
         self.copies = Transfers(device)
+        self.ledger = DeviceLedger()   # device bytes this worker holds (roundpipe/workers/ledger.py)
         self._thread = SerialExecutor(f"roundpipe-{name}")
         self._completer = SerialExecutor(f"roundpipe-{name}-completer")
         self._landings = 0     # download callbacks queued on the completion thread
@@ -139,6 +141,10 @@ class Worker(ABC):
     def _compute_waits(self, fences: Sequence) -> None:
         """Makes the compute issued from now on wait for the fences."""
 
+    def _device_empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
+        """`_empty`, registered in the ledger: uploads on param_up are weights, on act_up activations."""
+        return self.ledger.track(self._empty(shape, dtype, queue), "weights" if queue == "param_up" else "activations")
+
     def _read_by_copy(self, tensors: Sequence[torch.Tensor], queue: str) -> None:
         """Device tensors that a copy on `queue` reads (CUDA: keeps the allocator from reusing them early)."""
 
@@ -163,7 +169,7 @@ class Worker(ABC):
     # ---- parameters and buffers
     def upload_params(self, host: list[list[torch.Tensor]], windows: int) -> Upload:
         """Device copies of a stage's host upload copies (already in compute dtype), in LPT windows."""
-        dev = [[self._empty(u.shape, u.dtype, "param_up") for u in layer] for layer in host]
+        dev = [[self._device_empty(u.shape, u.dtype, "param_up") for u in layer] for layer in host]
         flat_dev = [d for layer in dev for d in layer]
         flat_host = [u for layer in host for u in layer]
         return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows))
@@ -176,14 +182,18 @@ class Worker(ABC):
         return up.params
 
     def upload_done(self, up: Upload) -> Callable[[], None]:
-        """A host wait for the end of the upload (the P-copy may overwrite the host copy after it)."""
-        return lambda: self.copies.wait(up.bulk)
+        """A host wait for the end of the upload (the P-copy may overwrite the host copy after it).
+
+        It holds the bulk copy's fences only, never the device weights: the protocol keeps it
+        until the next call, and the weights must die with their stage."""
+        bulk, copies = up.bulk, self.copies
+        return lambda: copies.wait(bulk)
 
     def upload_buffers(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
         """Device copies of buffers, in their own dtype."""
         if not host:
             return []
-        dev = [self._empty(b.shape, b.dtype, "param_up") for b in host]
+        dev = [self._device_empty(b.shape, b.dtype, "param_up") for b in host]
         b = self.copies.bulk("param_up", dev, [h.contiguous() for h in host], 1)
         self._compute_waits(b.fences)
         self._used_by_compute(dev)
@@ -201,6 +211,9 @@ class Worker(ABC):
         h = Handoff(device=self.device)
         compute = self._compute_fence()   # after the contiguous copies, which run on the compute stream
         if keep_device:
+            for t in leaves:
+                if isinstance(t, torch.Tensor) and t.device == self.device:
+                    self.ledger.track(t, "activations")
             h.device_value, h.device_ready = tree_unflatten(value, leaves), compute
         if need_host:
             host = [self._to_host(t) if isinstance(t, torch.Tensor) else t for t in leaves]
@@ -223,7 +236,7 @@ class Worker(ABC):
                 if t.device.type != "cpu":           # e.g. an input already on a GPU
                     t = t.to(self.device)
                 else:
-                    d = self._empty(t.shape, t.dtype, "act_up")
+                    d = self._device_empty(t.shape, t.dtype, "act_up")
                     dsts.append(d)
                     srcs.append(t.contiguous())
                     t = d
@@ -268,6 +281,9 @@ class Worker(ABC):
 
     def download_grads(self, grads: list[torch.Tensor | None], windows: int, then: Callable[[list], None]) -> None:
         """Moves a stage's gradients to the host in LPT windows; then(host_grads) runs once they landed."""
+        for g in grads:
+            if g is not None and g.device == self.device:
+                self.ledger.track(g, "gradients")
         self._download(grads, windows, then)
 
     def download_buffers(self, device_bufs: list[torch.Tensor], then: Callable[[list], None]) -> None:

@@ -181,6 +181,11 @@ class Transfers:
             if f is not None:
                 f.wait()
 
+    def release_completed(self) -> None:
+        """Lets go of the buffers of completed copies (the end of a stage: its weights must die now)."""
+        if self.native and self.engine is not None:
+            self.engine.release_completed()
+
     def synchronize(self) -> None:
         self.flush()
         if self.native and self.engine is not None:

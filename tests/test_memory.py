@@ -1,0 +1,72 @@
+"""Device memory on CPU workers: no buffer outlives its stage, and the peak stays within two stages.
+
+The ledger (roundpipe/workers/ledger.py) follows storages, not Python names, so a
+reference kept anywhere (the protocol's upload waits, the copy engine, a closure)
+shows up as live bytes after the call, exactly as it would keep GPU memory.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import roundpipe as rp
+from rp_models import Slow, mlp
+from roundpipe.testing import inject_delays, random_sleeps
+
+
+def live(model):
+    return {w.name: w.ledger.stats()["current"] for w in model.workers}
+
+
+def assert_nothing_live(model, when):
+    for name, cur in live(model).items():
+        assert sum(cur.values()) == 0, (when, name, cur)
+
+
+@pytest.mark.parametrize("workers, num_mb, asynchronous", [(1, None, False), (2, 5, True), (3, None, True)])
+def test_no_device_buffer_outlives_its_call(workers, num_mb, asynchronous):
+    """After every forward_backward, forward-only call and step, no worker holds weights, activations or
+    gradients (before: every stage's uploaded weights stayed referenced until the next call)."""
+    layers = mlp(6, width=16)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb) as model:
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+        for i in range(3):
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            assert_nothing_live(model, f"after forward_backward {i}")
+            model.step(opt, asynchronous=asynchronous)
+            model(x)
+            assert_nothing_live(model, f"after forward-only call {i}")
+        model.synchronize()
+        assert_nothing_live(model, "after synchronize")
+        stats = model.memory_stats(opt)
+        assert set(stats["workers"]) == {w.name for w in model.workers}
+        assert stats["host"]["masters"] == sum(p.nbytes for p in model.parameters())
+        assert stats["host"]["optimizer_state"] >= 2 * stats["host"]["masters"]
+
+
+def stage_bytes(model, layers_range):
+    return sum(t.nbytes for l in layers_range for t in model.host.layers[l].upload)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_peak_weights_are_at_most_the_running_and_the_prefetched_stage(prefetch):
+    """A worker holds the weights of the stage it runs and of at most the one it prefetches, never more,
+    also with copies delayed at random (the in-flight references of the copy engine included)."""
+    layers = [Slow(m, 0.001) for m in mlp(12, width=64)]   # 16.6 KB of weights per layer
+    x, y = torch.randn(6, 64), torch.randn(6, 64)
+    plan = rp.Plan.uniform(12, backward_per_stage=1, forward_ratio=2)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3, plan=plan) as model:
+        for w in model.workers:
+            w.prefetches = prefetch
+        stages = list(plan.forward) + list(plan.backward)
+        largest_two = sum(sorted(stage_bytes(model, r) for r in stages)[-2:])
+        with inject_delays(random_sleeps(0.002, seed=4)):
+            for _ in range(2):
+                model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                model.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        model.synchronize()
+        total_weights = sum(stage_bytes(model, range(l, l + 1)) for l in range(12))
+        for w in model.workers:
+            peak = w.ledger.stats()["peak"]["weights"]
+            assert 0 < peak <= largest_two, (w.name, peak, largest_two, total_weights)
+        assert_nothing_live(model, "after synchronize")
