@@ -1,21 +1,30 @@
 # `make demo`: set up and run the main job.  `make test`: set up and run the test suite.
+# The setups differ (scripts/setup-venv.sh): the demo's installs only what `roundpipe train`
+# runs; the test setup adds Triton (interpreter-mode kernel tests) and the [dev] extra.
+# A venv already set up for the tests serves the demo as it is.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.roundpipe-installed
+DEMO_STAMP := $(VENV)/.roundpipe-demo
+TEST_STAMP := $(VENV)/.roundpipe-installed
+SETUP_INPUTS := pyproject.toml setup.py scripts/setup-venv.sh $(wildcard csrc/*.cpp csrc/*.h)
 
 .PHONY: demo test setup clean
 
-demo: $(STAMP)
+demo: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(DEMO_STAMP))
 	$(BIN)/roundpipe train
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
-setup: $(STAMP)
+setup: $(TEST_STAMP)
 
-$(STAMP): pyproject.toml setup.py scripts/setup-venv.sh $(wildcard csrc/*.cpp csrc/*.h)
-	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-venv.sh
+$(DEMO_STAMP): $(SETUP_INPUTS)
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-venv.sh demo
+	touch $@
+
+$(TEST_STAMP): $(SETUP_INPUTS)
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-venv.sh test
 	touch $@
 
 clean:

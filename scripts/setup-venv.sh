@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Creates ./.venv (or $VENV) and installs roundpipe into it, editable, with its test extras.
+# Creates ./.venv (or $VENV) and installs roundpipe into it, editable.
+#
+#   bash scripts/setup-venv.sh demo   # what `make demo` runs: torch + roundpipe, nothing else
+#   bash scripts/setup-venv.sh test   # what `make test` runs: demo + Triton + the [dev] extra
+#
+# `demo` installs only what `roundpipe train` runs (torch, numpy, tqdm, the native core):
+# the built-in model calls no Triton kernel, so Triton (about 1 GB) is left to `test`,
+# whose kernel tests run it in interpreter mode on CPU.  A CUDA torch brings its own Triton.
 #
 # The venv sees the interpreter's site-packages (and, when $PYTHON itself runs in a
 # virtualenv, that one's too) so a torch already installed there, e.g. a CUDA build,
 # is reused and never replaced.  Only when no torch imports at all is the CPU build
-# torch==2.13.0 installed.  Triton is installed only when none imports.
+# torch==2.13.0 installed, before anything that depends on torch, so pip never picks
+# a torch of its own.  `test` installs Triton only when none imports.
 set -euo pipefail
+profile=${1:-test}
+case "$profile" in demo|test) ;; *) echo "usage: $0 {demo|test}" >&2; exit 2;; esac
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 cd "$(dirname "$0")/.."
@@ -20,6 +30,10 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   echo "setup: no torch importable; installing the CPU build torch==2.13.0"
   "${pip[@]}" install torch==2.13.0
+fi
+if [ "$profile" = demo ]; then
+  "${pip[@]}" install -e .
+  exit 0
 fi
 if ! "$VENV/bin/python" -c 'import triton' 2>/dev/null; then
   "${pip[@]}" install 'triton>=3.0' || echo "setup: triton unavailable; kernels will use their PyTorch fallback"

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default=None, help='stage sizes: "3,3,4", or "fwd...|bwd..." for RoundPipe')
     p.add_argument("--chunks", type=int, default=2, help="stages per GPU for interleaved-1f1b / looped-bfs")
     p.add_argument("--iterations", type=int, default=6, help="overlapping iterations for roundpipe-async")
-    p.add_argument("--round-size", type=int, default=None, help="RoundPipe microbatches per round (default N + 1, as the engine)")
+    p.add_argument("--round-size", type=int, default=None,
+                   help="RoundPipe microbatches per round (default N + 1, as the engine)")
     p.add_argument("--json", action="store_true", help="print one JSON object (times in ms, ratios in percent)")
     p.add_argument("--png", default=None, help="draw the timeline to this PNG file")
     p.add_argument("--trace", default=None, help="save the Chrome/Perfetto trace JSON here")
