@@ -33,7 +33,7 @@ from roundpipe.board import Board
 from roundpipe.dispatcher import Dispatcher, default_plan
 from roundpipe.executor import SerialExecutor, engine_thread
 from roundpipe.host_state import HostState
-from roundpipe.microbatch import SplitFn, merge, split, tree_map
+from roundpipe.microbatch import SplitFn, merge, split, tensors, tree_map
 from roundpipe.plan import Plan
 from roundpipe.recompute import CallerRng
 from roundpipe.replica import Replica
@@ -58,6 +58,14 @@ def _as_layers(layers: object) -> nn.Sequential:
     if len(seq) == 0:
         raise ValueError("layers is empty; give at least one nn.Module")
     return seq
+
+
+def _gpu_input_events(mb) -> dict | None:
+    """For call inputs already on a GPU: an event on the caller's current stream of each such device,
+    so that workers read them only after the work the caller queued to produce them."""
+    devices = {t.device for m in range(len(mb)) for t in tensors((mb.args[m], mb.kwargs[m], mb.labels[m]))
+               if t.device.type == "cuda"}
+    return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
 
 
 def _stop_threads(executors: list[SerialExecutor]) -> None:
@@ -231,9 +239,10 @@ class RoundPipe:
                           on_timing=self.autoplan.recorder(training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s)
         pin = self.host.staged if self._cuda else (lambda t: t)
+        ctx.gpu_ready = _gpu_input_events(mb)
         for m in range(len(mb)):
-            ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m]))),
-                          sched.input_consumers)
+            ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m])),
+                                                 gpu_ready=ctx.gpu_ready), sched.input_consumers)
         self.sync.begin_call(training, sched.uploads)
         ok = False
         try:

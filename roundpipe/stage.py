@@ -85,6 +85,7 @@ class CallContext:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # ("f" or "b", first, stop layer) -> seconds its last forward / backward took; kept by the model
     compute_s: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    gpu_ready: dict | None = None         # events for call inputs already on a GPU (Handoff.gpu_ready)
 
     def abort_requested(self) -> bool:
         return self.board.aborted
@@ -300,7 +301,8 @@ class StageRun:
         x = self._input_with_grad(m)
         with torch.enable_grad():
             out = run_layers(ctx, self.w, self.task.layers, x, m)
-            labels = self.w.use(self.w.receive(Handoff(host=ctx.labels[m]))) if ctx.labels[m] is not None else None
+            labels = (self.w.use(self.w.receive(Handoff(host=ctx.labels[m], gpu_ready=ctx.gpu_ready)))
+                      if ctx.labels[m] is not None else None)
             try:
                 loss = ctx.loss_fn(out, labels) if ctx.loss_fn is not None else out
             except Exception as e:

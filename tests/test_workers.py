@@ -284,3 +284,34 @@ def test_long_backward_compute_of_cpu_workers_overlaps():
     assert len({tid for tid, _, _ in spans}) == 2
     overlapping = [(a, b) for a in spans for b in spans if a[0] != b[0] and a[1] < b[2] and b[1] < a[2]]
     assert overlapping, "the two workers never computed at the same time"
+
+
+@pytest.mark.cuda
+def test_gpu_inputs_are_read_after_the_callers_stream_produced_them():
+    """An input made on the caller's (side) stream right before the call is read only after that stream's
+    work: the worker's compute stream waits for an event recorded at the call's start."""
+    layers = [torch.nn.Linear(64, 64) for _ in range(3)]
+    ref = torch.nn.Sequential(*[copy.deepcopy(l) for l in layers])
+    x_cpu = torch.randn(8, 64)
+    with rp.RoundPipe(layers, devices=["cuda:0"], compute_dtype=torch.float32) as model:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            x = torch.zeros(8, 64, device="cuda:0")
+            torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU time before the value lands
+            x.copy_(x_cpu, non_blocking=False)
+            out = model(x)
+    torch.testing.assert_close(out.cpu(), ref(x_cpu).detach(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_critical_streams_have_the_highest_priority():
+    """Compute and activation copy streams run at the device's highest priority, bulk copies at the default."""
+    from roundpipe.workers.cuda import CudaWorker
+    w = CudaWorker(torch.device("cuda:0"), "cuda:0", torch.bfloat16)
+    try:
+        low, high = torch.cuda.Stream.priority_range()
+        for s in (w.s_compute, w.s_act_up, w.s_act_down):
+            assert s.priority == min(low, high)
+        assert w.s_param_up.priority == 0 and w.s_grad_down.priority == 0
+    finally:
+        w.close()

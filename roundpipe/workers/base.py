@@ -58,6 +58,8 @@ class Handoff:
     device: torch.device | None = None
     device_value: Any = None     # nest of device tensors for a consumer on the same device
     device_ready: Any = None     # fence of the producer's compute guarding device_value
+    gpu_ready: dict | None = None  # call inputs already on a GPU: device -> event recorded on the
+    #                               caller's stream when the call began (the producer's work)
 
 
 @dataclass
@@ -233,8 +235,8 @@ class Worker(ABC):
         dsts, srcs, value = [], [], []
         for t in tree_leaves(handoff.host):
             if isinstance(t, torch.Tensor):
-                if t.device.type != "cpu":           # e.g. an input already on a GPU
-                    t = t.to(self.device)
+                if t.device.type != "cpu":           # an input already on a GPU
+                    t = self._from_gpu(t, (handoff.gpu_ready or {}).get(t.device))
                 else:
                     d = self._device_empty(t.shape, t.dtype, "act_up")
                     dsts.append(d)
@@ -243,6 +245,16 @@ class Worker(ABC):
             value.append(t)
         fence = self.copies.act("act_up", dsts, srcs, [handoff.host_ready]) if dsts else None
         return Arrival(tree_unflatten(handoff.host, value), [fence])
+
+    def _from_gpu(self, t: torch.Tensor, ready: Any) -> torch.Tensor:
+        """A call input that is already on a GPU, here, once the caller's stream has produced it.
+
+        `ready` is the event recorded on the caller's current stream of t's device at the call's
+        start (None if t is not a call input).  Here it is waited for on the host; a CUDA worker on
+        t's own device makes its compute stream wait instead (roundpipe/workers/cuda.py)."""
+        if ready is not None:
+            ready.synchronize()
+        return t.to(self.device)
 
     def use(self, arrival: Arrival) -> Any:
         """The arrived tensors, private to the caller (safe to modify), once compute waited for them."""

@@ -32,12 +32,18 @@ import torch
 from roundpipe.workers.base import Alloc, Worker
 
 
+HIGH_PRIORITY = -100   # below the device's range: mapped to its highest priority
+
+
 class CudaWorker(Worker):
     def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None):
         with torch.cuda.device(device):
-            self.s_compute = torch.cuda.Stream(device)
-            self.s_act_up = torch.cuda.Stream(device)
-            self.s_act_down = torch.cuda.Stream(device)
+            # The critical path (compute and activation copies) at the device's highest stream
+            # priority (torch maps -100 to it), bulk copies at the default: the kernels of those
+            # streams go first.  Priorities do not reorder copies (DESIGN.md 3.1): the windows do.
+            self.s_compute = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+            self.s_act_up = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+            self.s_act_down = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
             self.s_param_up = torch.cuda.Stream(device)
             self.s_grad_down = torch.cuda.Stream(device)
         super().__init__(device, name, compute_dtype, alloc)
@@ -60,6 +66,16 @@ class CudaWorker(Worker):
         # reuse a block that kernels still queued on the compute stream read.
         with torch.cuda.stream(self._streams[queue]):
             return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _from_gpu(self, t: torch.Tensor, ready: Any) -> torch.Tensor:
+        if t.device != self.device:
+            return super()._from_gpu(t, ready)
+        # Same device: the compute stream (current here) waits for the caller's stream on the GPU,
+        # and the caching allocator may not reuse t's block before this stream is done with it.
+        if ready is not None:
+            self.s_compute.wait_event(ready)
+        t.record_stream(self.s_compute)
+        return t
 
     def _compute_fence(self) -> Any:
         from roundpipe.offload import record_stream
