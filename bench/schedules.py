@@ -27,7 +27,8 @@ only their ratios matter for bubbles, the absolute scale sets comm vs compute):
 - planner memory budget 24 GB (RTX 4090), bf16 weights, activations 34 x seq x
   hidden bytes per layer (Korthikanti et al. 2022, without attention scores).
 
-    python bench/schedules.py            # all three models, rows to bench/results/schedules.jsonl
+    python bench/schedules.py                       # all three models, rows to ./roundpipe-bench-results/
+    python bench/schedules.py --out bench/results   # add the rows to the committed ones
 """
 from __future__ import annotations
 

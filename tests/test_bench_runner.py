@@ -1,5 +1,6 @@
 """The shared benchmark runner: timing, table, JSON rows with their provenance."""
 import json
+import subprocess
 
 import pytest
 
@@ -49,3 +50,53 @@ def test_convert_benchmark_runs_quick(tmp_path):
     providers = {r["provider"] for r in rows}
     assert "torch" in providers and "torch copy (limit)" in providers
     assert all(r["GB/s"] > 0 for r in rows)
+
+
+def test_out_path_file_folder_and_default(tmp_path, monkeypatch):
+    """--out FILE.jsonl is the file, any other --out a folder of <name>.jsonl; the default is
+    $ROUNDPIPE_BENCH_OUT, else ./roundpipe-bench-results."""
+    assert runner.out_path("x", tmp_path / "r.jsonl") == tmp_path / "r.jsonl"
+    assert runner.out_path("x", tmp_path / "dir") == tmp_path / "dir" / "x.jsonl"
+    assert runner.out_path("x", "bench/results") == runner.Path("bench/results/x.jsonl")
+    monkeypatch.delenv("ROUNDPIPE_BENCH_OUT", raising=False)
+    assert runner.out_path("x") == runner.Path("roundpipe-bench-results/x.jsonl")
+    monkeypatch.setenv("ROUNDPIPE_BENCH_OUT", str(tmp_path / "env"))
+    report = runner.Report("demo", device="cpu")
+    report.add(case="a", ms=1.0)
+    assert report.save() == tmp_path / "env" / "demo.jsonl" and (tmp_path / "env" / "demo.jsonl").exists()
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=runner.REPO_ROOT, capture_output=True, text=True, timeout=30)
+
+
+def test_default_run_leaves_checkout_clean(monkeypatch, capsys):
+    """A quick run of a benchmark with no --out, from the top of a checkout, changes nothing git sees."""
+    try:
+        if _git("rev-parse", "--is-inside-work-tree").stdout.strip() != "true":
+            pytest.skip("not a git checkout")
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("git is not available")
+    from roundpipe.bench import convert
+
+    monkeypatch.chdir(runner.REPO_ROOT)
+    monkeypatch.delenv("ROUNDPIPE_BENCH_OUT", raising=False)
+    target = runner.REPO_ROOT / runner.out_path("convert")
+    existed = target.parent.exists()
+    size = target.stat().st_size if target.exists() else None
+    before = set(_git("status", "--porcelain", "--untracked-files=all").stdout.splitlines())
+    try:
+        assert convert.main(["--quick", "--elements", "65536"]) == 0
+        assert f"rows appended to {runner.out_path('convert')}" in capsys.readouterr().out
+        after = set(_git("status", "--porcelain", "--untracked-files=all").stdout.splitlines())
+        # Other files may change meanwhile in a shared checkout; no result file may appear.
+        assert not [line for line in after - before if line.endswith(".jsonl") or runner.DEFAULT_OUT in line]
+        assert _git("check-ignore", "-q", str(target)).returncode == 0
+    finally:
+        if size is None:
+            target.unlink(missing_ok=True)
+        else:
+            with target.open("r+b") as f:
+                f.truncate(size)
+        if not existed:
+            target.parent.rmdir()

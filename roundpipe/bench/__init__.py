@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     available = names()
     if not argv or argv[0] in ("-h", "--help", "--list"):
-        print("usage: roundpipe bench <name> [--quick] [--out FILE]\n\nbenchmarks: " + ", ".join(available))
+        print("usage: roundpipe bench <name> [--quick] [--out FILE.jsonl | DIR] [--no-save]\n\nbenchmarks: " + ", ".join(available))
         return 0
     if argv[0] not in available:
         print(f"roundpipe bench: unknown benchmark {argv[0]!r}; available: {', '.join(available)}", file=sys.stderr)

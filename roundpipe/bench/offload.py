@@ -1,6 +1,7 @@
 """Host<->device offload: bandwidth per memory kind, allocator cost, host footprint.
 
-Three tables, each also appended as JSON rows (bench/results/offload_*.jsonl):
+Three tables, each also appended as JSON rows (offload_alloc/_bandwidth/_footprint.jsonl
+in the --out folder, see roundpipe.bench.runner):
 
 alloc      first allocation (page-locking included) and steady alloc+free of
            each size, torch pinned vs the arena vs pageable torch.empty.

@@ -9,6 +9,12 @@ results committed under bench/results/ say where they came from.
     t = median_time(lambda: fn(x))
     report.add(case="fp32->bf16 64M", provider="roundpipe", ms=t * 1e3, ...)
     report.finish(args.out)         # prints the table, appends JSON rows
+
+Where rows go (`--out`): a path ending in ".jsonl" is the file itself; any other
+path is a folder that gets one <name>.jsonl per benchmark.  Without `--out` the
+folder is $ROUNDPIPE_BENCH_OUT, else ./roundpipe-bench-results in the current
+directory (git-ignored), so a run never touches the committed rows; a maintainer
+adds rows to those with `--out bench/results`.
 """
 from __future__ import annotations
 
@@ -26,6 +32,19 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = "roundpipe-bench-results"
+
+
+def default_out_dir() -> Path:
+    """$ROUNDPIPE_BENCH_OUT, else ./roundpipe-bench-results (relative to the current directory)."""
+    return Path(os.environ.get("ROUNDPIPE_BENCH_OUT") or DEFAULT_OUT)
+
+
+def out_path(name: str, out: str | os.PathLike | None = None) -> Path:
+    """The JSON Lines file for benchmark `name`: `out` itself when it ends in .jsonl, else
+    <out>/<name>.jsonl, with `out` defaulting to `default_out_dir()`."""
+    target = Path(out) if out else default_out_dir()
+    return target if target.suffix == ".jsonl" else target / f"{name}.jsonl"
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,14 +171,9 @@ class Report:
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
 
-    def default_path(self) -> Path:
-        results = REPO_ROOT / "bench" / "results"
-        base = results if results.is_dir() else Path.cwd()
-        return base / f"{self.name}.jsonl"
-
     def save(self, path: str | os.PathLike | None = None) -> Path:
-        """Appends one JSON object per row (row fields + environment) to `path`."""
-        target = Path(path) if path else self.default_path()
+        """Appends one JSON object per row (row fields + environment) to `out_path(name, path)`."""
+        target = out_path(self.name, path)
         target.parent.mkdir(parents=True, exist_ok=True)
         with target.open("a") as f:
             for row in self.rows:
@@ -175,6 +189,7 @@ class Report:
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (under a minute)")
-    parser.add_argument("--out", default=None, help="JSON Lines file to append rows to "
-                        "(default: bench/results/<name>.jsonl in a source checkout)")
+    parser.add_argument("--out", default=None, help="where rows are appended: a FILE.jsonl, or a folder that gets "
+                        f"<name>.jsonl per table (default: $ROUNDPIPE_BENCH_OUT or ./{DEFAULT_OUT}; "
+                        "bench/results holds the committed rows)")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
