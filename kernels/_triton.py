@@ -13,8 +13,10 @@ are stand-ins: `jit` returns the function unchanged (it is never launched) and
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 import types
 import warnings
 
@@ -128,15 +130,39 @@ def check_same(name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor
                         "cast one of them")
 
 
+# Triton compiles a kernel on its first launch for each specialisation, and its compile path
+# and caches are not safe against the same kernel being compiled from several threads at once,
+# which is what several GPU workers reaching a new shape together would do.  So a launch whose
+# specialisation key was never seen runs under one lock; later ones do not take it.  The key is
+# coarser than Triton's own only in the safe direction (it may lock a launch that is warm).
+_first_launch = threading.Lock()
+_warm: set = set()
+
+
+def _specialisation(kernel, device: torch.device, args: tuple, meta: dict) -> tuple:
+    def arg_key(a):
+        if isinstance(a, torch.Tensor):
+            return (a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return (a == 1, a % 16 == 0)
+        return type(a).__name__
+    return (id(kernel), device, tuple(arg_key(a) for a in args), tuple(sorted(meta.items())))
+
+
 def launch(kernel, grid: tuple, *args, **meta) -> None:
     """kernel[grid](*args, **meta) with the first tensor argument's CUDA device made current.
 
     Triton launches on the current device; roundpipe drives several GPUs from
-    worker threads, so a tensor on cuda:1 must not run on cuda:0's context.
+    worker threads, so a tensor on cuda:1 must not run on cuda:0's context.  A
+    launch that may compile holds the first-launch lock (see above).
     """
     first = next(a for a in args if isinstance(a, torch.Tensor))
-    if first.device.type == "cuda":
-        with torch.cuda.device(first.device):
+    key = _specialisation(kernel, first.device, args, meta)
+    guard = contextlib.nullcontext() if key in _warm else _first_launch
+    with guard:
+        if first.device.type == "cuda":
+            with torch.cuda.device(first.device):
+                kernel[grid](*args, **meta)
+        else:
             kernel[grid](*args, **meta)
-    else:
-        kernel[grid](*args, **meta)
+        _warm.add(key)

@@ -56,3 +56,44 @@ def test_importable_and_usable_without_triton():
     run = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("OK roundpipe.kernels: using the PyTorch reference path because Triton is not")
+
+
+def test_first_launch_of_a_specialisation_is_serialised():
+    """Several worker threads reaching a new kernel specialisation at once launch (and so compile) it one at
+    a time; once it is warm they launch side by side."""
+    import threading
+    import time
+
+    state = {"inside": 0, "most": 0}
+    lock = threading.Lock()
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                with lock:
+                    state["inside"] += 1
+                    state["most"] = max(state["most"], state["inside"])
+                time.sleep(0.05)
+                with lock:
+                    state["inside"] -= 1
+            return run
+
+    kernel, x = FakeKernel(), torch.zeros(16)
+    go = threading.Barrier(4)
+
+    def worker():
+        go.wait()
+        _triton.launch(kernel, (1,), x, 16, BLOCK=16)
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert state["most"] == 1
+    state["most"] = 0
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert state["most"] > 1   # warm: no lock
