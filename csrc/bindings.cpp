@@ -1,8 +1,11 @@
 // roundpipe._C: Python bindings only.  Logic lives in the per-concept sources.
 //
 // Buffers cross as raw addresses (Python ints from tensor.data_ptr()) plus
-// dtype names, so the build needs no torch headers; the Python wrappers in
-// roundpipe/_native.py check devices, contiguity and sizes before calling here.
+// dtype names, so the build needs no torch headers; the Python wrappers check
+// devices, dtypes, contiguity and sizes before calling here, and every entry
+// point checks again what an address-level call can check (checks.h): names,
+// counts, null pointers, element alignment, size overflow, overlap.  A bad
+// argument is a ValueError or TypeError, never a crash.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "adam.h"
+#include "checks.h"
 #include "convert.h"
 #include "copy_cuda.h"
 #include "copy_engine.h"
@@ -42,10 +46,14 @@ rp::DType parse_dtype(const std::string& arg, const std::string& name) {
   throw py::value_error(arg + "='" + name + "' is not supported; expected float32, bfloat16 or float16");
 }
 
-void* as_ptr(const std::string& arg, std::uintptr_t addr, size_t n) {
-  if (addr == 0 && n != 0) throw py::value_error(arg + " is a null pointer but n=" + std::to_string(n));
-  return reinterpret_cast<void*>(addr);
+// An n-element buffer of `dt` at `addr` (checks.h: null, alignment, size); its byte size.
+size_t elems(const std::string& arg, std::uintptr_t addr, size_t n, rp::DType dt) {
+  return rp::check::span(arg, addr, n, rp::dtype_size(dt), rp::dtype_size(dt));
 }
+
+void* ptr(std::uintptr_t addr) { return reinterpret_cast<void*>(addr); }
+
+std::string item(const std::string& arg, size_t i) { return arg + "[" + std::to_string(i) + "]"; }
 
 void bind_cpu(py::module_& m) {
   m.def("simd_level", [] { return std::string(rp::simd_level_name(rp::simd_level())); },
@@ -69,7 +77,7 @@ void bind_cpu(py::module_& m) {
   });
   m.def("num_threads", &rp::max_threads, "OpenMP threads the kernels use.");
   m.def("set_num_threads", [](int n) {
-    if (n < 1) throw py::value_error("n=" + std::to_string(n) + " must be >= 1");
+    rp::check::threads("n", n);
 #ifdef _OPENMP
     omp_set_num_threads(n);
 #endif
@@ -87,10 +95,12 @@ void bind_convert(py::module_& m) {
   m.def("convert", [](std::uintptr_t src, const std::string& src_dtype, std::uintptr_t dst,
                       const std::string& dst_dtype, size_t n) {
     const rp::DType sd = parse_dtype("src_dtype", src_dtype), dd = parse_dtype("dst_dtype", dst_dtype);
-    const void* s = as_ptr("src", src, n);
-    void* d = as_ptr("dst", dst, n);
+    rp::check::OverlapCheck overlaps;
+    overlaps.add("src", src, elems("src", src, n, sd), false);
+    if (!(src == dst && sd == dd)) overlaps.add("dst", dst, elems("dst", dst, n, dd), true);
+    overlaps.check("the conversion needs separate buffers (or the same one with the same dtype)");
     py::gil_scoped_release release;
-    rp::convert(s, sd, d, dd, n);
+    rp::convert(ptr(src), sd, ptr(dst), dd, n);
   }, py::arg("src"), py::arg("src_dtype"), py::arg("dst"), py::arg("dst_dtype"), py::arg("n"),
      "Convert n elements between float32/bfloat16/float16 buffers given by address "
      "(round-to-nearest-even).");
@@ -122,10 +132,9 @@ void bind_fence(py::module_& m) {
       .def("set", &rp::HostFence::set)
       .def("fail", &rp::HostFence::fail, py::arg("message"))
       .def("wait_for", [](rp::HostFence& f, double seconds) {
-        if (!(seconds >= 0)) throw py::value_error("seconds=" + std::to_string(seconds) + " must be >= 0");
         py::gil_scoped_release release;
         return f.block_for(seconds) != rp::FenceState::Pending;
-      }, py::arg("seconds"), "Waits at most `seconds`; True when no longer pending.");
+      }, py::arg("seconds"), "Waits at most `seconds` (0 to 1e9); True when no longer pending.");
   py::class_<rp::CudaEventFence, rp::Fence, std::shared_ptr<rp::CudaEventFence>>(m, "CudaEventFence")
       .def_static("borrow", [](std::uintptr_t event) { return rp::CudaEventFence::borrow(reinterpret_cast<void*>(event)); },
                   py::arg("event"), "Wraps a raw cudaEvent_t; the caller keeps the event alive.")
@@ -201,13 +210,19 @@ void bind_arena(py::module_& m) {
       });
 }
 
+// (dst, src, nbytes) triples; a copy whose source and destination overlap is
+// undefined for memcpy and cudaMemcpyAsync alike, so it is rejected.
 std::vector<rp::CopyOp> parse_ops(const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, size_t>>& ops) {
   std::vector<rp::CopyOp> out;
   out.reserve(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) {
     const auto& [dst, src, n] = ops[i];
-    if (n && (!dst || !src)) throw py::value_error("ops[" + std::to_string(i) + "] has a null address for " + std::to_string(n) + " bytes");
-    out.push_back(rp::CopyOp{reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n});
+    const std::string op = item("ops", i);
+    rp::check::OverlapCheck overlaps;
+    overlaps.add(op + ".dst", dst, rp::check::span(op + ".dst", dst, n, 1, 1), true);
+    overlaps.add(op + ".src", src, rp::check::span(op + ".src", src, n, 1, 1), false);
+    overlaps.check("a copy needs separate source and destination bytes");
+    out.push_back(rp::CopyOp{ptr(dst), reinterpret_cast<const void*>(src), n});
   }
   return out;
 }
@@ -274,41 +289,6 @@ void check_len(const std::string& arg, size_t got, size_t want) {
                           "; every per-tensor list must have one entry per parameter");
 }
 
-std::string item(const std::string& arg, size_t i) { return arg + "[" + std::to_string(i) + "]"; }
-
-// Byte ranges the step reads (gradients) and writes (everything else).  Any
-// output overlapping another output or an input would make the result depend
-// on the order of the sweep, so it is rejected; inputs may share memory.
-class OverlapCheck {
- public:
-  void add(std::string label, std::uintptr_t addr, size_t bytes, bool output) {
-    if (bytes) spans_.push_back({addr, addr + bytes, std::move(label), output});
-  }
-  void check() {
-    std::sort(spans_.begin(), spans_.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
-    const Span* out = nullptr;  // output reaching furthest so far
-    const Span* in = nullptr;   // input reaching furthest so far
-    for (const Span& s : spans_) {
-      if (out && out->end > s.begin) fail(*out, s);
-      if (s.output && in && in->end > s.begin) fail(*in, s);
-      const Span*& slot = s.output ? out : in;
-      if (!slot || s.end > slot->end) slot = &s;
-    }
-  }
-
- private:
-  struct Span {
-    std::uintptr_t begin, end;
-    std::string label;
-    bool output;
-  };
-  [[noreturn]] static void fail(const Span& a, const Span& b) {
-    throw py::value_error(b.label + " overlaps " + a.label +
-                          " in memory; outputs must not share memory with each other or with the gradients");
-  }
-  std::vector<Span> spans_;
-};
-
 void check_range(const std::string& arg, double v, double lo, double hi, bool hi_open) {
   if (!(v >= lo && (hi_open ? v < hi : v <= hi)))
     throw py::value_error(arg + "=" + std::to_string(v) + " must be in [" + std::to_string(lo) + ", " +
@@ -344,31 +324,32 @@ void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::s
   opt.lr = lr, opt.beta1 = beta1, opt.beta2 = beta2, opt.eps = eps, opt.weight_decay = weight_decay;
   opt.decoupled = decoupled, opt.amsgrad = amsgrad, opt.maximize = maximize, opt.grad_mul = grad_mul;
   std::vector<rp::AdamTensor> ts(count);
-  OverlapCheck overlaps;
+  rp::check::OverlapCheck overlaps;
+  // One fp32 buffer of n elements: checked, recorded for the overlap check, returned.
+  const auto f32 = [&](const char* arg, size_t i, std::uintptr_t addr, size_t n) {
+    overlaps.add(item(arg, i), addr, elems(item(arg, i), addr, n, rp::DType::F32), true);
+    return static_cast<float*>(ptr(addr));
+  };
   for (size_t i = 0; i < count; ++i) {
     rp::AdamTensor& t = ts[i];
     const size_t n = numels[i];
     if (!(steps[i] >= 1)) throw py::value_error(item("steps", i) + "=" + std::to_string(steps[i]) + " must be >= 1");
     t.n = n;
     t.step = steps[i];
-    t.param = static_cast<float*>(as_ptr(item("params", i), params[i], n));
+    t.param = f32("params", i, params[i], n);
     t.grad_dtype = parse_dtype(item("grad_dtypes", i), grad_dtypes[i]);
-    t.grad = as_ptr(item("grads", i), grads[i], n);
-    t.exp_avg = static_cast<float*>(as_ptr(item("exp_avgs", i), exp_avgs[i], n));
-    t.exp_avg_sq = static_cast<float*>(as_ptr(item("exp_avg_sqs", i), exp_avg_sqs[i], n));
-    if (amsgrad) t.max_exp_avg_sq = static_cast<float*>(as_ptr(item("max_exp_avg_sqs", i), max_exp_avg_sqs[i], n));
+    t.grad = ptr(grads[i]);
+    overlaps.add(item("grads", i), grads[i], elems(item("grads", i), grads[i], n, t.grad_dtype), false);
+    t.exp_avg = f32("exp_avgs", i, exp_avgs[i], n);
+    t.exp_avg_sq = f32("exp_avg_sqs", i, exp_avg_sqs[i], n);
+    if (amsgrad) t.max_exp_avg_sq = f32("max_exp_avg_sqs", i, max_exp_avg_sqs[i], n);
     if (shadows[i]) {
-      t.shadow = reinterpret_cast<void*>(shadows[i]);
+      t.shadow = ptr(shadows[i]);
       t.shadow_dtype = parse_dtype(item("shadow_dtypes", i), shadow_dtypes[i]);
+      overlaps.add(item("shadows", i), shadows[i], elems(item("shadows", i), shadows[i], n, t.shadow_dtype), true);
     }
-    overlaps.add(item("params", i), params[i], 4 * n, true);
-    overlaps.add(item("grads", i), grads[i], rp::dtype_size(t.grad_dtype) * n, false);
-    overlaps.add(item("exp_avgs", i), exp_avgs[i], 4 * n, true);
-    overlaps.add(item("exp_avg_sqs", i), exp_avg_sqs[i], 4 * n, true);
-    if (amsgrad) overlaps.add(item("max_exp_avg_sqs", i), max_exp_avg_sqs[i], 4 * n, true);
-    if (t.shadow) overlaps.add(item("shadows", i), shadows[i], rp::dtype_size(t.shadow_dtype) * n, true);
   }
-  overlaps.check();
+  overlaps.check("outputs must not share memory with each other or with the gradients");
   py::gil_scoped_release release;
   rp::adam_step(ts.data(), ts.size(), opt);
 }
@@ -389,7 +370,8 @@ void bind_adam(py::module_& m) {
     std::vector<rp::GradRef> refs(grads.size());
     for (size_t i = 0; i < grads.size(); ++i) {
       refs[i].dtype = parse_dtype(item("dtypes", i), dtypes[i]);
-      refs[i].data = as_ptr(item("grads", i), grads[i], numels[i]);
+      elems(item("grads", i), grads[i], numels[i], refs[i].dtype);
+      refs[i].data = ptr(grads[i]);
       refs[i].n = numels[i];
     }
     py::gil_scoped_release release;
@@ -399,12 +381,11 @@ void bind_adam(py::module_& m) {
      "element is inf/NaN. Identical at every SIMD level for a given thread count.");
   m.def("accumulate", [](std::uintptr_t dst, std::uintptr_t src, const std::string& src_dtype, size_t n) {
     const rp::DType sd = parse_dtype("src_dtype", src_dtype);
-    float* d = static_cast<float*>(as_ptr("dst", dst, n));
-    const void* s = as_ptr("src", src, n);
-    if (n && !(dst == src && sd == rp::DType::F32) && dst < src + n * rp::dtype_size(sd) && src < dst + 4 * n)
+    const size_t dst_bytes = elems("dst", dst, n, rp::DType::F32), src_bytes = elems("src", src, n, sd);
+    if (n && !(dst == src && sd == rp::DType::F32) && dst < src + src_bytes && src < dst + dst_bytes)
       throw py::value_error("dst and src overlap in memory; accumulate needs separate buffers (or the same fp32 one)");
     py::gil_scoped_release release;
-    rp::accumulate(d, s, sd, n);
+    rp::accumulate(static_cast<float*>(ptr(dst)), ptr(src), sd, n);
   }, py::arg("dst"), py::arg("src"), py::arg("src_dtype"), py::arg("n"),
      "dst (float32, n elements) += src converted to float32.");
 }

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "checks.h"
+
 namespace rp {
 namespace {
 
@@ -35,8 +37,7 @@ void parallel_memcpy(void* dst, const void* src, size_t n, int threads) {
 }  // namespace
 
 HostCopyEngine::HostCopyEngine(int threads_per_copy) : threads_per_copy_(threads_per_copy) {
-  if (threads_per_copy < 1)
-    throw std::invalid_argument("threads_per_copy=" + std::to_string(threads_per_copy) + " must be >= 1");
+  check::threads("threads_per_copy", threads_per_copy);
   for (int l = 0; l < 2; ++l) workers_[l] = std::thread([this, l] { worker(l); });
 }
 

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <stdexcept>
 
+#include "checks.h"
+
 namespace rp {
 
 bool Fence::done() {
@@ -27,6 +29,9 @@ FenceState HostFence::block() {
 }
 
 FenceState HostFence::block_for(double seconds) {
+  // Past ~292 years the wait in nanoseconds overflows the clock's int64.
+  if (!(seconds >= 0 && seconds <= kMaxWaitSeconds))
+    throw std::invalid_argument("seconds=" + check::num(seconds) + " must be a number in [0, 1e9]");
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return state_ != FenceState::Pending; });
   return state_;
@@ -57,14 +62,17 @@ void HostFence::fail(const std::string& message) {
 }
 
 std::shared_ptr<CudaEventFence> CudaEventFence::borrow(cuda::Event event) {
+  if (!event) throw std::invalid_argument("event is a null cudaEvent_t");
   const cuda::Api* api = cuda::api();
   if (!api) throw std::runtime_error("a CUDA event fence needs CUDA, which is unavailable: " + cuda::status());
-  if (!event) throw std::invalid_argument("event is a null cudaEvent_t");
   return std::shared_ptr<CudaEventFence>(new CudaEventFence(*api, event, false));
 }
 
 std::shared_ptr<CudaEventFence> CudaEventFence::record(cuda::Stream stream, int device) {
   const cuda::Api& api = cuda::require_runtime("recording a CUDA event");
+  if (device < 0 || device >= api.device_count)
+    throw std::invalid_argument("device=" + std::to_string(device) + " is out of range; " +
+                                std::to_string(api.device_count) + " CUDA devices are visible");
   cuda::DeviceGuard guard(api, device);
   cuda::Event event = nullptr;
   constexpr unsigned kDisableTiming = 2;  // cudaEventDisableTiming: cheaper record and query

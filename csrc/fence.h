@@ -52,7 +52,9 @@ class HostFence : public Fence {
   const char* kind() const override { return "host"; }
   void set();                             // marks the work complete, wakes waiters
   void fail(const std::string& message);  // marks the work failed with a reason
-  // Waits at most `seconds`; returns the state reached.
+  // Waits at most `seconds` (in [0, kMaxWaitSeconds], else std::invalid_argument);
+  // returns the state reached.
+  static constexpr double kMaxWaitSeconds = 1e9;
   FenceState block_for(double seconds);
 
  private:

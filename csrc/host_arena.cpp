@@ -5,10 +5,15 @@
 #include <cstdlib>
 #include <iterator>
 
+#include "checks.h"
+
 namespace rp {
 namespace {
 
 constexpr size_t kPage = 4096;
+// Largest request: the largest page multiple a buffer can have, so rounding a
+// request up to a page (or to the alignment, at most a page) cannot wrap.
+constexpr size_t kMaxRequest = check::kMaxBytes / kPage * kPage;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -51,6 +56,7 @@ HostArena::HostArena(const ArenaOptions& options) : options_(options) {
     throw std::invalid_argument("alignment=" + std::to_string(a) + " must be a power of two in [8, 4096]");
   if (options.chunk_bytes < kPage)
     throw std::invalid_argument("chunk_bytes=" + std::to_string(options.chunk_bytes) + " must be >= 4096");
+  check::at_most("chunk_bytes", options.chunk_bytes, kMaxRequest, "the largest possible allocation");
   if (options.backend != ArenaBackend::Host) cuda_ = cuda::api();
   if (options.backend == ArenaBackend::Cuda && !cuda_)
     throw std::runtime_error("backend='cuda' needs CUDA to page-lock memory, which is unavailable: " + cuda::status());
@@ -125,6 +131,7 @@ bool HostArena::try_place_locked(size_t size, size_t requested, uintptr_t* out) 
 }
 
 void* HostArena::allocate(size_t nbytes) {
+  check::at_most("nbytes", nbytes, kMaxRequest, "the largest possible allocation");
   const size_t size = round_up(nbytes ? nbytes : 1, options_.alignment);
   std::unique_lock<std::mutex> lock(mu_);
   collect_locked();
@@ -132,9 +139,8 @@ void* HostArena::allocate(size_t nbytes) {
     uintptr_t addr = 0;
     if (try_place_locked(size, nbytes, &addr)) return reinterpret_cast<void*>(addr);
     size_t chunk = size > options_.chunk_bytes / 2 ? round_up(size, kPage) : options_.chunk_bytes;
-    const size_t limit = options_.limit_bytes;
-    if (limit && reserved_ + chunk > limit) chunk = round_up(size, kPage);
-    if (!limit || reserved_ + chunk <= limit) {
+    if (!fits_limit_locked(chunk)) chunk = round_up(size, kPage);
+    if (fits_limit_locked(chunk)) {
       add_chunk_locked(chunk);
       continue;
     }
@@ -148,6 +154,11 @@ void* HostArena::allocate(size_t nbytes) {
     lock.lock();
     collect_locked();
   }
+}
+
+bool HostArena::fits_limit_locked(size_t chunk) const {
+  const size_t limit = options_.limit_bytes;  // reserved_ <= limit whenever there is one
+  return !limit || (reserved_ <= limit && chunk <= limit - reserved_);
 }
 
 void HostArena::throw_exhausted_locked(size_t nbytes) const {
@@ -266,9 +277,10 @@ void HostArena::synchronize() {
 
 void HostArena::reserve(size_t nbytes) {
   if (nbytes == 0) throw std::invalid_argument("nbytes=0 must be > 0");
+  check::at_most("nbytes", nbytes, kMaxRequest, "the largest possible allocation");
   const size_t size = round_up(nbytes, kPage);
   std::lock_guard<std::mutex> lock(mu_);
-  if (options_.limit_bytes && reserved_ + size > options_.limit_bytes) throw_exhausted_locked(nbytes);
+  if (!fits_limit_locked(size)) throw_exhausted_locked(nbytes);
   add_chunk_locked(size);
 }
 

@@ -78,6 +78,8 @@ class HostArena {
   HostArena& operator=(const HostArena&) = delete;
 
   // Address of a new block of at least nbytes (nbytes 0 takes one alignment unit).
+  // nbytes above the largest possible allocation (PTRDIFF_MAX rounded down to a
+  // page) is std::invalid_argument; one the system cannot provide is ArenaExhausted.
   void* allocate(size_t nbytes);
   // Returns the block at `p` (its start); deferred while recorded fences are pending.
   void free(void* p);
@@ -118,6 +120,7 @@ class HostArena {
   void free_system(void* p);
   void add_chunk_locked(size_t nbytes);
   bool try_place_locked(size_t size, size_t requested, uintptr_t* out);
+  bool fits_limit_locked(size_t chunk) const;
   void make_free_locked(SegIt it);
   size_t collect_locked();
   size_t release_unused_locked();

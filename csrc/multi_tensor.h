@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "checks.h"
 #include "parallel.h"
 
 namespace rp {
@@ -24,7 +25,10 @@ class TensorRanges {
  public:
   TensorRanges(const size_t* sizes, size_t count, size_t align, size_t min_per_thread)
       : sizes_(sizes, sizes + count), offsets_(count + 1, 0) {
-    for (size_t k = 0; k < count; ++k) offsets_[k + 1] = offsets_[k] + (sizes[k] + align - 1) / align * align;
+    for (size_t k = 0; k < count; ++k) {  // padded sizes; a sum that would wrap is an argument error
+      const size_t padded = check::add("numels", sizes[k], (align - sizes[k] % align) % align);
+      offsets_[k + 1] = check::add("numels", offsets_[k], padded);
+    }
     const size_t total = offsets_[count];
     size_t threads = static_cast<size_t>(max_threads());
     if (min_per_thread > 0) threads = std::min(threads, total / min_per_thread);

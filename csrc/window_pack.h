@@ -23,7 +23,10 @@ struct Piece {
 
 // windows[w] lists the pieces of window w in (tensor, offset) order.  Piece
 // boundaries fall on multiples of `align` bytes inside each tensor; tensors of
-// zero bytes produce no piece.
+// zero bytes produce no piece.  windows must be in [1, kMaxWindows] (a window
+// per microbatch; the bound keeps a wild count from allocating gigabytes), the
+// sizes and their sum at most PTRDIFF_MAX; std::invalid_argument otherwise.
+constexpr size_t kMaxWindows = size_t{1} << 16;
 std::vector<std::vector<Piece>> pack_lpt(const std::vector<size_t>& sizes, size_t windows, size_t align);
 
 }  // namespace rp

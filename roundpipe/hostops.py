@@ -28,6 +28,16 @@ def check_host_tensor(name: str, t: object, dtypes=NATIVE_DTYPES) -> torch.Tenso
     return t
 
 
+def check_real(name: str, value: object) -> float:
+    """float(value) for a real number (int, float, numpy scalar, one-element tensor), else TypeError naming `name`."""
+    if isinstance(value, (str, bytes, complex)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

@@ -21,6 +21,8 @@ the same bookkeeping, so everything above runs (and is tested) on a CPU.
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -122,11 +124,14 @@ class HostArena:
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         if not isinstance(shape, torch.Size):
             shape = torch.Size((shape,) if isinstance(shape, int) else shape)
-        numel = shape.numel()
-        if numel <= 0:
-            if any(d < 0 for d in shape):
-                raise ValueError(f"shape={tuple(shape)} has a negative dimension")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape={tuple(shape)} has a negative dimension")
+        numel = math.prod(shape)  # Python ints: torch.Size.numel() wraps around at 2**64
+        if numel == 0:
             return torch.empty(shape, dtype=dtype)
+        if numel * dtype.itemsize > sys.maxsize:
+            raise ValueError(f"shape={tuple(shape)} of {dtype} is {numel * dtype.itemsize} bytes, more than any "
+                             f"buffer can hold ({sys.maxsize})")
         block = self._arena.allocate(numel * dtype.itemsize)
         # frombuffer keeps `block` referenced for the tensor's lifetime; when the
         # storage dies the block object dies and returns its memory.

@@ -58,6 +58,13 @@ def _queue(value: "Queue | str") -> Queue:
         raise ValueError(f"queue={value!r} is unknown; expected one of {[q.value for q in Queue]}") from None
 
 
+def _check_tag(tag: object) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+    if not -(2**63) <= tag < 2**63:
+        raise ValueError(f"tag={tag} must fit in 64 bits (signed)")
+
+
 def _native_queue(q: Queue):
     return getattr(_native.require().CopyQueue, q.value)
 
@@ -137,7 +144,10 @@ class CopyEngine:
             raise ValueError(f"{host_name}[{i}] must be a CPU tensor for queue {q.value}, got device {host.device}")
         if dev.device != self.device and not (self.device.type == "cpu" and dev.device.type == "cpu"):
             raise ValueError(f"{dev_name}[{i}] must be on {self.device} for queue {q.value}, got {dev.device}")
-        return dst.data_ptr(), src.data_ptr(), nd
+        d0, s0 = dst.data_ptr(), src.data_ptr()
+        if nd and dst.device == src.device and d0 < s0 + nd and s0 < d0 + nd:
+            raise ValueError(f"dst[{i}] and src[{i}] overlap in memory; a copy needs separate buffers")
+        return d0, s0, nd
 
     def _fences(self, name: str, after) -> list:
         if after is None:
@@ -167,6 +177,7 @@ class CopyEngine:
                   after=None, tag: int = -1):
         """Queues dsts[i] <- srcs[i] for all i as one submission with one fence."""
         q = _queue(queue)
+        _check_tag(tag)
         dsts, srcs = list(dsts), list(srcs)
         if len(dsts) != len(srcs):
             raise ValueError(f"dsts has {len(dsts)} tensors but srcs has {len(srcs)}; they must pair up")
@@ -183,6 +194,7 @@ class CopyEngine:
         `windows[w]` is window w's activation fence (or None); returns one fence per window.
         """
         q = _queue(queue)
+        _check_tag(tag)
         dsts, srcs, windows = list(dsts), list(srcs), list(windows)
         if len(dsts) != len(srcs):
             raise ValueError(f"dsts has {len(dsts)} tensors but srcs has {len(srcs)}; they must pair up")

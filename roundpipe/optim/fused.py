@@ -20,13 +20,14 @@ n_i elements of fp32/bf16/fp16 (any shape, contiguous).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from roundpipe import _native
-from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor
+from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real
 
 _F32 = {torch.float32: "float32"}
 
@@ -94,15 +95,18 @@ def adam_step(
     """
     if not isinstance(config, AdamConfig):
         raise TypeError(f"config must be an AdamConfig, got {type(config).__name__}")
+    params = list(params)
     n = len(params)
-    step_list = [steps] * n if isinstance(steps, (int, float)) else list(steps)
+    step_list = [steps] * n if isinstance(steps, numbers.Real) else list(steps)
     if len(step_list) != n:
         raise ValueError(f"steps has {len(step_list)} entries but params has {n}")
     for i, s in enumerate(step_list):
-        if not s >= 1:
+        if not check_real(f"steps[{i}]", s) >= 1:
             raise ValueError(f"steps[{i}]={s!r} must be >= 1 (the number of this update)")
+    grad_mul = check_real("grad_mul", grad_mul)
     if not math.isfinite(grad_mul):
         raise ValueError(f"grad_mul={grad_mul!r} must be finite")
+    grads, exp_avgs, exp_avg_sqs = list(grads), list(exp_avgs), list(exp_avg_sqs)
     for i, p in enumerate(params):
         check_host_tensor(f"params[{i}]", p, _F32)
     _check_same_numel("grads", grads, params)

@@ -16,11 +16,14 @@ from typing import Sequence
 import torch
 
 from roundpipe import _native
-from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor
+from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real
 
 
 def grad_sumsq(grads: Sequence[torch.Tensor]) -> float:
     """Sum of squares of all elements (as stored, no unscaling); inf/NaN iff any element is."""
+    if isinstance(grads, torch.Tensor):
+        raise TypeError("grads must be a sequence of tensors, got one tensor; pass [grad]")
+    grads = list(grads)
     for i, g in enumerate(grads):
         check_host_tensor(f"grads[{i}]", g)
     if _native.available():
@@ -34,6 +37,7 @@ def grad_sumsq(grads: Sequence[torch.Tensor]) -> float:
 
 def grad_norm(grads: Sequence[torch.Tensor], grad_scale: float = 1.0) -> tuple[float, bool]:
     """(global L2 norm of grads / grad_scale, whether every element is finite)."""
+    grad_scale = check_real("grad_scale", grad_scale)
     if not (grad_scale > 0 and math.isfinite(grad_scale)):
         raise ValueError(f"grad_scale={grad_scale!r} must be a finite number > 0")
     sumsq = grad_sumsq(grads)
@@ -44,10 +48,18 @@ def grad_norm(grads: Sequence[torch.Tensor], grad_scale: float = 1.0) -> tuple[f
 
 def clip_coef(total_norm: float, max_norm: float, eps: float = 1e-6) -> float:
     """The factor torch.nn.utils.clip_grad_norm_ applies: min(1, max_norm / (total_norm + eps))."""
+    total_norm, max_norm = check_real("total_norm", total_norm), check_real("max_norm", max_norm)
+    eps = check_real("eps", eps)
     if not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r} must be > 0")
     if not math.isfinite(total_norm):
         raise ValueError(f"total_norm={total_norm!r} must be finite; skip the step instead of clipping")
+    if total_norm < 0:
+        raise ValueError(f"total_norm={total_norm!r} must be >= 0 (it is a norm)")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps={eps!r} must be a finite number >= 0")
+    if total_norm + eps == 0:
+        return 1.0  # nothing to clip: a zero gradient with eps=0
     return min(1.0, max_norm / (total_norm + eps))
 
 
