@@ -52,17 +52,17 @@ class Scale(nn.Module):
         return x * self.w
 
 
-def _mse(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def mse(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (out - labels).pow(2).mean()
 
 
-def _torch_microbatches(layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m: int) -> None:
+def torch_microbatches(layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m: int) -> None:
     """The same work in plain PyTorch: each microbatch forward and backward, gradients accumulated."""
     for xm, ym in zip(x.chunk(m), y.chunk(m)):
         h = xm
         for layer in layers:
             h = layer(h)
-        (_mse(h, ym) * (len(xm) / len(x))).backward()
+        (mse(h, ym) * (len(xm) / len(x))).backward()
 
 
 def overhead(report: Report, workers: int, num_layers: int, m: int, repeat: int, rounds: int) -> None:
@@ -77,14 +77,14 @@ def overhead(report: Report, workers: int, num_layers: int, m: int, repeat: int,
         assert model.plan == plan
 
         def run():
-            model.forward_backward(x, labels=y, loss_fn=_mse)
+            model.forward_backward(x, labels=y, loss_fn=mse)
             model.synchronize()
 
         # Interleaved rounds, median of each: a burst of load from another process then
         # shows up in one round of both timings instead of in one of them.
         t_torch, t_rp = [], []
         for _ in range(rounds):
-            t_torch.append(median_time(lambda: _torch_microbatches(plain, x, y, m), repeat=repeat))
+            t_torch.append(median_time(lambda: torch_microbatches(plain, x, y, m), repeat=repeat))
             t_rp.append(median_time(run, warmup=3, repeat=repeat))
     t_torch, t_rp = statistics.median(t_torch), statistics.median(t_rp)
     executions = stages * m

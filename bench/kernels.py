@@ -80,7 +80,7 @@ def _eager_lce(h, w, labels):
     return F.cross_entropy((h @ w.t()).float(), labels, ignore_index=-100)
 
 
-def _providers(op: str, use_compile: bool, liger) -> dict[str, Callable]:
+def providers(op: str, use_compile: bool, liger) -> dict[str, Callable]:
     """name -> fn(**inputs) returning a tensor or a tuple of tensors."""
     from roundpipe import kernels as rk
 
@@ -108,7 +108,7 @@ def _providers(op: str, use_compile: bool, liger) -> dict[str, Callable]:
     return found
 
 
-def _cases(ops: list[str], device: str, sz: Sizes, dtype) -> list[Case]:
+def cases(ops: list[str], device: str, sz: Sizes, dtype) -> list[Case]:
     """Inputs per op; `work` counts the minimal HBM bytes (elementwise ops) or matmul FLOPs (LM head)."""
     e = torch.tensor([], dtype=dtype).element_size()
     tokens, hidden, inter, heads, kv_heads, head_dim, vocab = (
@@ -146,7 +146,7 @@ def _cases(ops: list[str], device: str, sz: Sizes, dtype) -> list[Case]:
     return out
 
 
-def _passes(fn, case: Case) -> dict[str, Callable]:
+def passes(fn, case: Case) -> dict[str, Callable]:
     """The forward (no autograd) and forward+backward (grads via autograd.grad, no accumulation)."""
     leaves = {k: (v.detach().requires_grad_(True) if k in case.grad_of else v) for k, v in case.inputs.items()}
     targets = [leaves[k] for k in case.grad_of]
@@ -227,11 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = matmul = None
         sizes, sync, repeat = CPU_SANITY, None, 1
     liger = _import_liger(report) if cuda else None
-    for case in _cases(ops, device, sizes, torch.bfloat16 if cuda else torch.float32):
+    for case in cases(ops, device, sizes, torch.bfloat16 if cuda else torch.float32):
         limit = {"GB/s": bandwidth, "TFLOP/s": matmul}[case.unit]
         eager_ms = {}
-        for name, fn in _providers(case.op, cuda and not args.no_compile, liger).items():
-            for pass_name, run in _passes(fn, case).items():
+        for name, fn in providers(case.op, cuda and not args.no_compile, liger).items():
+            for pass_name, run in passes(fn, case).items():
                 row = dict(case=case.label, **{"pass": pass_name}, provider=name, unit=case.unit)
                 try:
                     seconds = median_time(run, warmup=2 if cuda else 0, repeat=repeat, sync=sync)
