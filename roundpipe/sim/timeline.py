@@ -92,7 +92,7 @@ def figure(trace: Trace, title: str | None = None, labels: bool | None = None):
     span = max(max(e.end for e in trace.events) - t0, 1e-12) * 1e3   # ms
     width = min(24.0, 6 + len(trace.events) / 25)
     fig, ax = plt.subplots(figsize=(width, 1.2 + _ROW_IN * len(workers)))
-    in_per_ms = width * 0.85 / span   # the axes take about 85% of the figure's width
+    in_per_ms = width * (fig.subplotpars.right - fig.subplotpars.left) / span   # axes inches per ms
     for e in trace.events:
         x, w = (e.start - t0) * 1e3, e.duration * 1e3
         ax.broken_barh([(x, w)], (row[e.worker] - 0.4, 0.8), facecolors=colour(e.cat), edgecolor="white",
