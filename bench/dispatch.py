@@ -1,6 +1,6 @@
 """Engine overhead per stage-microbatch, and CPU-worker training throughput against PyTorch.
 
-Two measurements, both on CPU workers so they run anywhere:
+Three measurements, all on CPU workers so they run anywhere:
 
 1. Overhead.  A model of near-zero-cost layers (y = x * w on a [M, 4] batch, one
    scalar weight each) makes a RoundPipe `forward_backward` (+ `synchronize`) all
@@ -20,14 +20,27 @@ Two measurements, both on CPU workers so they run anywhere:
    repeated with `max_grad_norm=1.0`: global-norm clipping needs every gradient before the
    first layer's update, and the "+clip" rows show what that costs the overlap.
 
+3. Start-up.  Each in a fresh interpreter (median of several): `import roundpipe` (lazy: no
+   torch yet) and `import roundpipe` + `roundpipe.RoundPipe` (torch and the engine) against
+   `import torch`, and the first `forward_backward` + `synchronize` of the default model on
+   one CPU worker against the first plain forward+backward of its layers: medians, their
+   difference, and the difference of the fastest runs (target: < 500 ms over torch).  The
+   first call plans from a dry run of the layers on the first microbatch; the
+   "torch._dynamo" column says whether anything imported it (1-3 s on 2 cores).
+
     python bench/dispatch.py [--quick] [--no-save]
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -158,6 +171,77 @@ def throughput(report: Report, steps: int, rounds: int) -> None:
             "best tokens/s": best, "best vs torch": min(ref) / min(values)})
 
 
+# One fresh interpreter, timed from its first statement: `import torch` (provider torch) or
+# `import roundpipe` and then `roundpipe.RoundPipe` (which loads torch and the engine), then the
+# first forward+backward of the default model, plain or through RoundPipe; one JSON line.
+_STARTUP_CHILD = """
+import json, sys, time
+provider = sys.argv[1]
+t0 = time.perf_counter()
+if provider == "torch":
+    import torch
+    t = {"import": time.perf_counter() - t0}
+else:
+    import roundpipe
+    t = {"package": time.perf_counter() - t0}
+    roundpipe.RoundPipe
+    t["import"] = time.perf_counter() - t0
+import torch
+import roundpipe
+from roundpipe.models.tiny_decoder import build_layers, loss_fn
+from roundpipe.train import TrainConfig
+cfg = TrainConfig(devices=["cpu"]).resolved()
+layers = build_layers(cfg.model_config(), seed=0)
+x = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+y = torch.roll(x, -1, 1)
+if provider == "torch":
+    t0 = time.perf_counter()
+    h = x
+    for layer in layers:
+        h = layer(h)
+    loss_fn(h, y).backward()
+    t["first"] = time.perf_counter() - t0
+else:
+    with roundpipe.RoundPipe(layers, devices=cfg.devices) as model:
+        t0 = time.perf_counter()
+        model.forward_backward(x, labels=y, loss_fn=loss_fn)
+        model.synchronize()
+        t["first"] = time.perf_counter() - t0
+print(json.dumps({**t, "dynamo": "torch._dynamo" in sys.modules}))
+"""
+
+
+def startup(report: Report, runs: int) -> None:
+    """Import and first-call times, each in a fresh interpreter, providers interleaved (a burst of
+    load from another process then hits both), medians of `runs`."""
+    import roundpipe
+
+    path = [str(Path(roundpipe.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+    samples: dict[str, list[dict]] = {"torch": [], "roundpipe": []}
+    for _ in range(runs):
+        for provider, rows in samples.items():
+            child = subprocess.run([sys.executable, "-c", _STARTUP_CHILD, provider], env=env, capture_output=True,
+                                   text=True, timeout=600)
+            if child.returncode != 0:
+                raise RuntimeError(f"start-up child ({provider}) failed:\n{child.stderr}")
+            rows.append(json.loads(child.stdout.splitlines()[-1]))
+    med = lambda provider, key: statistics.median(r[key] for r in samples[provider]) * 1e3
+    best = lambda provider, key: min(r[key] for r in samples[provider]) * 1e3
+    cfg = TrainConfig(devices=["cpu"]).resolved()
+    dynamo = "imported" if any(r["dynamo"] for r in samples["roundpipe"]) else "no"
+    for case, key, extra in (
+            ("import roundpipe (fresh process)", "package", {}),
+            ("import roundpipe, roundpipe.RoundPipe (fresh process)", "import", {}),
+            (f"first forward_backward, tiny decoder {cfg.batch_size}x{cfg.seq_len}, 1 cpu worker", "first",
+             {"torch._dynamo": dynamo})):
+        torch_key = "import" if key == "package" else key
+        ms, torch_ms = med("roundpipe", key), med("torch", torch_key)
+        report.add(case=case, provider="roundpipe", ms=ms, **{
+            "torch ms": torch_ms, "over torch ms": ms - torch_ms,
+            "best over torch ms": best("roundpipe", key) - best("torch", torch_key)}, **extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/dispatch.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None,
@@ -171,11 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     repeat = 5 if args.quick else 15
 
     report = Report("dispatch", columns=["case", "provider", "stages", "stage-mb", "ms", "torch ms", "us/stage-mb",
-                                         "tokens/s", "vs torch", "best tokens/s", "best vs torch"], device="cpu")
+                                         "over torch ms", "best over torch ms", "torch._dynamo", "tokens/s",
+                                         "vs torch", "best tokens/s", "best vs torch"], device="cpu")
+    startup(report, runs=3 if args.quick else 7)
     for workers, num_layers, m in [(1, 16, 2), (2, 16, 3), (4, 16, 5), (2, 32, 8)][: 2 if args.quick else None]:
         overhead(report, workers, num_layers, m, repeat, rounds=1 if args.quick else 3)
     throughput(report, steps=6 if args.quick else 10, rounds=2 if args.quick else 5)
-    report.note(f"{torch.get_num_threads()} torch threads; overhead target < 100 us per stage-microbatch")
+    report.note(f"{torch.get_num_threads()} torch threads; overhead target < 100 us per stage-microbatch; "
+                "start-up rows: fresh interpreters, torch's default threads, target < 500 ms over torch")
     report.finish(args.out, save=not args.no_save)
     return 0
 

@@ -4,9 +4,10 @@ Without an explicit `plan=`, the plan comes from the partitioner (roundpipe.plan
 DESIGN.md 3.3) and follows the measured costs:
 
     construction      plan from parameter sizes only (no input seen yet)
-    first call        size-based estimate: a meta-device dry run of the layers on the
-                      first microbatch's shapes gives per-layer FLOPs, parameter bytes
-                      and saved-activation bytes (fallback: parameter counts x tokens)
+    first call        size-based estimate: a dry run of the layers on the first
+                      microbatch (on the CPU for CPU workers, else on the meta device)
+                      gives per-layer FLOPs, parameter bytes and saved-activation bytes
+                      (fallback: parameter counts x tokens)
     training calls    after `warmup` calls, the next `profile` calls are timed through
                       the stage_timing seam and folded into the Profiler; after each
                       one the Replanner re-solves only if some layer's cost moved by
@@ -43,6 +44,9 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from roundpipe.microbatch import tree_leaves, tree_map
 from roundpipe.plan import Plan
@@ -101,20 +105,56 @@ def _nbytes(x: Any) -> int:
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
-def _meta_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: torch.dtype,
-                rates: tuple[float, float]) -> list[LayerCost]:
-    """Size-based costs from a dry run on the meta device (no memory, no compute)."""
-    from torch.utils.flop_counter import FlopCounterMode
+class _FlopCount(TorchDispatchMode):
+    """Sums the FLOPs of the aten ops run under it with torch.utils.flop_counter's formulas,
+    decomposing an op that has no formula exactly as FlopCounterMode does.
 
+    Why not FlopCounterMode itself: torch wraps every dispatch mode's __torch_dispatch__ in
+    torch._disable_dynamo, whose first call imports torch._dynamo and sympy (1-3 s on a 2-core
+    CPU, see `size_costs`).  This mode is never compiled, so it opts out of that wrapper
+    (`_should_skip_dynamo`, read when the class is created by the torch versions that wrap).
+    tests/test_autoplan.py checks its counts against FlopCounterMode's, tests/test_first_call.py
+    that a first call leaves torch._dynamo unimported.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: torch.dtype,
+                   rates: tuple[float, float], device: str) -> list[LayerCost]:
+    """Size-based costs from one forward of the first microbatch through copies of the layers,
+    on the meta device (shapes only) or on the CPU (see `size_costs`)."""
     flop_rate, byte_rate = rates
-    to_meta = lambda t: (t.to("meta", dtype if t.is_floating_point() else t.dtype)
-                         if isinstance(t, torch.Tensor) else t)
-    x = tree_map(to_meta, sample)
+    def to_device(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        copied = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
+        return copied.requires_grad_(t.requires_grad and copied.is_floating_point())
+    x = tree_map(to_device, sample)
     out: list[LayerCost] = []
     for i, layer in enumerate(layers):
-        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype), p.requires_grad)
+        memo = {id(p): nn.Parameter(p.detach().to(device, dtype, copy=True), p.requires_grad)
                 for p in layer.parameters()}
-        memo.update({id(b): torch.empty_like(b, device="meta") for b in layer.buffers()})
+        memo.update({id(b): b.detach().to(device, copy=True) for b in layer.buffers()})
         replica = copy.deepcopy(layer, memo)
         params = {id(p) for p in replica.parameters()}
         saved = [0]
@@ -127,22 +167,44 @@ def _meta_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: 
             x = tree_map(lambda t: t.detach().requires_grad_(True)
                          if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
         in_bytes = _nbytes(x)
-        counter = FlopCounterMode(display=False)
+        counter = _FlopCount()
         with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             x = replica(*x[0], **x[1]) if i == 0 else replica(x)
         out_bytes = _nbytes(x)
         param_bytes = sum(p.numel() for p in replica.parameters()) * dtype.itemsize
-        fwd = counter.get_total_flops() / flop_rate + (param_bytes + in_bytes + out_bytes) / byte_rate
+        fwd = counter.flops / flop_rate + (param_bytes + in_bytes + out_bytes) / byte_rate
         out.append(LayerCost(fwd, BWD_PER_FWD * fwd, param_bytes, max(saved[0], out_bytes)))
     return out
 
 
+def _on_meta(layers: Sequence[nn.Module], sample: tuple[tuple, dict]) -> bool:
+    tensors = [t for layer in layers for t in (*layer.parameters(), *layer.buffers())]
+    tensors += [t for t in tree_leaves(sample) if isinstance(t, torch.Tensor)]
+    return any(t.is_meta for t in tensors)
+
+
 def size_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict] | None, dtype: torch.dtype,
                device_type: str) -> list[LayerCost]:
-    """Per-layer costs before anything is measured (see the module docstring)."""
+    """Per-layer costs before anything is measured (see the module docstring).
+
+    The dry run that gives FLOPs and activation bytes runs on the meta device for GPU workers
+    and on the CPU for CPU workers.  Why: torch registers Python meta kernels for most aten ops,
+    wrapped in torch._disable_dynamo, whose first call imports torch._dynamo and sympy: 1.1-2.7 s
+    (2-core CPU, torch 2.13, load-dependent) against a 0.2 s forward+backward of the
+    `roundpipe train` default model.  CPU workers can run the layers anyway, and one forward of
+    the first microbatch costs about one forward stage of the call it plans (60 ms there, most
+    of it the dispatch mode's per-op Python).  It runs under the math attention backend, the
+    only one the meta device has, so both ways count the same FLOPs and saved bytes (except
+    that layer norms in bf16 keep fp32 statistics on the CPU); the CPU generator's state is
+    restored after it (dropout).  Meta tensors in the layers or the sample take the meta path.
+    """
     if sample is not None:
+        rates = _RATES.get(device_type, _RATES["cpu"])
         try:
-            return _meta_costs(layers, sample, dtype, _RATES.get(device_type, _RATES["cpu"]))
+            if device_type == "cpu" and not _on_meta(layers, sample):
+                with torch.random.fork_rng(devices=[]), sdpa_kernel(SDPBackend.MATH):
+                    return _dry_run_costs(layers, sample, dtype, rates, "cpu")
+            return _dry_run_costs(layers, sample, dtype, rates, "meta")
         except Exception:  # noqa: BLE001 - a layer without meta support: fall back to sizes
             pass
     tokens = 1

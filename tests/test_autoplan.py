@@ -8,8 +8,9 @@ from torch import nn
 
 import roundpipe as rp
 from roundpipe import planner
-from roundpipe.autoplan import PlanningConfig, size_costs, stage_seconds
+from roundpipe.autoplan import PlanningConfig, _FlopCount, size_costs, stage_seconds
 from roundpipe.dispatcher import default_plan
+from roundpipe.models.tiny_decoder import DecoderConfig, build_layers
 from roundpipe.planner import objective
 from roundpipe.sim import bubbles
 from roundpipe.sim.timeline import main as timeline_main
@@ -51,17 +52,71 @@ def test_default_plan_comes_from_the_partitioner():
         assert model.autoplan.replans == 0
 
 
-def test_meta_estimate_sees_shapes_and_falls_back():
-    """The size estimate runs the layers on meta tensors; a layer meta cannot run falls back to sizes."""
-    costs = size_costs(MODELS["nested"](), ((torch.randn(4, 8),), {"scale": 0.5}), torch.float32, "cpu")
+class Item(nn.Linear):
+    """Reads a value: runs on the CPU, not on the meta device."""
+
+    def forward(self, x):
+        return super().forward(x) * float(x.sum().item() != 0)
+
+
+class Broken(nn.Linear):
+    def forward(self, x):
+        raise RuntimeError("cannot run here")
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"], ids=["cpu-workers", "gpu-workers"])
+def test_dry_run_sees_shapes_and_falls_back(device_type):
+    """The size estimate runs the layers on the first microbatch (CPU workers: on the CPU, GPU workers: on
+    meta tensors); a layer that cannot run there falls back to parameter sizes x tokens."""
+    costs = size_costs(MODELS["nested"](), ((torch.randn(4, 8),), {"scale": 0.5}), torch.float32, device_type)
     assert all(c.fwd_s > 0 and c.bwd_s > c.fwd_s for c in costs)
     assert costs[2].param_bytes == 0 and costs[2].act_bytes > 0   # DictToTensor: no weights, still costs
 
-    class Item(nn.Linear):
-        def forward(self, x):
-            return super().forward(x) * float(x.sum().item() != 0)
-    costs = size_costs([Item(8, 8), nn.Linear(8, 8)], ((torch.randn(4, 8),), {}), torch.float32, "cpu")
-    assert costs == planner.estimate_costs([Item(8, 8), nn.Linear(8, 8)], tokens=4, param_bytes_each=4)
+    sizes = planner.estimate_costs([Item(8, 8), nn.Linear(8, 8)], tokens=4, param_bytes_each=4)
+    costs = size_costs([Item(8, 8), nn.Linear(8, 8)], ((torch.randn(4, 8),), {}), torch.float32, device_type)
+    assert (costs == sizes) == (device_type == "cuda")   # .item() runs on the CPU only
+    costs = size_costs([Broken(8, 8), nn.Linear(8, 8)], ((torch.randn(4, 8),), {}), torch.float32, device_type)
+    assert costs == sizes
+
+
+@pytest.mark.parametrize("name", ["mlp", "residual", "nested", "buffered", "decoder"])
+def test_cpu_dry_run_counts_what_meta_counts(name):
+    """The CPU workers' dry run (real tensors, math attention) gives the meta device's FLOPs and bytes, and
+    leaves the layers, their buffers and the CPU generator as they were."""
+    if name == "decoder":
+        layers = build_layers(DecoderConfig(hidden=64, layers=2, heads=2), seed=0)
+        sample = ((torch.randint(0, 256, (3, 37)),), {})
+    else:
+        layers = MODELS[name]()
+        sample = ((torch.randn(4, 8),), {"scale": 0.5} if name == "nested" else {})
+    layers.append(nn.Dropout(0.5))   # draws from the CPU generator
+    state = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
+    rng = torch.get_rng_state()
+    costs = size_costs(layers, sample, torch.float32, "cpu")
+    assert torch.equal(torch.get_rng_state(), rng)
+    for layer, before in zip(layers, state):
+        assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+    assert costs == size_costs([layer.to("meta") for layer in layers], sample, torch.float32, "cpu")   # meta path
+
+
+def test_flop_count_equals_flop_counter_mode():
+    """The estimate's dispatch mode counts, forward and backward, what torch's FlopCounterMode counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    decoder = build_layers(DecoderConfig(hidden=64, layers=2, heads=2), seed=0)
+    models = [(decoder, torch.randint(0, 256, (3, 37))),
+              ([nn.Conv2d(1, 4, 3), nn.Linear(7, 5)], torch.randn(2, 1, 9, 9))]
+    for device in ("cpu", "meta"):
+        for layers, x in models:
+            counts = []
+            for mode in (_FlopCount(), FlopCounterMode(display=False)):
+                h = x.to(device)
+                with mode:
+                    for layer in layers:
+                        h = layer.to(device)(h)
+                    h.float().sum().backward()
+                counts.append(mode.flops if isinstance(mode, _FlopCount) else mode.get_total_flops())
+            assert counts[0] == counts[1] > 0
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

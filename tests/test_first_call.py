@@ -1,0 +1,42 @@
+"""The first `forward_backward` costs about a plain forward+backward: nothing on its path imports
+torch._dynamo (1-3 s on a 2-core CPU; see roundpipe/autoplan.py's `size_costs`).  Timings are
+bench/dispatch.py's job; these tests check the cause, in fresh interpreters."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FIRST_CALL = """
+import json, sys
+import torch
+import roundpipe as rp
+from roundpipe.models.tiny_decoder import build_layers, loss_fn
+from roundpipe.train import TrainConfig
+
+cfg = TrainConfig(devices=["cpu"]).resolved()
+layers = build_layers(cfg.model_config(), seed=0)
+x = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len))
+after = {}
+with rp.RoundPipe(layers, devices=cfg.devices * int(sys.argv[1])) as model:
+    after["import and construction"] = "torch._dynamo" in sys.modules
+    model.forward_backward(x, labels=torch.roll(x, -1, 1), loss_fn=loss_fn)
+    model.synchronize()
+    after["first call"] = "torch._dynamo" in sys.modules
+    after["planned from the dry run"] = model.autoplan.profiler is not None
+print(json.dumps(after))
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_first_call_does_not_import_dynamo(workers):
+    """Importing roundpipe, building a RoundPipe and its first forward_backward (default `roundpipe train`
+    model, the partitioner's plan from the dry run) leave torch._dynamo unimported."""
+    run = subprocess.run([sys.executable, "-c", FIRST_CALL, str(workers)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == {
+        "import and construction": False, "first call": False, "planned from the dry run": True}
