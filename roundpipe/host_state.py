@@ -85,6 +85,7 @@ class LayerState:
     buffers: list[torch.Tensor]
     trainable: list[int] = field(default_factory=list)  # indices of params with requires_grad
     ghas: list[bool] = field(default_factory=list)       # per param: gbuf holds a gradient
+    spare: list[torch.Tensor | None] = field(default_factory=list)   # per param: a p.grad given back by a step
     stamp: list[tuple] = field(default_factory=list)     # per param: _stamp(p) at the last P-copy
 
 
@@ -125,6 +126,7 @@ class HostState:
                 state.upload.append(u)
                 state.gbuf.append(None)
                 state.ghas.append(False)
+                state.spare.append(None)
             self._set_trainable(state)
             state.stamp = [_stamp(p) for p in state.params]
             self.layers.append(state)
@@ -151,16 +153,15 @@ class HostState:
         for st in self.layers:
             st.upload.clear()
             st.gbuf.clear()
+            st.spare.clear()
         self.arena = None
 
     def _set_trainable(self, st: LayerState) -> None:
-        """Landing buffers for the parameters that require grad now, none for frozen ones."""
+        """The parameters that require grad now; frozen ones lose their landing buffers."""
         st.trainable = [j for j, p in enumerate(st.params) if p.requires_grad]
         for j, p in enumerate(st.params):
-            if p.requires_grad and st.gbuf[j] is None:
-                st.gbuf[j] = self.alloc(p.shape, torch.float32)
-            elif not p.requires_grad:
-                st.gbuf[j] = None
+            if not p.requires_grad:
+                st.gbuf[j] = st.spare[j] = None
                 st.ghas[j] = False
 
     def edited(self, layer: int) -> bool:
@@ -173,7 +174,8 @@ class HostState:
         def total(get) -> int:
             return sum(t.nbytes for st in self.layers for t in get(st) if t is not None)
         out = {"masters": total(lambda st: st.params), "upload_copies": total(lambda st: st.upload),
-               "grad_landing": total(lambda st: st.gbuf), "grads": total(lambda st: [p.grad for p in st.params]),
+               "grad_landing": total(lambda st: st.gbuf + st.spare),
+               "grads": total(lambda st: [p.grad for p in st.params]),
                "buffers": total(lambda st: st.buffers)}
         if self.arena is not None:
             a = self.arena.stats()
@@ -210,7 +212,13 @@ class HostState:
         st.stamp = [_stamp(p) for p in st.params]
 
     def gcopy(self, layer: int) -> None:
-        """G-copy: landed gradients of one layer -> `p.grad` (accumulating, as autograd does)."""
+        """G-copy: landed gradients of one layer -> `p.grad` (accumulating, as autograd does).
+
+        Where p.grad is None the landing buffer itself becomes p.grad (no copy); the next
+        landing takes the buffer a step gave back (`clear_grads`) or a new one.  So gradients
+        cost one fp32 buffer per parameter with a synchronous step and two with an
+        asynchronous one (the next call lands while the step reads p.grad), and no step
+        allocates."""
         delay_point("gcopy")
         st = self.layers[layer]
         for j in st.trainable:
@@ -218,7 +226,8 @@ class HostState:
                 continue
             p, g = st.params[j], st.gbuf[j]
             if p.grad is None:
-                p.grad = g.clone()
+                p.grad = g
+                st.gbuf[j] = None
             else:
                 p.grad.add_(g)
             st.ghas[j] = False
@@ -240,6 +249,9 @@ class HostState:
                 if log is not None:   # the sum predates this call: keep what to subtract
                     self._landed[(layer, j)] = [*log, g]
             else:
+                if st.gbuf[j] is None:
+                    st.gbuf[j], st.spare[j] = (st.spare[j] if st.spare[j] is not None
+                                               else self.alloc(st.params[j].shape, torch.float32)), None
                 self.copy(st.gbuf[j], g)
                 st.ghas[j] = True
                 self._landed[(layer, j)] = None   # this call started the sum: dropped whole
@@ -257,5 +269,11 @@ class HostState:
         self._landed = {}
 
     def clear_grads(self, layer: int) -> None:
-        for p in self.layers[layer].params:
+        """After a step read them: p.grad = None, each fp32 gradient kept as the next landing buffer."""
+        st = self.layers[layer]
+        for j, p in enumerate(st.params):
+            g = p.grad
+            if (g is not None and st.spare[j] is None and p.requires_grad and g.dtype == torch.float32
+                    and g.shape == p.shape and g.is_contiguous() and g.device.type == "cpu"):
+                st.spare[j] = g
             p.grad = None

@@ -23,13 +23,17 @@ def test_buffers_live_in_the_arena_and_return_on_close():
     arena = model.host.arena
     assert arena is not None and not arena.pinned   # CPU workers: plain memory, same bookkeeping
     st = model.host.layers[0]
-    assert all(arena.owns(u) for u in st.upload) and all(arena.owns(g) for g in st.gbuf)
+    assert all(arena.owns(u) for u in st.upload) and all(g is None for g in st.gbuf)   # landing: made lazily
     params_bytes = sum(p.numel() * 4 for p in model.parameters())
     before = arena.stats().requested_bytes
-    assert before == 2 * params_bytes   # fp32 upload copy + fp32 landing buffer, nothing rounded up
+    assert before == params_bytes   # fp32 upload copies, nothing rounded up
     model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-    assert arena.stats().num_allocations > 2 * len(list(model.parameters()))   # + staging of the call
+    assert arena.stats().num_allocations > 2 * len(list(model.parameters()))   # + landing and staging
+    model.synchronize()
+    assert all(arena.owns(p.grad) for p in model.parameters())   # the landing buffers became p.grad
     model.close()
+    for p in model.parameters():   # p.grad is the user's now (an arena block handed over by the G-copy)
+        p.grad = None
     gc.collect()
     arena.synchronize()
     assert arena.stats().in_use_bytes == 0

@@ -70,3 +70,25 @@ def test_peak_weights_are_at_most_the_running_and_the_prefetched_stage(prefetch)
             peak = w.ledger.stats()["peak"]["weights"]
             assert 0 < peak <= largest_two, (w.name, peak, largest_two, total_weights)
         assert_nothing_live(model, "after synchronize")
+
+
+@pytest.mark.parametrize("asynchronous, buffers", [(False, 1), (True, 2)])
+def test_gradient_buffers_are_recycled(asynchronous, buffers):
+    """Gradients cost one fp32 buffer per parameter with a synchronous step and two with an asynchronous
+    one, and steps allocate none: the landing buffer becomes p.grad and the step gives it back
+    (before: a clone of every p.grad each step, beside the landing buffer)."""
+    layers = mlp(4, width=16)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+        params = sum(p.nbytes for p in model.parameters())
+        seen = []
+        for i in range(6):
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            if i >= 2:
+                host = model.memory_stats()["host"]
+                assert host["grad_landing"] + host["grads"] <= buffers * params, (i, host)
+            model.step(opt, asynchronous=asynchronous)
+            model.synchronize()
+            seen.append({id(model.host.layers[0].spare[j]) for j in range(2)})
+        assert seen[-1] == seen[-1 - buffers]   # the same buffers go round
