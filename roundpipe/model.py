@@ -19,8 +19,8 @@ with an asynchronous step it would race with the update).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,8 +30,9 @@ from roundpipe.async_step import LayerSync, run_gcopy, run_step
 from roundpipe.optimizer_step import check_step_args, make_step
 from roundpipe.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.board import Board
+from roundpipe.device_memory import check_schedule, resolve_caps
 from roundpipe.dispatcher import Dispatcher, default_plan
-from roundpipe.executor import SerialExecutor, engine_thread
+from roundpipe.executor import SerialExecutor, engine_thread, stop_when_collected
 from roundpipe.host_state import HostState
 from roundpipe.microbatch import SplitFn, merge, split, tensors, tree_map
 from roundpipe.plan import Plan
@@ -68,18 +69,13 @@ def _gpu_input_events(mb) -> dict | None:
     return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
 
 
-def _stop_threads(executors: list[SerialExecutor]) -> None:
-    for e in executors:
-        e.stop()
-
-
 class RoundPipe:
     """A model kept in host memory whose stages are dispatched round-robin to a pool of workers."""
 
     def __init__(self, layers, devices=None, num_microbatches: int | None = None,
                  compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
-                 planning: PlanningConfig | None = None):
+                 planning: PlanningConfig | None = None, device_memory: int | dict | None = None):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
@@ -101,6 +97,10 @@ class RoundPipe:
         self.compute_dtype = compute_dtype or default_compute_dtype(self.devices)
         # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/autoplan.py).
         self.planning = planning or PlanningConfig()
+        self.device_memory = resolve_caps(device_memory, self.devices)   # worker name -> bytes or None
+        caps = [c for c in self.device_memory.values() if c is not None]
+        if caps and self.planning.memory_budget == "device":   # stages sized for the smallest cap
+            self.planning = dataclasses.replace(self.planning, memory_budget=min(caps))
         self.autoplan = AutoPlanner(list(self.module), self.devices, self.compute_dtype,
                                     num_microbatches or self.round_size, self.planning,
                                     fixed=None if plan is None else plan.check(L), fallback=lambda: default_plan(L, n))
@@ -121,9 +121,10 @@ class RoundPipe:
         self._api = threading.RLock()
         self._closed = False
         self._grads_pending = False   # a training call landed gradients that no G-copy has been issued for
-        # A model dropped without close() (a notebook cell re-run) still lets its threads exit.
-        self._finalizer = weakref.finalize(self, _stop_threads,
-                                           [e for w in self.workers for e in w.executors()] + self._host_threads())
+        # A model dropped without close() (a notebook cell re-run) still lets its threads exit, and
+        # none outlives the interpreter's exit (roundpipe/executor.py); flush lets a pending step run.
+        self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
+                                              + self._host_threads(), self.sync.flush)
 
     @property
     def plan(self) -> Plan:
@@ -233,6 +234,7 @@ class RoundPipe:
         self._refresh_edited()
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
+        check_schedule(sched.tasks, self.device_memory, self.host)   # before any work: a stage that cannot fit
         rng = CallerRng(self.devices)
         ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, rng.base,
                           labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace_call(plan),
@@ -267,7 +269,8 @@ class RoundPipe:
             return
         self._grads_pending = False
         after = self.sync.issue_gcopy()
-        self.gcopy_thread.submit(lambda: run_gcopy(self.sync, after, self.host.gcopy))
+        sync, gcopy = self.sync, self.host.gcopy   # a queued job must not keep the model alive
+        self.gcopy_thread.submit(lambda: run_gcopy(sync, after, gcopy))
 
     def step(self, optimizer, asynchronous: bool = True, *, lr_scheduler=None,
              max_grad_norm: float | None = None) -> None:
@@ -291,7 +294,8 @@ class RoundPipe:
             self._refresh_edited()   # calls in this step's stale window read the masters as they are now
             self._issue_gcopy()
             rec = self.sync.new_step(asynchronous)
-            self.host_thread.submit(lambda: run_step(self.sync, rec, fns))
+            sync = self.sync   # a queued job must not keep the model alive
+            self.host_thread.submit(lambda: run_step(sync, rec, fns))
             if not asynchronous:
                 self._drain()
 

@@ -92,3 +92,41 @@ def test_gradient_buffers_are_recycled(asynchronous, buffers):
             model.synchronize()
             seen.append({id(model.host.layers[0].spare[j]) for j in range(2)})
         assert seen[-1] == seen[-1 - buffers]   # the same buffers go round
+
+
+def test_model_larger_than_the_cap_trains_within_it():
+    """48 layers whose weights are 4x a worker's cap: the planner cuts stages for the cap, training runs,
+    and no worker ever holds more than the cap (weights, activations and gradients together)."""
+    layers = mlp(48, width=64)                      # 16,640 bytes of fp32 weights per layer
+    cap = 200_000
+    x, y = torch.randn(6, 64), torch.randn(6, 64)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3, device_memory=cap) as model:
+        total = sum(p.nbytes for p in model.parameters())
+        assert total > 3.9 * cap
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.step(opt)
+        model.synchronize()
+        for w in model.workers:
+            stats = w.ledger.stats()
+            assert 0 < stats["peak_total"] <= cap, (w.name, stats)
+        assert_nothing_live(model, "after synchronize")
+
+
+def test_a_stage_that_cannot_fit_is_refused_before_any_work():
+    """An explicit plan whose stage needs more than the cap: a ValueError naming the stage, the bytes and the
+    cap, before anything was uploaded; bad device_memory values are named too."""
+    layers = mlp(8, width=64)
+    plan = rp.Plan(forward=[range(0, 6)], backward=[range(6, 8), range(0, 6)])
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, plan=plan, device_memory={"cpu:1": 120_000}) as model:
+        with pytest.raises(ValueError, match=r"stage \S+ \(layers \d+-\d+\) on worker cpu:1 needs at least "
+                                             r"[\d,]+ bytes.*caps that worker at 120,000"):
+            for _ in range(2):   # the rotation gives cpu:1 a 6-layer stage in one of the two calls
+                model.forward_backward(torch.randn(4, 64), labels=torch.randn(4, 64), loss_fn=F.mse_loss)
+        big = max(sum(u.nbytes for l in range(6) for u in model.host.layers[l].upload), 1)
+        assert all(w.ledger.stats()["peak_total"] < big for w in model.workers if w.name == "cpu:1")
+    for bad, exc, match in [(0, ValueError, "device_memory"), ({"cuda:3": 1}, ValueError, "neither a device"),
+                            ({"cpu": -1}, ValueError, r"device_memory\['cpu'\]=-1"), ("1GB", TypeError, "device_memory")]:
+        with pytest.raises(exc, match=match):
+            rp.RoundPipe(mlp(2), devices=["cpu"], device_memory=bad)

@@ -61,14 +61,21 @@ def make_workers(devices: list[torch.device], compute_dtype: torch.dtype, alloc:
     alloc(shape, dtype) gives host staging buffers (the model's HostState.alloc: its arena).
     """
     workers: list[Worker] = []
-    seen: dict[str, int] = {}
+    for dev, name in zip(devices, worker_names(devices)):
+        if dev.type == "cpu":
+            workers.append(CpuWorker(dev, name, compute_dtype, alloc))
+        else:
+            from roundpipe.workers.cuda import CudaWorker  # touches CUDA only when asked for
+            workers.append(CudaWorker(dev, name, compute_dtype, alloc))
+    return workers
+
+
+def worker_names(devices: list[torch.device]) -> list[str]:
+    """The workers' names: cpu:0, cpu:1, ... for CPU entries; cuda:0, then cuda:0#1 for a repeated GPU."""
+    names, seen = [], {}
     for dev in devices:
         key = str(dev)
         k = seen.get(key, 0)
         seen[key] = k + 1
-        if dev.type == "cpu":
-            workers.append(CpuWorker(dev, f"cpu:{k}", compute_dtype, alloc))
-        else:
-            from roundpipe.workers.cuda import CudaWorker  # touches CUDA only when asked for
-            workers.append(CudaWorker(dev, key if k == 0 else f"{key}#{k}", compute_dtype, alloc))
-    return workers
+        names.append(f"cpu:{k}" if dev.type == "cpu" else (key if k == 0 else f"{key}#{k}"))
+    return names

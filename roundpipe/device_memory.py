@@ -1,0 +1,99 @@
+"""Device-memory caps per worker: what `RoundPipe(device_memory=...)` means, and the check before a call.
+
+    device_memory=None        CUDA: the device's free memory when the model is built, minus a
+                              reserve (max(512 MiB, 5%)) for the CUDA context, kernels' workspace
+                              and fragmentation, shared evenly by the workers on that device;
+                              CPU workers: no cap
+    device_memory=BYTES       every worker
+    device_memory={key: BYTES}  by device ("cuda:0", "cpu") or by worker name ("cpu:1");
+                              workers named by no key get no cap
+
+The planner sizes its stages for the smallest cap (when `PlanningConfig.memory_budget`
+is "device": half of it per stage, the other half for the prefetched next stage).
+Before any work of a call, every stage is checked against the cap of the worker it
+runs on: a stage needs at least its weights, the weights of the stage that worker
+prefetches next and, for a backward stage, the fp32 gradients of its trainable
+parameters; a ValueError names the first stage that cannot fit, the bytes and the
+cap.  Activations are on top of that floor; the worker's ledger
+(roundpipe/workers/ledger.py) records what was really held.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+MIN_RESERVE = 512 << 20
+RESERVE_FRACTION = 0.05
+
+
+def _is_bytes(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def resolve_caps(device_memory: Any, devices: Sequence[torch.device]) -> dict[str, int | None]:
+    """Worker name -> cap in bytes (None: no cap); ValueError/TypeError for a bad device_memory."""
+    from roundpipe.workers import worker_names
+
+    workers = list(zip(worker_names(list(devices)), devices))
+    if device_memory is None:
+        caps: dict[str, int | None] = {}
+        sharing: dict[torch.device, int] = {}
+        for _, dev in workers:
+            sharing[dev] = sharing.get(dev, 0) + 1
+        for name, dev in workers:
+            if dev.type == "cuda":
+                free, total = torch.cuda.mem_get_info(dev)
+                usable = free - max(MIN_RESERVE, int(RESERVE_FRACTION * total))
+                caps[name] = max(1, usable // sharing[dev])
+            else:
+                caps[name] = None
+        return caps
+    if isinstance(device_memory, int) and not isinstance(device_memory, bool):
+        if device_memory <= 0:
+            raise ValueError(f"device_memory={device_memory!r} must be an int > 0 (bytes)")
+        return {name: device_memory for name, _ in workers}
+    if not isinstance(device_memory, dict):
+        raise TypeError(f"device_memory must be None, an int (bytes) or a dict of device or worker name -> bytes, "
+                        f"got {type(device_memory).__name__}")
+    known = {name for name, _ in workers} | {str(dev) for _, dev in workers}
+    for key, v in device_memory.items():
+        if str(key) not in known:
+            raise ValueError(f"device_memory has key {key!r}, which is neither a device nor a worker of this "
+                             f"RoundPipe ({sorted(known)})")
+        if not _is_bytes(v):
+            raise ValueError(f"device_memory[{key!r}]={v!r} must be an int > 0 (bytes)")
+    table = {str(k): v for k, v in device_memory.items()}
+    return {name: table.get(name, table.get(str(dev))) for name, dev in workers}
+
+
+def layer_bytes(host) -> tuple[list[int], list[int]]:
+    """Per layer: bytes of its uploaded weights and buffers, and of fp32 gradients of its trainable parameters."""
+    weights, grads = [], []
+    for st in host.layers:
+        weights.append(sum(u.nbytes for u in st.upload) + sum(b.nbytes for b in st.buffers))
+        grads.append(sum(st.params[j].numel() * 4 for j in st.trainable))
+    return weights, grads
+
+
+def check_schedule(tasks_by_worker: dict[str, list], caps: dict[str, int | None], host) -> None:
+    """ValueError naming the first stage whose floor (weights, prefetched weights, gradients) exceeds its cap."""
+    if not any(c is not None for c in caps.values()):
+        return
+    weights, grads = layer_bytes(host)
+    for name, tasks in tasks_by_worker.items():
+        cap = caps.get(name)
+        if cap is None:
+            continue
+        for i, task in enumerate(tasks):
+            own = sum(weights[l] for l in task.layers)
+            nxt = sum(weights[l] for l in tasks[i + 1].layers) if i + 1 < len(tasks) else 0
+            grad = sum(grads[l] for l in task.layers) if task.kind != "F" else 0
+            need = own + nxt + grad
+            if need > cap:
+                r = task.layers
+                raise ValueError(
+                    f"stage {task.label} (layers {r.start}-{r.stop - 1}) on worker {name} needs at least "
+                    f"{need:,} bytes of device memory (weights {own:,}, the next stage's prefetched weights "
+                    f"{nxt:,}, gradients {grad:,}) but device_memory caps that worker at {cap:,}; give more "
+                    "memory, or a plan with smaller stages (the automatic planner sizes them for the cap)")
