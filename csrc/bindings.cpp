@@ -210,6 +210,16 @@ void bind_arena(py::module_& m) {
       });
 }
 
+// py::enum_ also builds values outside the enum (CopyQueue(7)); one would index
+// past the four queues.
+rp::CopyQueue checked(rp::CopyQueue q) {
+  const int v = static_cast<int>(q);
+  if (v < 0 || v >= rp::kNumQueues)
+    throw py::value_error("queue=" + std::to_string(v) +
+                          " is not a copy queue; expected act_up, act_down, param_up or grad_down");
+  return q;
+}
+
 // (dst, src, nbytes) triples; a copy whose source and destination overlap is
 // undefined for memcpy and cudaMemcpyAsync alike, so it is rejected.
 std::vector<rp::CopyOp> parse_ops(const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, size_t>>& ops) {
@@ -245,6 +255,7 @@ void bind_copy_engine(py::module_& m) {
   using Ops = std::vector<std::tuple<std::uintptr_t, std::uintptr_t, size_t>>;
   py::class_<rp::CopyEngine>(m, "CopyEngine")
       .def("submit", [](rp::CopyEngine& e, rp::CopyQueue q, const Ops& ops, std::vector<rp::FencePtr> after, int64_t tag) {
+        checked(q);
         auto parsed = parse_ops(ops);
         py::gil_scoped_release release;  // the CUDA backend may wait for host fences
         return e.submit(q, std::move(parsed), std::move(after), tag);
@@ -252,6 +263,7 @@ void bind_copy_engine(py::module_& m) {
          "Queues (dst, src, nbytes) copies behind the fences in `after`; returns a Fence.")
       .def("submit_windows", [](rp::CopyEngine& e, rp::CopyQueue q, const Ops& ops,
                                 std::vector<rp::FencePtr> window_after, size_t align, int64_t tag) {
+        checked(q);
         auto parsed = parse_ops(ops);
         py::gil_scoped_release release;
         return e.submit_windows(q, parsed, window_after, align, tag);
@@ -275,8 +287,9 @@ void bind_copy_engine(py::module_& m) {
         return std::make_unique<rp::CudaCopyEngine>(device, raw);
       }), py::arg("device"), py::arg("streams") = std::vector<std::uintptr_t>{})
       .def_property_readonly("device", &rp::CudaCopyEngine::device)
-      .def("stream", [](const rp::CudaCopyEngine& e, rp::CopyQueue q) { return reinterpret_cast<std::uintptr_t>(e.stream(q)); },
-           py::arg("queue"), "Raw cudaStream_t of a queue (wrap with torch.cuda.ExternalStream).");
+      .def("stream", [](const rp::CudaCopyEngine& e, rp::CopyQueue q) {
+        return reinterpret_cast<std::uintptr_t>(e.stream(checked(q)));
+      }, py::arg("queue"), "Raw cudaStream_t of a queue (wrap with torch.cuda.ExternalStream).");
 }
 
 // ---- adam: fused optimizer step and gradient passes --------------------------

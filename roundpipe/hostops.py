@@ -7,6 +7,8 @@ equivalent torch expression.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from roundpipe import _native
@@ -26,6 +28,13 @@ def check_host_tensor(name: str, t: object, dtypes=NATIVE_DTYPES) -> torch.Tenso
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
     return t
+
+
+def tensor_list(name: str, value: object) -> list:
+    """list(value) for a sequence of tensors (or Nones); TypeError naming `name` for one tensor or a non-sequence."""
+    if isinstance(value, (torch.Tensor, str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a sequence of tensors, got {type(value).__name__}")
+    return list(value)
 
 
 def check_real(name: str, value: object) -> float:

@@ -274,6 +274,28 @@ def test_bad_arguments():
         arena.reserve(0)
 
 
+def test_sizes_past_any_buffer_are_refused():
+    """Requests that wrapped around 2**64 (reserve(2**64-4095) reserved 0 bytes) are ValueErrors naming them."""
+    arena = small_arena()
+    with pytest.raises(ValueError, match="nbytes=18446744073709547521 must be at most"):
+        arena.reserve(2**64 - 4095)
+    with pytest.raises(ValueError, match="nbytes=18446744073709551615 must be at most"):
+        arena._arena.allocate(2**64 - 1)
+    with pytest.raises(ValueError, match=r"shape=\(4294967296, 4294967296\) of torch.float32 is 73786976294838206464 "
+                       "bytes"):
+        arena.empty((2**32, 2**32))  # torch.Size.numel() wraps this to 0
+    with pytest.raises(TypeError, match="shape must be an int or a sequence of ints"):
+        arena.empty(2.5)
+    with pytest.raises(TypeError, match="nbytes must be an int"):
+        arena.reserve(4096.0)
+    with pytest.raises(ValueError, match="chunk_bytes=18446744073709551615 must be at most"):
+        C.HostArena(2**64 - 1, 256, 0, "host")
+    with pytest.raises(C.ArenaExhaustedError):  # possible in principle, but not here
+        arena._arena.allocate(2**62)
+    s = arena.stats()
+    assert s.num_blocks == 0 and s.in_use_bytes == 0
+
+
 @pytest.mark.cuda
 def test_cuda_arena_is_pinned_and_fence_ordered():
     """On a GPU the arena page-locks memory, copies are async, and record_stream defers reuse."""

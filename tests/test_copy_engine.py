@@ -225,6 +225,37 @@ def test_bad_arguments():
     engine.synchronize()
 
 
+def test_bad_arguments_at_the_native_boundary():
+    """Overlapping copies, tags past 64 bits, thread counts past 256 and absurd packings are errors naming them."""
+    engine = CopyEngine("cpu")
+    buf = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"dst\[0\] and src\[0\] overlap in memory"):
+        engine.copy("act_up", buf[:32], buf[16:48])
+    with pytest.raises(ValueError, match="tag=9223372036854775808 must fit in 64 bits"):
+        engine.copy("act_up", buf[:8], buf[8:16], tag=2**63)
+    with pytest.raises(TypeError, match="tag must be an int"):
+        engine.copy("act_up", buf[:8], buf[8:16], tag="first")
+    with pytest.raises(TypeError, match="after must be a fence or an iterable of fences, got int"):
+        engine.copy("act_up", buf[:8], buf[8:16], after=3)
+    with pytest.raises(ValueError, match=r"threads_per_copy=257 must be in \[1, 256\]"):
+        CopyEngine("cpu", threads_per_copy=257)
+    with pytest.raises(ValueError, match=r"windows=65537 must be in \[1, 65536\]"):
+        pack_lpt([1], 65537)
+    with pytest.raises(ValueError, match="sizes add up to more than"):
+        pack_lpt([2**62, 2**62], 2)
+    with pytest.raises(ValueError, match="queue=7 is not a copy queue"):
+        C.HostCopyEngine(1).submit(C.CopyQueue(7), [], [])
+    engine.synchronize()
+
+
+def test_most_threads_per_copy_still_copy_exactly():
+    """The largest accepted thread count (256) splits a 3 MiB copy over a full team and copies every byte."""
+    engine = CopyEngine("cpu", threads_per_copy=256)
+    src, dst = random_bytes(3 * MiB + 5), torch.zeros(3 * MiB + 5, dtype=torch.uint8)
+    engine.copy("param_up", dst, src).wait()
+    assert torch.equal(dst, src)
+
+
 @pytest.mark.cuda
 def test_cuda_engine_round_trip_and_stream_wait():
     """On a GPU: H2D/D2H through the four streams are exact and a compute stream can wait on a fence."""

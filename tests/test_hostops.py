@@ -38,3 +38,18 @@ def test_convert_rejects_meta_device():
     """Tensors off the CPU are rejected with the device named."""
     with pytest.raises(ValueError, match="dst must be on the CPU, got device meta"):
         hostops.convert_(torch.empty(4, device="meta"), torch.zeros(4))
+
+
+def test_check_real_and_tensor_list_name_the_argument():
+    """Scalars and tensor lists from users are checked with TypeErrors naming the argument."""
+    assert hostops.check_real("x", 2) == 2.0 and hostops.check_real("x", torch.tensor(0.5)) == 0.5
+    with pytest.raises(TypeError, match="max_norm must be a real number, got str"):
+        hostops.check_real("max_norm", "1.0")
+    with pytest.raises(TypeError, match="max_norm must be a real number, got Tensor"):
+        hostops.check_real("max_norm", torch.ones(2))
+    t = torch.ones(2)
+    assert hostops.tensor_list("grads", (t, None)) == [t, None]
+    with pytest.raises(TypeError, match="grads must be a sequence of tensors, got Tensor"):
+        hostops.tensor_list("grads", t)
+    with pytest.raises(TypeError, match="grads must be a sequence of tensors, got NoneType"):
+        hostops.tensor_list("grads", None)

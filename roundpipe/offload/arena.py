@@ -123,7 +123,11 @@ class HostArena:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         if not isinstance(shape, torch.Size):
-            shape = torch.Size((shape,) if isinstance(shape, int) else shape)
+            dims = (shape,) if isinstance(shape, int) else shape
+            if not isinstance(dims, (tuple, list)) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                                              for d in dims):
+                raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+            shape = torch.Size(dims)
         if any(d < 0 for d in shape):
             raise ValueError(f"shape={tuple(shape)} has a negative dimension")
         numel = math.prod(shape)  # Python ints: torch.Size.numel() wraps around at 2**64
@@ -185,7 +189,9 @@ class HostArena:
 
     def reserve(self, nbytes: int) -> None:
         """Adds one chunk of nbytes (e.g. the whole model's size, to be carved exactly)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+        if nbytes <= 0:
             raise ValueError(f"nbytes={nbytes!r} must be a positive int")
         self._arena.reserve(nbytes)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -154,6 +154,8 @@ class CopyEngine:
             return []
         if isinstance(after, _native.require().Fence):
             after = [after]
+        if not isinstance(after, Iterable):
+            raise TypeError(f"{name} must be a fence or an iterable of fences, got {type(after).__name__}")
         out = list(after)
         for i, f in enumerate(out):
             _check_fence(f"{name}[{i}]", f)

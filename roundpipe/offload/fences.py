@@ -53,6 +53,8 @@ def make_stream_wait(fence, stream: "torch.cuda.Stream | None" = None) -> None:
 
 def wait_all(fences: Iterable) -> None:
     """Waits for every fence (GIL released during each wait); RuntimeError if one failed."""
+    if not isinstance(fences, Iterable):
+        raise TypeError(f"fences must be an iterable of fences, got {type(fences).__name__}")
     for i, f in enumerate(fences):
         _check_fence(f"fences[{i}]", f)
         f.wait()

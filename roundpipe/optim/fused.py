@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from roundpipe import _native
-from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real
+from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real, tensor_list
 
 _F32 = {torch.float32: "float32"}
 
@@ -69,6 +70,8 @@ def _check_same_numel(name: str, tensors: Sequence[torch.Tensor], params: Sequen
     if len(tensors) != len(params):
         raise ValueError(f"{name} has {len(tensors)} tensors but params has {len(params)}; they must match one to one")
     for i, (t, p) in enumerate(zip(tensors, params)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if t is not None and t.numel() != p.numel():
             raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {p.numel()}")
 
@@ -95,9 +98,14 @@ def adam_step(
     """
     if not isinstance(config, AdamConfig):
         raise TypeError(f"config must be an AdamConfig, got {type(config).__name__}")
-    params = list(params)
+    params = tensor_list("params", params)
     n = len(params)
-    step_list = [steps] * n if isinstance(steps, numbers.Real) else list(steps)
+    if isinstance(steps, numbers.Real):
+        step_list = [steps] * n
+    elif isinstance(steps, Iterable) and not isinstance(steps, (str, bytes)):
+        step_list = list(steps)
+    else:
+        raise TypeError(f"steps must be a number or one number per tensor, got {type(steps).__name__}")
     if len(step_list) != n:
         raise ValueError(f"steps has {len(step_list)} entries but params has {n}")
     for i, s in enumerate(step_list):
@@ -106,7 +114,8 @@ def adam_step(
     grad_mul = check_real("grad_mul", grad_mul)
     if not math.isfinite(grad_mul):
         raise ValueError(f"grad_mul={grad_mul!r} must be finite")
-    grads, exp_avgs, exp_avg_sqs = list(grads), list(exp_avgs), list(exp_avg_sqs)
+    grads, exp_avgs = tensor_list("grads", grads), tensor_list("exp_avgs", exp_avgs)
+    exp_avg_sqs = tensor_list("exp_avg_sqs", exp_avg_sqs)
     for i, p in enumerate(params):
         check_host_tensor(f"params[{i}]", p, _F32)
     _check_same_numel("grads", grads, params)
@@ -119,12 +128,13 @@ def adam_step(
     if config.amsgrad:
         if max_exp_avg_sqs is None:
             raise ValueError("max_exp_avg_sqs is required when config.amsgrad is True")
+        max_exp_avg_sqs = tensor_list("max_exp_avg_sqs", max_exp_avg_sqs)
         _check_same_numel("max_exp_avg_sqs", max_exp_avg_sqs, params)
         for i, t in enumerate(max_exp_avg_sqs):
             check_host_tensor(f"max_exp_avg_sqs[{i}]", t, _F32)
     else:
         max_exp_avg_sqs = []
-    shadow_list = list(shadows) if shadows is not None else [None] * n
+    shadow_list = tensor_list("shadows", shadows) if shadows is not None else [None] * n
     _check_same_numel("shadows", shadow_list, params)
     for i, t in enumerate(shadow_list):
         if t is not None:

@@ -16,14 +16,12 @@ from typing import Sequence
 import torch
 
 from roundpipe import _native
-from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real
+from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real, tensor_list
 
 
 def grad_sumsq(grads: Sequence[torch.Tensor]) -> float:
     """Sum of squares of all elements (as stored, no unscaling); inf/NaN iff any element is."""
-    if isinstance(grads, torch.Tensor):
-        raise TypeError("grads must be a sequence of tensors, got one tensor; pass [grad]")
-    grads = list(grads)
+    grads = tensor_list("grads", grads)
     for i, g in enumerate(grads):
         check_host_tensor(f"grads[{i}]", g)
     if _native.available():
