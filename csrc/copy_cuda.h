@@ -2,7 +2,7 @@
 //
 // Each queue is a stream, created here (non-blocking; the activation streams
 // at the device's highest priority, which helps kernels of those streams but,
-// as DESIGN.md 3.1 notes, does not reorder copies: the window dependencies do)
+// as docs/transfers.md notes, does not reorder copies: the window dependencies do)
 // or borrowed by raw handle from torch (torch.cuda.Stream.cuda_stream).
 // A submission makes the stream wait for CUDA fences on the GPU (host fences
 // are waited for on the calling thread), issues cudaMemcpyAsync with

@@ -1,4 +1,4 @@
-"""The per-layer protocol between workers and the host optimizer (DESIGN.md 3.2).
+"""The per-layer protocol between workers and the host optimizer (docs/async_step.md).
 
 A call is one `forward_backward` (training) or forward-only `model(...)`.  A
 step is one `RoundPipe.step`.  Two host copies bridge workers and optimizer:

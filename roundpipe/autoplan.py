@@ -1,7 +1,7 @@
 """The engine's planning policy: which plan a `RoundPipe` runs, and when that may change.
 
 Without an explicit `plan=`, the plan comes from the partitioner (roundpipe.planner,
-DESIGN.md 3.3) and follows the measured costs:
+docs/planner.md) and follows the measured costs:
 
     construction      plan from parameter sizes only (no input seen yet)
     first call        size-based estimate: a dry run of the layers on the first

@@ -1,4 +1,4 @@
-"""Round-robin dispatch of stages over the worker pool (DESIGN.md 2).
+"""Round-robin dispatch of stages over the worker pool (docs/architecture.md, "Computation dispatch").
 
 The slot sequence of one round is F1..Fk, B1(fused)..Bm.  Slot i of the call
 goes to worker (g0 + i) mod N and that worker runs every microbatch of the

@@ -1,6 +1,6 @@
 """`Plan`: which consecutive layers form each forward and each backward stage.
 
-Forward and backward use different partitions (DESIGN.md 2).  Backward stages are
+Forward and backward use different partitions (docs/planner.md).  Backward stages are
 listed in execution order, so they run from the last layer towards layer 0; the
 first one is the *fused* tail stage: forward, loss and backward of the last layers
 run back to back with no recompute.  Forward stages cover exactly the layers

@@ -1,6 +1,6 @@
 """One stage run: upload a stage's weights to a worker and run it over its microbatches.
 
-Three kinds of stage (DESIGN.md 2):
+Three kinds of stage (docs/architecture.md, "Computation dispatch"):
 
     F      forward only (no autograd), publishes the activation at every saved boundary
            inside the stage: the next forward stage's input and backward stages' inputs

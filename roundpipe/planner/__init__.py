@@ -2,7 +2,7 @@
 
     costs      LayerCost, estimate_costs: the cost model and size-based estimates
     profiler   Profiler: measured stage times attributed to layers, smoothed
-    partition  plan / partition: the O(L^3) partitioner of DESIGN.md 3.3
+    partition  plan / partition: the partitioner of docs/planner.md
     exact      exact_partition: exhaustive reference for small L (tests)
     replanner  Replanner: re-plans only when the costs drift past a threshold
 """

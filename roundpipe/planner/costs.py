@@ -8,7 +8,7 @@ stage, fused or not, costs the sum of its layers' `bwd_s`.  The LM head is the l
 layer of the sequence, so it always sits in the fused stage and is never recomputed.
 
 Stage memory (what must fit in half the device budget, the other half holding the
-prefetched next stage, DESIGN.md 3.3):
+prefetched next stage, docs/planner.md):
 
     forward stage : sum(param_bytes) + max(act_bytes)          (one layer's activations live)
     backward stage: sum(param_bytes) * (1 + GRAD_FACTOR) + sum(act_bytes)

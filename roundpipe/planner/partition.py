@@ -1,4 +1,4 @@
-"""The partitioner of DESIGN.md 3.3: per-layer costs -> an asymmetric `Plan`.
+"""The partitioner (docs/planner.md): per-layer costs -> an asymmetric `Plan`.
 
 Objective, for N workers and M microbatches: minimise
 

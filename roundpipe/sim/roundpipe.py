@@ -1,4 +1,4 @@
-"""RoundPipe's dispatch as a schedule (DESIGN.md 2), synchronous or asynchronous.
+"""RoundPipe's dispatch as a schedule (docs/architecture.md, "Computation dispatch"), synchronous or asynchronous.
 
 Stage sequence of an iteration: F1..Fk, B1..Bm (B1 = fused tail: forward, head,
 loss and backward with no recompute).  Microbatches go in rounds of `round_size`

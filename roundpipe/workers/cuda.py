@@ -1,4 +1,4 @@
-"""CUDA worker: one compute stream and four copy streams per worker (DESIGN.md 3.1).
+"""CUDA worker: one compute stream and four copy streams per worker (docs/transfers.md).
 
     param_up    host upload copies -> device weights (and buffers) of a stage
     act_up      stage inputs (pinned host) and labels -> device
@@ -40,7 +40,7 @@ class CudaWorker(Worker):
         with torch.cuda.device(device):
             # The critical path (compute and activation copies) at the device's highest stream
             # priority (torch maps -100 to it), bulk copies at the default: the kernels of those
-            # streams go first.  Priorities do not reorder copies (DESIGN.md 3.1): the windows do.
+            # streams go first.  Priorities do not reorder copies (docs/transfers.md): the windows do.
             self.s_compute = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
             self.s_act_up = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
             self.s_act_down = torch.cuda.Stream(device, priority=HIGH_PRIORITY)

@@ -4,7 +4,7 @@ Activation copies (a microbatch's stage input up, its output down) go out at
 once.  A stage's parameter upload or gradient download is bulk: it is packed
 into M windows by LPT (roundpipe.offload.pack_lpt) and window w is submitted
 only when the next activation copy of the same direction is, behind that
-copy's fence (DESIGN.md 3.1):
+copy's fence (docs/transfers.md):
 
     act_up    : | x(m1)        | x(m2)        | x(m3)        |
     param_up  :     | W1 chunk 0   | W1 chunk 1   | W1 chunk 2  ...  next stage's weights
