@@ -62,7 +62,7 @@ def random_plan(rng, layers):
     return rp.Plan(forward=[range(a, b) for a, b in zip(fb, fb[1:])], backward=backward)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10**6), workers=st.integers(1, 4), num_mb=st.integers(1, 7), per_round=st.integers(1, 5))
 def test_random_plans_give_exact_gradients(seed, workers, num_mb, per_round):
     """Any valid plan, pool size, microbatch count and round size gives autograd's gradients."""
