@@ -6,16 +6,51 @@ worker's completion thread (waits for a copy's event, then lands it).  A job's
 exception is kept (the first one) and re-raised by `raise_error()` or
 `wait_idle(raise_errors=True)` on the caller's thread, so it reaches the user
 with its own type; later jobs still run.
+
+Shutdown.  The threads are daemons, so a script that ends without `close()`
+still exits; but a daemon thread still running when the interpreter finalizes
+is killed (pthread_exit) the moment it next takes the GIL, and if that moment
+is inside torch or pybind11 C++ code that released the GIL (a tensor op, a
+fused optimizer step, a fence wait) the forced unwind meets a noexcept
+destructor and the process aborts: "terminate called without an active
+exception", status 134, in 7 to 18 of 20 runs of a script ending with an
+asynchronous step pending (tests/test_exit.py).  So no engine thread may outlive
+`atexit`:
+
+    owner collected      stop_when_collected: wake(), then each thread exits
+                         after its queued jobs (no join: the collector may run on
+                         any thread, even one of these)
+    interpreter exit     every owner still alive is woken, every thread still
+                         running is stopped and joined, before finalization
+                         (waits at most EXIT_JOIN_S, then names the threads left)
+
+`wake` is the owner's way of letting queued jobs finish without it (a RoundPipe
+closes its stale window, so a pending asynchronous step runs instead of waiting
+for a call that never comes).  Work submitted after a stop raises RuntimeError
+instead of waiting forever for a thread that is gone.
 """
 from __future__ import annotations
 
+import atexit
+import itertools
+import os
 import queue
+import sys
 import threading
-from typing import Callable
+import time
+import weakref
+from typing import Callable, Sequence
 
 from roundpipe.async_step import Aborted
 
 _local = threading.local()   # .name: the engine thread's name, on engine threads only
+
+EXIT_JOIN_S = 60.0   # how long interpreter exit waits for engine threads to finish their jobs
+
+_registry_lock = threading.RLock()   # re-entrant: a collection inside a holder may run _stop_owned
+_running: "weakref.WeakSet[SerialExecutor]" = weakref.WeakSet()   # a running thread keeps its executor alive
+_owners: dict[int, tuple[Callable[[], None], list["SerialExecutor"]]] = {}
+_owner_keys = itertools.count()
 
 
 def engine_thread() -> str | None:
@@ -28,9 +63,16 @@ class SerialExecutor:
         self._q: queue.Queue = queue.Queue()
         self._cv = threading.Condition()
         self._pending = 0
+        self._stopped = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        with _registry_lock:
+            _running.add(self)
         self._thread.start()
+
+    @property
+    def name(self) -> str:
+        return self._thread.name
 
     def _loop(self) -> None:
         _local.name = self._thread.name
@@ -52,6 +94,9 @@ class SerialExecutor:
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._cv:
+            if self._stopped:
+                raise RuntimeError(f"the engine thread {self.name!r} has stopped (its RoundPipe was closed or "
+                                   "collected, or the interpreter is exiting); it takes no more work")
             self._pending += 1
         self._q.put(job)
 
@@ -72,8 +117,89 @@ class SerialExecutor:
 
     def stop(self) -> None:
         """Asks the thread to exit after the queued jobs, without waiting (safe from a finalizer)."""
+        with self._cv:
+            if self._stopped:
+                return
+            self._stopped = True
         self._q.put(None)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits for the thread to exit (after stop()); True when it has."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def close(self) -> None:
         self.stop()
-        self._thread.join()
+        self.join()
+
+
+class _Owned:
+    """What `stop_when_collected` returns; `detach()` once the owner has closed the threads itself."""
+
+    def __init__(self, key: int, finalizer: weakref.finalize):
+        self._key = key
+        self._finalizer = finalizer
+
+    def detach(self) -> None:
+        self._finalizer.detach()
+        with _registry_lock:
+            _owners.pop(self._key, None)
+
+
+def _stop_owned(key: int) -> None:
+    with _registry_lock:
+        entry = _owners.pop(key, None)
+    if entry is not None:
+        wake, executors = entry
+        wake()
+        for e in executors:
+            e.stop()
+
+
+def stop_when_collected(owner: object, executors: Sequence[SerialExecutor],
+                        wake: Callable[[], None]) -> _Owned:
+    """Stops `executors` when `owner` is garbage-collected and at interpreter exit, calling `wake` first.
+
+    `wake` must not reference `owner` (it would never be collected) and must make every
+    queued job able to finish.  At exit the threads are also joined (module docstring)."""
+    with _registry_lock:
+        key = next(_owner_keys)
+        _owners[key] = (wake, list(executors))
+    finalizer = weakref.finalize(owner, _stop_owned, key)
+    finalizer.atexit = False   # _stop_all_at_exit wakes and joins instead
+    return _Owned(key, finalizer)
+
+
+def _stop_all_at_exit() -> None:
+    """atexit: wakes every live owner, then stops and joins every engine thread still running."""
+    with _registry_lock:
+        keys = list(_owners)
+    for key in keys:
+        try:
+            _stop_owned(key)
+        except Exception as e:  # noqa: BLE001 - one owner's failure must not leave the others running
+            print(f"roundpipe: stopping engine threads at exit: {type(e).__name__}: {e}", file=sys.stderr)
+    with _registry_lock:
+        executors = list(_running)
+    for e in executors:
+        e.stop()
+    deadline = time.monotonic() + EXIT_JOIN_S
+    stuck = [e.name for e in executors if not e.join(max(0.0, deadline - time.monotonic()))]
+    if stuck:
+        print(f"roundpipe: engine threads {stuck} did not finish within {EXIT_JOIN_S:.0f} s of interpreter exit; "
+              "the process may abort while it finalizes (a layer or step that never returns?)", file=sys.stderr)
+
+
+def _forget_after_fork() -> None:
+    """In a forked child none of these threads exists (and the lock may have been held)."""
+    global _registry_lock
+    _registry_lock = threading.RLock()
+    _running.clear()
+    _owners.clear()
+
+
+# Registered at import, i.e. before any user atexit handler that uses a RoundPipe: those run first.
+atexit.register(_stop_all_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
