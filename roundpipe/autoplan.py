@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import threading
 import warnings
 from dataclasses import dataclass
@@ -46,7 +47,6 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from roundpipe.microbatch import tree_leaves, tree_map
 from roundpipe.plan import Plan
@@ -105,17 +105,43 @@ def _nbytes(x: Any) -> int:
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
-class _FlopCount(TorchDispatchMode):
-    """Sums the FLOPs of the aten ops run under it with torch.utils.flop_counter's formulas,
-    decomposing an op that has no formula exactly as FlopCounterMode does.
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> int:
+    """a [m, k] @ b [k, n] or a [B, m, k] @ b [B, k, n]: 2 m k n (per batch entry)."""
+    return 2 * a.numel() * b.shape[-1]
 
-    Why not FlopCounterMode itself: torch wraps every dispatch mode's __torch_dispatch__ in
-    torch._disable_dynamo, whose first call imports torch._dynamo and sympy (1-3 s on a 2-core
-    CPU, see `size_costs`).  This mode is never compiled, so it opts out of that wrapper
-    (`_should_skip_dynamo`, read when the class is created by the torch versions that wrap).
-    tests/test_autoplan.py checks its counts against FlopCounterMode's, tests/test_first_call.py
-    that a first call leaves torch._dynamo unimported.
+
+def _conv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool) -> int:
+    """2 x batch x (output positions, input ones when transposed) x weight elements."""
+    return 2 * x.shape[0] * math.prod((x if transposed else out).shape[2:]) * w.numel()
+
+
+def _flop_formulas() -> dict[Any, Callable[[tuple, Any], int]]:
+    """aten overload packet -> FLOPs(args, out): torch.utils.flop_counter's formulas for the forward
+    ops a dry run reaches (attention runs as math there: bmm).  Not that module itself: importing it
+    imports Triton when installed, 0.45 s on a 2-core CPU, as much as the first call's budget."""
+    aten = torch.ops.aten
+    conv = lambda args, out: _conv(args[0], args[1], out, bool(args[6]))
+    return {aten.mm: lambda args, out: _matmul(args[0], args[1]),
+            aten.addmm: lambda args, out: _matmul(args[1], args[2]),
+            aten.bmm: lambda args, out: _matmul(args[0], args[1]),
+            aten.baddbmm: lambda args, out: _matmul(args[1], args[2]),
+            aten._scaled_mm: lambda args, out: _matmul(args[0], args[1]),
+            aten.convolution: conv, aten._convolution: conv, aten.convolution_overrideable: conv}
+
+
+class _FlopCount(TorchDispatchMode):
+    """Sums the FLOPs of the aten ops run under it (`_flop_formulas`), decomposing an op without a
+    formula as torch.utils.flop_counter.FlopCounterMode does.
+
+    Why not FlopCounterMode itself: besides the Triton import, torch wraps every dispatch mode's
+    __torch_dispatch__ in torch._disable_dynamo, whose first call imports torch._dynamo and sympy
+    (1-3 s on a 2-core CPU, see `size_costs`).  This mode is never compiled, so it opts out of that
+    wrapper (`_should_skip_dynamo`, read when the class is created by the torch versions that wrap).
+    tests/test_autoplan.py checks its counts against FlopCounterMode's, tests/test_first_call.py that
+    a first call imports neither torch._dynamo nor Triton.
     """
+
+    _formulas: dict[Any, Callable[[tuple, Any], int]] | None = None
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -124,6 +150,8 @@ class _FlopCount(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.flops = 0
+        if _FlopCount._formulas is None:
+            _FlopCount._formulas = _flop_formulas()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -133,9 +161,9 @@ class _FlopCount(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func.overloadpacket)
+        formula = self._formulas.get(func.overloadpacket)
         if formula is not None:
-            self.flops += formula(*args, **kwargs, out_val=out)
+            self.flops += formula(args, out)
         return out
 
 
@@ -144,6 +172,7 @@ def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtyp
     """Size-based costs from one forward of the first microbatch through copies of the layers,
     on the meta device (shapes only) or on the CPU (see `size_costs`)."""
     flop_rate, byte_rate = rates
+
     def to_device(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
@@ -205,7 +234,7 @@ def size_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict] | None, d
                 with torch.random.fork_rng(devices=[]), sdpa_kernel(SDPBackend.MATH):
                     return _dry_run_costs(layers, sample, dtype, rates, "cpu")
             return _dry_run_costs(layers, sample, dtype, rates, "meta")
-        except Exception:  # noqa: BLE001 - a layer without meta support: fall back to sizes
+        except Exception:  # noqa: BLE001 - a layer that cannot run there: fall back to sizes
             pass
     tokens = 1
     if sample is not None:   # leading dims of the widest input, e.g. (batch, seq) of token ids

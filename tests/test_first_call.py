@@ -1,5 +1,5 @@
 """The first `forward_backward` costs about a plain forward+backward: nothing on its path imports
-torch._dynamo (1-3 s on a 2-core CPU; see roundpipe/autoplan.py's `size_costs`).  Timings are
+torch._dynamo (1-3 s on a 2-core CPU; see roundpipe/autoplan.py's `size_costs`) or Triton.  Timings are
 bench/dispatch.py's job; these tests check the cause, in fresh interpreters."""
 import json
 import subprocess
@@ -26,6 +26,7 @@ with rp.RoundPipe(layers, devices=cfg.devices * int(sys.argv[1])) as model:
     model.forward_backward(x, labels=torch.roll(x, -1, 1), loss_fn=loss_fn)
     model.synchronize()
     after["first call"] = "torch._dynamo" in sys.modules
+    after["triton"] = "triton" in sys.modules
     after["planned from the dry run"] = model.autoplan.profiler is not None
 print(json.dumps(after))
 """
@@ -34,9 +35,9 @@ print(json.dumps(after))
 @pytest.mark.parametrize("workers", [1, 2])
 def test_first_call_does_not_import_dynamo(workers):
     """Importing roundpipe, building a RoundPipe and its first forward_backward (default `roundpipe train`
-    model, the partitioner's plan from the dry run) leave torch._dynamo unimported."""
+    model, the partitioner's plan from the dry run) leave torch._dynamo and Triton (0.45 s) unimported."""
     run = subprocess.run([sys.executable, "-c", FIRST_CALL, str(workers)], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.splitlines()[-1]) == {
-        "import and construction": False, "first call": False, "planned from the dry run": True}
+        "import and construction": False, "first call": False, "triton": False, "planned from the dry run": True}
