@@ -138,12 +138,16 @@ class Dispatcher:
     def run(self, ctx: CallContext, sched: Schedule) -> None:
         """Runs every worker's slots; re-raises the first error after all workers have stopped."""
         progress = _Progress(len(self.workers))
-        for w in self.workers:
-            w.submit(self._work_fn(ctx, w, sched.tasks[w.name], progress))
+        submitted = 0
         try:
+            for w in self.workers:
+                w.submit(self._work_fn(ctx, w, sched.tasks[w.name], progress))
+                submitted += 1
             progress.wait(until_error=True)
         except BaseException:
             ctx.board.abort()   # Ctrl-C: stop the workers, leave the host state as it was
+            with progress.cv:
+                progress.left -= len(self.workers) - submitted   # never handed their work
             progress.wait(until_error=False)
             raise
         if progress.error is not None:

@@ -244,7 +244,7 @@ def test_nested_roundpipe_is_refused_not_deadlocked():
             t0 = time.monotonic()
             with pytest.raises(RuntimeError, match="cannot be nested"):
                 outer(x)
-            assert time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 < 60   # refused at once, not after a watchdog-length wait
         finally:
             Nested.inner = None
         assert inner(x).shape == (4, 8)
@@ -284,7 +284,7 @@ def test_layer_exception_surfaces_and_model_recovers(exc):
     t0 = time.perf_counter()
     with pytest.raises(type(exc)) as info:
         opt_model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 30   # the other workers stop at once; only a hang takes this long
     if not isinstance(exc, KeyboardInterrupt):
         assert "layer 3" in str(info.value)
     opt_model.synchronize()
@@ -315,7 +315,19 @@ def test_loss_fn_exception_is_tagged():
 def test_ctrl_c_in_the_caller_leaves_state_unchanged():
     """A KeyboardInterrupt delivered to the waiting caller stops the call; weights and optimizer state stay."""
     import _thread
+
+    class InterruptOnce(torch.nn.Module):
+        """Sends the caller a Ctrl-C from inside the call (so it surely still waits), then carries on."""
+        armed = False
+
+        def forward(self, x):
+            if InterruptOnce.armed:
+                InterruptOnce.armed = False
+                _thread.interrupt_main()
+            return x
+
     layers = [Slow(m, 0.01) for m in mlp(4)]
+    layers.insert(2, InterruptOnce())
     with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=4) as model:
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
         x, y = torch.randn(8, 8), torch.randn(8, 8)
@@ -323,11 +335,9 @@ def test_ctrl_c_in_the_caller_leaves_state_unchanged():
         model.step(opt, asynchronous=False)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         steps = [s["step"].clone() for s in opt.state.values()]
-        timer = threading.Timer(0.05, _thread.interrupt_main)
-        timer.start()
+        InterruptOnce.armed = True   # the replicas share the class attribute
         with pytest.raises(KeyboardInterrupt):
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-        timer.join()
         model.synchronize()
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         assert all(p.grad is None for p in model.parameters())
@@ -363,7 +373,7 @@ def test_dropped_model_stops_its_threads():
     assert threading.active_count() == before + 8   # 3 workers and their completion threads, step, G-copy
     del model
     gc.collect()
-    deadline = time.time() + 2
+    deadline = time.time() + 30
     while threading.active_count() > before and time.time() < deadline:
         time.sleep(0.01)
     assert threading.active_count() == before
