@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import threading
 from typing import Any, Callable, Iterator
 
@@ -67,6 +68,27 @@ def _gpu_input_events(mb) -> dict | None:
     devices = {t.device for m in range(len(mb)) for t in tensors((mb.args[m], mb.kwargs[m], mb.labels[m]))
                if t.device.type == "cuda"}
     return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
+
+
+def _register_then_queue(register: Callable[[], Any], queue: Callable[[Any], None]) -> None:
+    """register() with the protocol, then queue(its record), with Ctrl-C held back in between.
+
+    A KeyboardInterrupt between the two would leave the protocol waiting for a job that never
+    runs, and every later call waiting for it.  On the main thread, with Python's default
+    SIGINT handler in place, an interrupt arriving meanwhile is recorded and raised once the
+    job is queued (one that was already pending may still fire before register(): harmless)."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        queue(register())
+        return
+    hit: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: hit.append(signum))
+    try:
+        queue(register())
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hit:
+        raise KeyboardInterrupt
 
 
 class RoundPipe:
@@ -268,9 +290,9 @@ class RoundPipe:
         if not self._grads_pending:
             return
         self._grads_pending = False
-        after = self.sync.issue_gcopy()
         sync, gcopy = self.sync, self.host.gcopy   # a queued job must not keep the model alive
-        self.gcopy_thread.submit(lambda: run_gcopy(sync, after, gcopy))
+        _register_then_queue(sync.issue_gcopy, lambda after: self.gcopy_thread.submit(
+            lambda: run_gcopy(sync, after, gcopy)))
 
     def step(self, optimizer, asynchronous: bool = True, *, lr_scheduler=None,
              max_grad_norm: float | None = None) -> None:
@@ -293,9 +315,9 @@ class RoundPipe:
             fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm)
             self._refresh_edited()   # calls in this step's stale window read the masters as they are now
             self._issue_gcopy()
-            rec = self.sync.new_step(asynchronous)
             sync = self.sync   # a queued job must not keep the model alive
-            self.host_thread.submit(lambda: run_step(sync, rec, fns))
+            _register_then_queue(lambda: sync.new_step(asynchronous),
+                                 lambda rec: self.host_thread.submit(lambda: run_step(sync, rec, fns)))
             if not asynchronous:
                 self._drain()
 

@@ -511,3 +511,29 @@ def test_bad_batches_and_labels_are_named():
         model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=F.mse_loss)   # still usable
         model.synchronize()
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_ctrl_c_between_registering_and_queuing_a_step_never_hangs(monkeypatch):
+    """A Ctrl-C that lands right after step() registered with the protocol is raised once the step is
+    queued: the step runs and later calls go on (before: the step was never queued; the next call hung)."""
+    import _thread
+    from test_call_sequences import run_with_watchdog
+    layers = mlp(3)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        before = [p.detach().clone() for p in model.parameters()]
+        registered = model.sync.new_step
+
+        def new_step_then_interrupt(*a, **k):
+            rec = registered(*a, **k)
+            _thread.interrupt_main()   # pending: raised at the next check, between the two
+            return rec
+        monkeypatch.setattr(model.sync, "new_step", new_step_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model.step(opt)
+        monkeypatch.undo()
+        run_with_watchdog(lambda: (model.forward_backward(x, labels=y, loss_fn=F.mse_loss), model.synchronize()),
+                          timeout_s=30)
+        assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), before))
