@@ -16,24 +16,12 @@ Without a GPU everything runs on CPU, the kernels under the Triton interpreter
 (timings that say nothing about kernel speed; extra_info "path" says which ran);
 with one, the cuda cases run too.
 """
-import os
 import sys
 from pathlib import Path
 
+from roundpipe.testing import triton_interpreter_unless_cuda  # noqa: E402
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-HAS_CUDA = _has_cuda()
-if not HAS_CUDA:
-    # Before any kernel module is imported (Triton reads it when decorating).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+HAS_CUDA = triton_interpreter_unless_cuda()   # before any kernel module is imported
 # The programs beside this file are imported by name (cpu_adam, dispatch, kernels).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

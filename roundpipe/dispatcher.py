@@ -88,6 +88,7 @@ class Schedule:
             if ri == 0:
                 self.input_consumers = len(self._readers(placed, 0))
         self.next_g0 = slot
+        self.fits_checked = False   # set by RoundPipe once its stages were checked against the device caps
 
     @staticmethod
     def _readers(placed: list, b: int) -> list[Consumer]:

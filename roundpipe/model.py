@@ -256,7 +256,9 @@ class RoundPipe:
         self._refresh_edited()
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
-        check_schedule(sched.tasks, self.device_memory, self.host)   # before any work: a stage that cannot fit
+        if not sched.fits_checked:   # before any work, once per schedule: a stage that cannot fit
+            check_schedule(sched.tasks, self.device_memory, self.host)
+            sched.fits_checked = True
         rng = CallerRng(self.devices)
         ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, rng.base,
                           labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace_call(plan),

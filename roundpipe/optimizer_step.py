@@ -78,7 +78,10 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> float:
-    """clip_grad_norm_'s factor: min(1, max_norm / (total_norm + 1e-6)), computed in fp32 as torch does."""
+    """clip_grad_norm_'s factor: min(1, max_norm / (total_norm + 1e-6)), computed in fp32 as torch does.
+
+    Not roundpipe.optim.grad_norm + clip_coef: those work in float64, so the factor could differ
+    from torch's in its last bit, and step(max_grad_norm=) promises clip_grad_norm_'s numbers."""
     if not grads:
         return 1.0
     coef = max_norm / (_total_norm(grads) + 1e-6)

@@ -10,6 +10,7 @@ tests instead of hiding behind a lucky schedule.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
@@ -56,3 +57,17 @@ def random_sleeps(max_s: float = 0.002, seed: int = 0, prob: float = 0.5) -> Cal
             time.sleep(t)
 
     return hook
+
+
+def triton_interpreter_unless_cuda() -> bool:
+    """For test and bench suites: whether a CUDA GPU is visible; without one, TRITON_INTERPRET=1.
+
+    Call it before any kernel module is imported (Triton reads the variable when decorating)."""
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return has_cuda

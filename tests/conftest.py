@@ -1,21 +1,9 @@
 """Shared test setup: Triton interpreter without a GPU, the `cuda` skip, seeding."""
-import os
 import random
 
+from roundpipe.testing import triton_interpreter_unless_cuda  # noqa: E402
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-HAS_CUDA = _has_cuda()
-if not HAS_CUDA:
-    # Must happen before any kernel module is imported (Triton reads it when decorating).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+HAS_CUDA = triton_interpreter_unless_cuda()   # before any kernel module is imported
 
 import pytest  # noqa: E402
 
