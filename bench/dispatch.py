@@ -46,12 +46,12 @@ import torch
 from torch import nn
 
 from roundpipe.bench.runner import Report, add_common_args, median_time
-from roundpipe.data import ByteCorpus
-from roundpipe.model import RoundPipe
-from roundpipe.plan import Plan
+from roundpipe.commands.data import ByteCorpus
+from roundpipe.engine.model import RoundPipe
+from roundpipe.engine.plan import Plan
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
-from roundpipe.train import TrainConfig, lr_at, make_optimizer
-from roundpipe.train_engines import RoundPipeEngine, TorchReference
+from roundpipe.commands.train import TrainConfig, lr_at, make_optimizer
+from roundpipe.commands.train_loops import RoundPipeEngine, TorchReference
 
 
 class Scale(nn.Module):
@@ -189,7 +189,7 @@ else:
 import torch
 import roundpipe
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
-from roundpipe.train import TrainConfig
+from roundpipe.commands.train import TrainConfig
 cfg = TrainConfig(devices=["cpu"]).resolved()
 layers = build_layers(cfg.model_config(), seed=0)
 x = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), generator=torch.Generator().manual_seed(0))

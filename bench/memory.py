@@ -14,7 +14,7 @@ masters), beside DeepSpeed ZeRO-Offload's documented 16-18 bytes per parameter
 and the engine's own accounting (`RoundPipe.memory_stats`).  Device rows give each
 worker's peak ledger bytes (weights, activations, gradients) against the floor the
 pre-call check uses (a stage's weights, the prefetched next stage's, its
-gradients; roundpipe/device_memory.py): on CPU workers the "device" is host memory,
+gradients; roundpipe/engine/device_memory.py): on CPU workers the "device" is host memory,
 so those bytes are inside the RSS too.
 
     python bench/memory.py [--quick] [--out DIR_OR_FILE] [--no-save]
@@ -34,7 +34,7 @@ _CHILD = r'''
 import json, os, resource, sys
 import torch, torch.nn.functional as F
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
-from roundpipe.train import TrainConfig
+from roundpipe.commands.train import TrainConfig
 size, provider, steps, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 def rss():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -60,7 +60,7 @@ else:
             model.step(opt, asynchronous=provider.endswith("async"))
         model.synchronize()
         stats = model.memory_stats(opt)
-        from roundpipe.device_memory import layer_bytes
+        from roundpipe.engine.device_memory import layer_bytes
         weights, grads = layer_bytes(model.host)
         tasks = model.dispatcher.schedule(model.plan, True, model.num_microbatches or model.round_size,
                                           model.round_size).tasks

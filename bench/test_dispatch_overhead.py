@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import dispatch
-from roundpipe.model import RoundPipe
-from roundpipe.plan import Plan
+from roundpipe.engine.model import RoundPipe
+from roundpipe.engine.plan import Plan
 
 LAYERS, M = 16, 4
 

@@ -17,15 +17,15 @@ from roundpipe._version import __version__
 
 # public name -> module that defines it
 _LAZY = {
-    "RoundPipe": "roundpipe.model",
-    "Plan": "roundpipe.plan",
+    "RoundPipe": "roundpipe.engine.model",
+    "Plan": "roundpipe.engine.plan",
     "optim": "roundpipe.optim",
     "sim": "roundpipe.sim",
     "kernels": "roundpipe.kernels",
     "hostops": "roundpipe.hostops",
     "planner": "roundpipe.planner",
     "offload": "roundpipe.offload",
-    "PlanningConfig": "roundpipe.autoplan",
+    "PlanningConfig": "roundpipe.engine.autoplan",
 }
 
 native_available = _native.available

@@ -1,6 +1,6 @@
 """`python -m roundpipe ...` is the `roundpipe` command."""
 import sys
 
-from roundpipe.cli import main
+from roundpipe.commands.cli import main
 
 sys.exit(main())

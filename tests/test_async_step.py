@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import roundpipe as rp
 from rp_models import MODELS, Slow, max_rel_err, reference
-from roundpipe.async_step import LayerSync
+from roundpipe.engine.async_step import LayerSync
 from roundpipe.testing import inject_delays, random_sleeps
 
 

@@ -9,8 +9,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import roundpipe as rp
 from roundpipe import planner
-from roundpipe.autoplan import PlanningConfig, _FlopCount, size_costs, stage_seconds
-from roundpipe.dispatcher import default_plan
+from roundpipe.engine.autoplan import PlanningConfig, _FlopCount, size_costs, stage_seconds
+from roundpipe.engine.dispatcher import default_plan
 from roundpipe.models.tiny_decoder import DecoderConfig, build_layers
 from roundpipe.planner import objective
 from roundpipe.sim import bubbles
@@ -183,7 +183,7 @@ def test_replans_when_a_layer_is_slow():
             fit(model, x, y)
         costs = model.autoplan.profiler.costs()
         # A stage's time is split over its layers by their current costs, so layer 2 keeps most of it.
-        # CPU workers share a generator, so stage times are raw (roundpipe/autoplan.py) and the
+        # CPU workers share a generator, so stage times are raw (roundpipe/engine/autoplan.py) and the
         # neighbours of layer 2 on the other worker may be charged its sleep: layer 1's backward waits
         # for 2's gradient, layer 3's for the generator while 2 recomputes (under load, in every
         # microbatch, so the fastest one is slow too).  Layers 0, 4 and 5 are checked.

@@ -1,8 +1,8 @@
-"""Tests for roundpipe.data: the built-in byte corpus and its seeded batches."""
+"""Tests for roundpipe.commands.data: the built-in byte corpus and its seeded batches."""
 import pytest
 import torch
 
-from roundpipe.data import VOCAB_SIZE, ByteCorpus, stdlib_dir
+from roundpipe.commands.data import VOCAB_SIZE, ByteCorpus, stdlib_dir
 
 
 def _write(root, files):

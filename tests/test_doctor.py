@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from roundpipe import doctor
+from roundpipe.commands import doctor
 
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:

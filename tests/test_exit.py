@@ -3,7 +3,7 @@
 Before the fix a script ending with an asynchronous step pending aborted with "terminate
 called without an active exception" (status 134) in about half of its runs: an engine thread
 still inside torch when the interpreter finalized was killed while it reacquired the GIL
-(roundpipe/executor.py).  Each scenario's script runs 20 times, in children forked from a
+(roundpipe/engine/executor.py).  Each scenario's script runs 20 times, in children forked from a
 launcher that has already imported torch (and, for torch optimizers, torch._dynamo): a fresh
 interpreter spends ~2-6 s there, so 66 fresh runs would take minutes.  Each child runs its
 script as `__main__` and leaves through the ordinary interpreter exit (atexit, finalization),
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import roundpipe as rp
-from roundpipe.executor import SerialExecutor
+from roundpipe.engine.executor import SerialExecutor
 
 LINUX = sys.platform.startswith("linux") and os.path.isdir("/proc/self/task")
 
@@ -37,7 +37,7 @@ import json, os, runpy, sys
 
 import torch
 import torch.nn.functional
-import roundpipe.model, roundpipe.offload, roundpipe.optim
+import roundpipe.engine.model, roundpipe.offload, roundpipe.optim
 
 out, warm, jobs = sys.argv[1], sys.argv[2], sys.argv[3:]
 if warm == "optim":   # a torch optimizer imports torch._dynamo (~5 s): once, here

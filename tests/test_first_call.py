@@ -1,5 +1,5 @@
 """The first `forward_backward` costs about a plain forward+backward: nothing on its path imports
-torch._dynamo (1-3 s on a 2-core CPU; see roundpipe/autoplan.py's `size_costs`) or Triton.  Timings are
+torch._dynamo (1-3 s on a 2-core CPU; see roundpipe/engine/autoplan.py's `size_costs`) or Triton.  Timings are
 bench/dispatch.py's job; these tests check the cause, in fresh interpreters."""
 import json
 import subprocess
@@ -15,7 +15,7 @@ import json, sys
 import torch
 import roundpipe as rp
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
-from roundpipe.train import TrainConfig
+from roundpipe.commands.train import TrainConfig
 
 cfg = TrainConfig(devices=["cpu"]).resolved()
 layers = build_layers(cfg.model_config(), seed=0)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import roundpipe as rp
 from roundpipe import _native
-from roundpipe.host_state import HostState
+from roundpipe.engine.host_state import HostState
 from rp_models import MODELS, max_rel_err, reference
 
 native = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")

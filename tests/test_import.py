@@ -36,7 +36,7 @@ def test_missing_extension_warns_once_and_falls_back():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import roundpipe
-            import roundpipe.hostops, roundpipe.doctor
+            import roundpipe.hostops, roundpipe.commands.doctor
         ours = [str(w.message) for w in caught if "roundpipe._C" in str(w.message)]
         print("count:", len(ours))
         print("message:", ours[0])

@@ -6,7 +6,7 @@ from torch import nn
 
 import roundpipe as rp
 from rp_models import Mlp
-from roundpipe.recompute import segment_seed
+from roundpipe.engine.recompute import segment_seed
 from roundpipe.testing import inject_delays, random_sleeps
 
 

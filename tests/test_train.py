@@ -1,4 +1,4 @@
-"""Tests for roundpipe.train: the `roundpipe train` job, its config and its flags."""
+"""Tests for roundpipe.commands.train: the `roundpipe train` job, its config and its flags."""
 import json
 import re
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import roundpipe.optim
-from roundpipe import train as rt
-from roundpipe.data import ByteCorpus
+from roundpipe.commands import train as rt
+from roundpipe.commands.data import ByteCorpus
 
 TINY = dict(hidden=32, layers=2, heads=2, seq_len=32, batch_size=8, steps=40, lr=1e-2, eval_batches=2, progress=False)
 

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from roundpipe.plan import Plan
+from roundpipe.engine.plan import Plan
 from roundpipe.planner.costs import (GRAD_FACTOR, LayerCost, backward_memory, backward_time, check_costs,
                                      forward_time)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.plan import Plan
+from roundpipe.engine.plan import Plan
 from roundpipe.planner.costs import LayerCost
 
 

@@ -30,7 +30,7 @@ from roundpipe.sim.events import Schedule, Task
 
 
 def default_round_size(workers: int) -> int:
-    """Microbatches per round when none is given: N + 1, as the engine (roundpipe.dispatcher)."""
+    """Microbatches per round when none is given: N + 1, as the engine (roundpipe.engine.dispatcher)."""
     return workers + 1
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.plan import Plan
+from roundpipe.engine.plan import Plan
 from roundpipe.sim.costs import Costs, sizes_from_plan
 from roundpipe.sim.events import Run, simulate as run_schedule
 from roundpipe.sim.metrics import Bubbles, bubbles

@@ -3,7 +3,7 @@
 A worker is stateless between stages.  The dispatcher hands it a list of
 closures per call; it runs them in order on its own thread.  Everything that
 moves data goes through the copy queues of roundpipe/workers/transfers.py, so
-the stage code in roundpipe/stage.py is the same for a CPU and a CUDA worker:
+the stage code in roundpipe/engine/stage.py is the same for a CPU and a CUDA worker:
 
     upload_params    host upload copies -> device weights, LPT windows  (param_up)
     upload_buffers   host buffers -> device                             (param_up)
@@ -32,17 +32,22 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from roundpipe.executor import SerialExecutor
-from roundpipe.microbatch import tree_leaves, tree_unflatten
-from roundpipe.recompute import RngDomain
+from roundpipe.engine.executor import SerialExecutor
+from roundpipe.engine.microbatch import tree_leaves, tree_unflatten
+from roundpipe.engine.recompute import RngDomain
 from roundpipe.workers.ledger import DeviceLedger
 from roundpipe.workers.transfers import Bulk, Transfers
 
 Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+# Layers of a stage-microbatch that took longer than this last time are real compute: they
+# run outside the worker's turn, beside another worker's (see roundpipe/workers/cpu.py).
+# The bench's trivial layers take ~0.02-0.05 ms, the tiny decoder's ~ms.
+LONG_COMPUTE_S = 0.5e-3
 
 
 def _plain_alloc(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -118,6 +123,14 @@ class Worker(ABC):
     def yielded(self) -> contextlib.AbstractContextManager:
         """Around a wait for another worker's output: gives the turn back meanwhile, if held."""
         return contextlib.nullcontext()
+
+    def compute_span(self, seconds: dict, key: Hashable) -> contextlib.AbstractContextManager:
+        """Around a stage's layer compute: outside the worker's turn when it took long last time.
+
+        `seconds[key]` keeps how long the compute under `key` took.  Never measured counts as
+        long, so a slow layer never holds the turn even once; forward and backward have their
+        own keys, since a cheap forward says nothing about its backward."""
+        return _ComputeSpan(self, seconds, key)
 
     # True when issuing the next stage's weights and the next microbatch's input early
     # overlaps compute.  Copies are asynchronous on both kinds of worker, but on a CPU worker
@@ -320,3 +333,21 @@ class Worker(ABC):
         self.copies.synchronize()
         self._completer.wait_idle()
         self._completer.discard_error()   # the call already failed with its first error
+
+
+class _ComputeSpan:
+    __slots__ = ("seconds", "key", "yielded", "t0")
+
+    def __init__(self, w: Worker, seconds: dict, key: Hashable):
+        self.seconds, self.key = seconds, key
+        self.yielded = w.yielded() if seconds.get(key, LONG_COMPUTE_S + 1) > LONG_COMPUTE_S else None
+
+    def __enter__(self) -> None:
+        if self.yielded is not None:
+            self.yielded.__enter__()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.seconds[self.key] = time.perf_counter() - self.t0
+        if self.yielded is not None:
+            self.yielded.__exit__(*exc)

@@ -20,7 +20,7 @@ output.  They share one interpreter lock, so running them at once gains
 nothing, while two threads alternating on every (GIL-releasing) torch call
 doubled the engine's CPU time per stage-microbatch (246 against 138 us user
 time, 16 trivial layers, 2 workers against 1, on the 2-core CI VM).  Layer
-compute that took over `stage.LONG_COMPUTE_S` last time runs outside the turn:
+compute that took over `base.LONG_COMPUTE_S` last time runs outside the turn:
 real work (matmuls that release the interpreter lock) still overlaps across
 workers; holding the turn through it cost the tiny decoder a quarter of its
 2-worker throughput.  Copies still run on the copy threads, outside any turn,

@@ -3,7 +3,7 @@
 The main job of the package: no downloads, no configuration.  It builds the
 decoder of roundpipe.models.tiny_decoder as a list of layers, wraps it in
 `rp.RoundPipe` (GPU workers when there are GPUs, otherwise CPU workers), draws
-seeded next-byte batches from roundpipe.data and runs AdamW, with a tqdm bar
+seeded next-byte batches from roundpipe.commands.data and runs AdamW, with a tqdm bar
 showing the loss and tokens/s.  It ends by printing the training loss at the start
 and at the end and the held-out loss before and after, so a run shows whether the
 model learned.  `--engine torch` runs the same model, data and optimizer as a
@@ -11,7 +11,7 @@ plain PyTorch loop on one device: the reference for correctness and speed.
 
     roundpipe train                          # tiny model on CPU workers, ~1 minute on 2 cores
     roundpipe train --size 0.8b --steps 50   # tokens/s of a 0.8B decoder on the GPUs
-    python -c "from roundpipe.train import TrainConfig, train; print(train(TrainConfig(steps=20)))"
+    python -c "from roundpipe.commands.train import TrainConfig, train; print(train(TrainConfig(steps=20)))"
 """
 from __future__ import annotations
 
@@ -24,14 +24,13 @@ from typing import Literal
 
 import torch
 
-from roundpipe.data import ByteCorpus
+from roundpipe.commands.data import ByteCorpus
 from roundpipe.models.tiny_decoder import PRESETS, DecoderConfig, build_layers, loss_fn
 from roundpipe.optim import AdamW
-from roundpipe.train_engines import make_engine
+from roundpipe.commands.train_loops import DTYPES, make_engine
 from roundpipe.workers import parse_devices
 
 ENGINES = ("roundpipe", "torch")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

@@ -17,21 +17,21 @@ Every dependency points to a lower slot (the previous stage's output of the
 same microbatch, the previous round's buffers and gradient writes of the same
 layer, the previous call's optimizer protocol), and each worker runs its slots
 in increasing order, so the schedule cannot deadlock.  The fences between
-stages are waits on the board (roundpipe/board.py) and on the per-layer
-protocol (roundpipe/async_step.py).
+stages are waits on the board (roundpipe/engine/board.py) and on the per-layer
+protocol (roundpipe/engine/async_step.py).
 
 `default_plan` is the fixed rule used when planning is switched off
 (`PlanningConfig(enabled=False)`); by default the plan comes from the
-partitioner and follows the profiled costs (roundpipe/autoplan.py).
+partitioner and follows the profiled costs (roundpipe/engine/autoplan.py).
 """
 from __future__ import annotations
 
 import threading
 from typing import Callable
 
-from roundpipe.async_step import Aborted
-from roundpipe.plan import Plan
-from roundpipe.stage import CallContext, Consumer, StageTask, run_stage
+from roundpipe.engine.async_step import Aborted
+from roundpipe.engine.plan import Plan
+from roundpipe.engine.stage import CallContext, Consumer, StageTask, run_stage
 from roundpipe.workers.base import Worker
 
 

@@ -42,7 +42,7 @@ State of one step, as the host thread takes it through (table in docs/async_step
 An error in the optimizer never stops the protocol: the remaining layers of
 that step still go through their gates (upload copy rewritten from the
 masters, gradients consumed), so the next calls run; the error is re-raised
-on the caller's thread at its next engine call (roundpipe/executor.py).
+on the caller's thread at its next engine call (roundpipe/engine/executor.py).
 
 Time, N workers busy with call t+1 while the host thread steps after call t:
 
@@ -247,7 +247,7 @@ def run_gcopy(sync: LayerSync, after_steps: int, gcopy: Callable[[int], None]) -
 
 
 class StepFns:
-    """What one step does, as the protocol calls it (built by roundpipe/optimizer_step.py).
+    """What one step does, as the protocol calls it (built by roundpipe/engine/optimizer_step.py).
 
       prepare()   runs once every layer's gradients are in p.grad, before any layer is
                   updated (a torch optimizer's whole step, the global gradient norm), or None

@@ -1,6 +1,6 @@
 """How `RoundPipe.step` drives an optimizer: checks, clipping, per-layer updates, the lr scheduler.
 
-Three shapes of optimizer fit the per-layer protocol (roundpipe/async_step.py):
+Three shapes of optimizer fit the per-layer protocol (roundpipe/engine/async_step.py):
 
     per-layer fused   an object with `step_layer(params, upload)` (roundpipe.optim.Adam/AdamW):
                       layer l is updated and its upload copy written in one pass as soon
@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from roundpipe.async_step import StepFns
-from roundpipe.host_state import HostState
+from roundpipe.engine.async_step import StepFns
+from roundpipe.engine.host_state import HostState
 
 
 def check_optimizer_params(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:

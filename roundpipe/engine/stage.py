@@ -13,9 +13,8 @@ Parameter gradients accumulate in fp32 on the worker over the stage's
 microbatches and are downloaded once per stage; buffers are written back after
 F and fused stages only, so a recompute never updates them twice.
 
-Every exception raised by a layer, by loss_fn or in a backward is tagged with
-where it happened (`layer 3`, `loss_fn`, `backward of layers 4-5`) and re-raised
-unchanged in type.
+The layer compute itself (layers in order, backward, error tags) is in
+roundpipe/engine/compute.py; the copies go through the worker (roundpipe/workers/).
 """
 from __future__ import annotations
 
@@ -27,11 +26,11 @@ from typing import Any, Callable
 
 import torch
 
-from roundpipe.async_step import Aborted, LayerSync
-from roundpipe.board import Board
-from roundpipe.host_state import HostState
-from roundpipe.microbatch import tree_leaves, tree_map
-from roundpipe.recompute import segment_seed
+from roundpipe.engine.async_step import LayerSync
+from roundpipe.engine.board import Board
+from roundpipe.engine.compute import autograd_backward, float_leaves, run_layers, tag
+from roundpipe.engine.host_state import HostState
+from roundpipe.engine.microbatch import tree_leaves, tree_map
 from roundpipe.trace import Trace
 from roundpipe.workers.base import Arrival, Handoff, Upload, Worker
 
@@ -56,12 +55,6 @@ class StageTask:
     @property
     def label(self) -> str:
         return f"{self.kind}{self.slot}[{self.layers.start}-{self.layers.stop - 1}]"
-
-
-# Layers of a stage-microbatch that took longer than this last time are real compute: they
-# run outside the worker's turn, beside another worker's (see roundpipe/workers/cpu.py).
-# The bench's trivial layers take ~0.02-0.05 ms, the tiny decoder's ~ms.
-LONG_COMPUTE_S = 0.5e-3
 
 
 @dataclass
@@ -89,85 +82,6 @@ class CallContext:
 
     def abort_requested(self) -> bool:
         return self.board.aborted
-
-
-class ComputeSpan:
-    """Around a stage's layer compute: outside the worker's turn when that compute took long last time.
-
-    Never measured counts as long, so a slow layer never holds the turn even once.  Forward and
-    backward are timed apart: a cheap forward says nothing about its backward."""
-    __slots__ = ("ctx", "key", "yielded", "t0")
-
-    def __init__(self, ctx: CallContext, w: Worker, kind: str, layers: range):
-        self.ctx, self.key = ctx, (kind, layers.start, layers.stop)
-        long = ctx.compute_s.get(self.key, LONG_COMPUTE_S + 1) > LONG_COMPUTE_S
-        self.yielded = w.yielded() if long else None
-
-    def __enter__(self) -> None:
-        if self.yielded is not None:
-            self.yielded.__enter__()
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        self.ctx.compute_s[self.key] = time.perf_counter() - self.t0
-        if self.yielded is not None:
-            self.yielded.__exit__(*exc)
-
-
-def tag(exc: BaseException, where: str) -> BaseException:
-    """Names the place of an exception in its message, once, keeping its type."""
-    if getattr(exc, "_roundpipe_where", None) is None:
-        exc._roundpipe_where = where
-        note = f"[roundpipe] raised in {where}"
-        if exc.args and isinstance(exc.args[0], str):
-            exc.args = (f"{exc.args[0]} ({note})",) + exc.args[1:]
-        else:
-            exc.add_note(note)
-    return exc
-
-
-# torch.autograd.backward's own checks of explicit gradients (shapes through the symbolic-shape
-# layer, dtypes) cost ~20 us a call, as much as the rest of a trivial stage-microbatch.  The
-# engine's gradients match their roots by construction (the grad of the next stage's input,
-# converted to compute dtype), so after a plain shape and dtype comparison backward stages call
-# the autograd engine the way torch.autograd.backward itself does after its checks.  Anything
-# else (a mismatch: torch's error message; no such entry point) goes through torch.autograd.backward.
-_engine_backward = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
-
-
-def autograd_backward(roots: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
-    """torch.autograd.backward(roots, grads); grads matching roots in shape and dtype skip its checks."""
-    if grads is None or _engine_backward is None or any(
-            r.shape != g.shape or r.dtype != g.dtype or r.device != g.device for r, g in zip(roots, grads)):
-        torch.autograd.backward(roots, grads)
-    else:
-        _engine_backward(tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
-
-
-def _float_leaves(x: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
-def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
-               publish: Callable[[int, Any], None] | None = None) -> Any:
-    """Runs layers on x; reseeds at every saved boundary; publish(b, x) after each one inside."""
-    reps = ctx.replicas[w.name]
-    # Long compute runs outside the worker's turn, beside another worker's.  The span is
-    # entered before the RNG lock and left after it, so the lock's holder never waits for
-    # the turn; a short span keeps the turn, which no holder of the lock can be waiting for.
-    with ComputeSpan(ctx, w, "f", layers), w.rng.hold():
-        for l in layers:
-            if ctx.abort_requested():
-                raise Aborted()
-            if l in ctx.points:
-                w.rng.reseed(segment_seed(ctx.rng_base, l, m))
-            try:
-                x = reps[l].module(*x[0], **x[1]) if l == 0 else reps[l].module(x)
-            except Exception as e:
-                raise tag(e, f"layer {l}")
-            if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
-                publish(l + 1, x)
-    return x
 
 
 class StageRun:
@@ -268,7 +182,7 @@ class StageRun:
         """The stage input with its floating leaves requiring grad (none for layer 0: data needs none)."""
         x = self._input(m)
         if self.task.layers.start > 0:
-            for t in _float_leaves(x):
+            for t in float_leaves(x):
                 t.requires_grad_(True)
         return x
 
@@ -282,7 +196,7 @@ class StageRun:
         if not roots:
             return
         try:
-            with ComputeSpan(self.ctx, self.w, "b", self.task.layers):
+            with self.w.compute_span(self.ctx.compute_s, ("b", self.task.layers.start, self.task.layers.stop)):
                 autograd_backward(roots, grads)
         except Exception as e:
             r = self.task.layers

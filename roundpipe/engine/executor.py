@@ -41,7 +41,7 @@ import time
 import weakref
 from typing import Callable, Sequence
 
-from roundpipe.async_step import Aborted
+from roundpipe.engine.async_step import Aborted
 
 _local = threading.local()   # .name: the engine thread's name, on engine threads only
 

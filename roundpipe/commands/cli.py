@@ -1,7 +1,7 @@
 """The `roundpipe` command: a thin router to each subsystem's own `main(argv)`.
 
 Every subcommand lives in the module that owns the concept (the doctor in
-roundpipe.doctor, benchmarks in roundpipe.bench, ...) and exposes
+roundpipe.commands.doctor, benchmarks in roundpipe.bench, ...) and exposes
 `main(argv: list[str] | None) -> int`.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ import importlib
 import sys
 
 COMMANDS = {
-    "doctor": ("roundpipe.doctor", "check the installation: versions, native core, SIMD, GPUs, Triton"),
-    "train": ("roundpipe.train", "train the built-in default model (no downloads)"),
+    "doctor": ("roundpipe.commands.doctor", "check the installation: versions, native core, SIMD, GPUs, Triton"),
+    "train": ("roundpipe.commands.train", "train the built-in default model (no downloads)"),
     "bench": ("roundpipe.bench", "microbenchmarks: `roundpipe bench --list`"),
     "simulate": ("roundpipe.sim.cli", "simulate pipeline schedules and report bubbles"),
     "timeline": ("roundpipe.sim.timeline", "draw a simulated or recorded trace as a PNG"),

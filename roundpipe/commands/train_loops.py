@@ -24,6 +24,9 @@ from torch import nn
 
 from roundpipe.trace import Trace
 
+# --dtype names -> compute dtypes
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 class TorchReference:
     """The layers as one nn.Sequential on one device; autocast when dtype is not fp32."""
@@ -97,7 +100,7 @@ class RoundPipeEngine:
 
     def __init__(self, layers: list[nn.Module], devices: list[str] | None, microbatches: int | None,
                  dtype: torch.dtype | None, trace: bool = False):
-        from roundpipe.model import RoundPipe
+        from roundpipe.engine.model import RoundPipe
 
         self.model = RoundPipe(layers, devices=devices, num_microbatches=microbatches, compute_dtype=dtype)
         self.devices = [str(d) for d in self.model.devices]
@@ -138,9 +141,7 @@ class RoundPipeEngine:
 
 
 def make_engine(layers: list[nn.Module], cfg) -> TorchReference | RoundPipeEngine:
-    """The engine `cfg.engine` names, for a resolved roundpipe.train.TrainConfig."""
-    from roundpipe.train import DTYPES
-
+    """The engine `cfg.engine` names, for a resolved roundpipe.commands.train.TrainConfig."""
     dtype = DTYPES[cfg.dtype] if cfg.dtype is not None else None
     if cfg.engine == "torch":
         device = cfg.devices[0] if cfg.devices else "cpu"

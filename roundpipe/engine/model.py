@@ -9,7 +9,7 @@
 The wrapped module (an nn.Sequential of the layers) holds the fp32 master
 weights; `parameters()`, `state_dict()` etc. are its.  `forward_backward`
 splits the batch into microbatches, runs the round-robin schedule over the
-worker pool (roundpipe/dispatcher.py) and returns the batch loss: the
+worker pool (roundpipe/engine/dispatcher.py) and returns the batch loss: the
 microbatch losses weighted by microbatch size, so with a `loss_fn` that is a
 mean over samples the loss and the gradients equal the whole batch's.
 Gradients accumulate into `p.grad` across calls until `step()`, which runs the
@@ -27,19 +27,19 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from roundpipe.async_step import LayerSync, run_gcopy, run_step
-from roundpipe.optimizer_step import check_step_args, make_step
-from roundpipe.autoplan import AutoPlanner, PlanningConfig
-from roundpipe.board import Board
-from roundpipe.device_memory import check_schedule, resolve_caps
-from roundpipe.dispatcher import Dispatcher, default_plan
-from roundpipe.executor import SerialExecutor, engine_thread, stop_when_collected
-from roundpipe.host_state import HostState
-from roundpipe.microbatch import SplitFn, merge, split, tensors, tree_map
-from roundpipe.plan import Plan
-from roundpipe.recompute import CallerRng
-from roundpipe.replica import Replica
-from roundpipe.stage import CallContext
+from roundpipe.engine.async_step import LayerSync, run_gcopy, run_step
+from roundpipe.engine.optimizer_step import check_step_args, make_step
+from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
+from roundpipe.engine.board import Board
+from roundpipe.engine.device_memory import check_schedule, resolve_caps
+from roundpipe.engine.dispatcher import Dispatcher, default_plan
+from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_collected
+from roundpipe.engine.host_state import HostState
+from roundpipe.engine.microbatch import SplitFn, merge, split, tensors, tree_map
+from roundpipe.engine.plan import Plan
+from roundpipe.engine.recompute import CallerRng
+from roundpipe.engine.replica import Replica
+from roundpipe.engine.stage import CallContext
 from roundpipe.trace import Trace
 from roundpipe.workers import COMPUTE_DTYPES, default_compute_dtype, make_workers, parse_devices
 from roundpipe.workers.base import Handoff
@@ -112,12 +112,12 @@ class RoundPipe:
         if plan is not None and not isinstance(plan, Plan):
             raise TypeError(f"plan must be a roundpipe.Plan or None, got {type(plan).__name__}")
         if planning is not None and not isinstance(planning, PlanningConfig):
-            raise TypeError(f"planning must be a roundpipe.autoplan.PlanningConfig or None, got {type(planning).__name__}")
+            raise TypeError(f"planning must be a roundpipe.engine.autoplan.PlanningConfig or None, got {type(planning).__name__}")
         self.num_microbatches = num_microbatches
         self.round_size = microbatches_per_round or n + 1
         self.split_fn = split_fn
         self.compute_dtype = compute_dtype or default_compute_dtype(self.devices)
-        # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/autoplan.py).
+        # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/engine/autoplan.py).
         self.planning = planning or PlanningConfig()
         self.device_memory = resolve_caps(device_memory, self.devices)   # worker name -> bytes or None
         caps = [c for c in self.device_memory.values() if c is not None]
@@ -139,12 +139,12 @@ class RoundPipe:
         self.stage_timing: TimingFn | None = None   # profiler seam: (worker, kind, first_layer, mb, t0, t1)
         self._trace: Trace | None = None
         self._check_recompute = False
-        self._compute_s: dict[tuple[str, int, int], float] = {}   # last compute times (stage.ComputeSpan)
+        self._compute_s: dict[tuple[str, int, int], float] = {}   # last compute times (Worker.compute_span)
         self._api = threading.RLock()
         self._closed = False
         self._grads_pending = False   # a training call landed gradients that no G-copy has been issued for
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit, and
-        # none outlives the interpreter's exit (roundpipe/executor.py); flush lets a pending step run.
+        # none outlives the interpreter's exit (roundpipe/engine/executor.py); flush lets a pending step run.
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
                                               + self._host_threads(), self.sync.flush)
 
@@ -305,7 +305,7 @@ class RoundPipe:
         with `step_layer(params, upload)`, e.g. roundpipe.optim.AdamW: updates one layer's fp32
         masters from their `.grad` and writes their upload copies, layer by layer as the next
         call frees them).  asynchronous=True overlaps the update with the next call (one step
-        stale, see roundpipe/async_step.py); False returns with the update applied.
+        stale, see roundpipe/engine/async_step.py); False returns with the update applied.
         lr_scheduler: stepped right after this update, as `opt.step(); sched.step()` would.
         max_grad_norm: clip like torch.nn.utils.clip_grad_norm_ over every gradient first.
         Errors inside the update are raised here (synchronous), else by the engine call during

@@ -1,0 +1,1 @@
+"""The `roundpipe` command line: the router, the doctor and the built-in training job."""

@@ -1,0 +1,74 @@
+"""The layer compute of a stage run: layers in order with RNG reseeding, backward, error tags.
+
+Every exception raised by a layer, by loss_fn or in a backward is tagged with where it
+happened (`layer 3`, `loss_fn`, `backward of layers 4-5`) and re-raised unchanged in type.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from roundpipe.engine.async_step import Aborted
+from roundpipe.engine.microbatch import tree_leaves
+from roundpipe.engine.recompute import segment_seed
+from roundpipe.workers.base import Worker
+
+if TYPE_CHECKING:
+    from roundpipe.engine.stage import CallContext
+
+
+def tag(exc: BaseException, where: str) -> BaseException:
+    """Names the place of an exception in its message, once, keeping its type."""
+    if getattr(exc, "_roundpipe_where", None) is None:
+        exc._roundpipe_where = where
+        note = f"[roundpipe] raised in {where}"
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]} ({note})",) + exc.args[1:]
+        else:
+            exc.add_note(note)
+    return exc
+
+
+# torch.autograd.backward's own checks of explicit gradients (shapes through the symbolic-shape
+# layer, dtypes) cost ~20 us a call, as much as the rest of a trivial stage-microbatch.  The
+# engine's gradients match their roots by construction (the grad of the next stage's input,
+# converted to compute dtype), so after a plain shape and dtype comparison backward stages call
+# the autograd engine the way torch.autograd.backward itself does after its checks.  Anything
+# else (a mismatch: torch's error message; no such entry point) goes through torch.autograd.backward.
+_engine_backward = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
+
+
+def autograd_backward(roots: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+    """torch.autograd.backward(roots, grads); grads matching roots in shape and dtype skip its checks."""
+    if grads is None or _engine_backward is None or any(
+            r.shape != g.shape or r.dtype != g.dtype or r.device != g.device for r, g in zip(roots, grads)):
+        torch.autograd.backward(roots, grads)
+    else:
+        _engine_backward(tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def float_leaves(x: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
+               publish: Callable[[int, Any], None] | None = None) -> Any:
+    """Runs layers on x; reseeds at every saved boundary; publish(b, x) after each one inside."""
+    reps = ctx.replicas[w.name]
+    # Long compute runs outside the worker's turn, beside another worker's.  The span is
+    # entered before the RNG lock and left after it, so the lock's holder never waits for
+    # the turn; a short span keeps the turn, which no holder of the lock can be waiting for.
+    with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop)), w.rng.hold():
+        for l in layers:
+            if ctx.abort_requested():
+                raise Aborted()
+            if l in ctx.points:
+                w.rng.reseed(segment_seed(ctx.rng_base, l, m))
+            try:
+                x = reps[l].module(*x[0], **x[1]) if l == 0 else reps[l].module(x)
+            except Exception as e:
+                raise tag(e, f"layer {l}")
+            if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
+                publish(l + 1, x)
+    return x
