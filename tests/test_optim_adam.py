@@ -274,3 +274,27 @@ def test_step_layer_equals_step_and_writes_upload(upload_dtype):
                 assert torch.equal(u, p.detach().to(upload_dtype))
     with pytest.raises(ValueError, match="upload has 1 entries but params has 2"):
         ours.step_layer(layers[0], [None])
+
+
+def test_step_layer_reads_explicit_low_precision_grads_like_their_fp32_copy():
+    """step_layer(grads=...) with bf16 gradients (the engine's held gradients) equals the same step
+    over p.grad = g.float(): the kernel widens bf16 exactly."""
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(37, 5)), torch.nn.Parameter(torch.randn(11))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    grads = [torch.randn_like(p).to(torch.bfloat16) for p in a]
+    opt_a, opt_b = rpo.AdamW(a, lr=1e-2), rpo.AdamW(b, lr=1e-2)
+    up_a = [torch.empty_like(p, dtype=torch.bfloat16) for p in a]
+    up_b = [torch.empty_like(p, dtype=torch.bfloat16) for p in b]
+    for _ in range(3):
+        opt_a.step_layer(a, up_a, clip_coef=0.5, grads=grads)
+        for p, g in zip(b, grads):
+            p.grad = g.float()
+        opt_b.step_layer(b, up_b, clip_coef=0.5)
+    for pa, pb, ua, ub in zip(a, b, up_a, up_b):
+        assert torch.equal(pa, pb) and torch.equal(ua, ub)
+        assert pa.grad is None   # explicit gradients leave .grad alone
+    with pytest.raises(ValueError, match=r"grads\[1\]"):
+        opt_a.step_layer(a, up_a, grads=[grads[0], torch.zeros(3)])
+    with pytest.raises(ValueError, match="grads has 1 entries"):
+        opt_a.step_layer(a, up_a, grads=[grads[0]])

@@ -6,11 +6,24 @@ For every parameter of layer l the host keeps:
               `p.grad` is the accumulated fp32 gradient the optimizer reads)
     upload    copy in compute_dtype that workers upload from (written only by the
               P-copy, so an optimizer step never tears a weight a worker is reading)
-    gbuf      fp32 landing buffer for downloaded gradients: the sum of every call's
-              gradient since the last G-copy, which moves it into `p.grad`; a
-              parameter that got no gradient (unused, off the autograd path) has
-              none (`ghas`), so its `p.grad` stays None as in PyTorch.  Frozen
-              parameters (requires_grad=False) have no landing buffer at all.
+    gbuf      landing buffer for downloaded gradients: the sum of every call's
+              gradient since the last G-copy; a parameter that got no gradient
+              (unused, off the autograd path) has none (`ghas`), so its `p.grad`
+              stays None as in PyTorch.  Frozen parameters (requires_grad=False)
+              have no landing buffer at all.
+    held      the gradient the next step reads when it is not `p.grad`: see below.
+
+Workers download a stage's gradients in the compute dtype (they accumulate its
+microbatches in fp32 and round once).  A landing is adopted as it arrived (the
+download's own host buffer, no copy); a sum of two or more landings is kept in
+fp32.  The G-copy moves the sum into the gradient the step reads: an fp32 sum
+becomes `p.grad` itself; a low-precision one (one download, bf16 or fp16) is
+held as it is (`held`), read by the fused step directly, and turned into an
+fp32 `p.grad` only when something else reads gradients (`materialize`: the
+model's synchronize(), a torch optimizer's step).  So with a bf16 compute dtype
+and rp AdamW a gradient costs 2 bytes per parameter, 4 while an asynchronous
+step reads one call's gradients and the next call lands its own; `p.grad` costs
+nothing until it is read.
 
 A stamp (requires_grad, version counter, storage address) of every master
 taken at each P-copy lets a call find the masters the user changed since
@@ -85,7 +98,7 @@ class LayerState:
     buffers: list[torch.Tensor]
     trainable: list[int] = field(default_factory=list)  # indices of params with requires_grad
     ghas: list[bool] = field(default_factory=list)       # per param: gbuf holds a gradient
-    spare: list[torch.Tensor | None] = field(default_factory=list)   # per param: a p.grad given back by a step
+    held: list[torch.Tensor | None] = field(default_factory=list)    # per param: low-precision gradient for the step
     stamp: list[tuple] = field(default_factory=list)     # per param: _stamp(p) at the last P-copy
 
 
@@ -126,7 +139,7 @@ class HostState:
                 state.upload.append(u)
                 state.gbuf.append(None)
                 state.ghas.append(False)
-                state.spare.append(None)
+                state.held.append(None)
             self._set_trainable(state)
             state.stamp = [_stamp(p) for p in state.params]
             self.layers.append(state)
@@ -153,7 +166,7 @@ class HostState:
         for st in self.layers:
             st.upload.clear()
             st.gbuf.clear()
-            st.spare.clear()
+            st.held.clear()
         self.arena = None
 
     def _set_trainable(self, st: LayerState) -> None:
@@ -161,7 +174,7 @@ class HostState:
         st.trainable = [j for j, p in enumerate(st.params) if p.requires_grad]
         for j, p in enumerate(st.params):
             if not p.requires_grad:
-                st.gbuf[j] = st.spare[j] = None
+                st.gbuf[j] = st.held[j] = None
                 st.ghas[j] = False
 
     def edited(self, layer: int) -> bool:
@@ -174,7 +187,7 @@ class HostState:
         def total(get) -> int:
             return sum(t.nbytes for st in self.layers for t in get(st) if t is not None)
         out = {"masters": total(lambda st: st.params), "upload_copies": total(lambda st: st.upload),
-               "grad_landing": total(lambda st: st.gbuf + st.spare),
+               "grad_landing": total(lambda st: st.gbuf), "grads_held": total(lambda st: st.held),
                "grads": total(lambda st: [p.grad for p in st.params]),
                "buffers": total(lambda st: st.buffers)}
         if self.arena is not None:
@@ -212,48 +225,72 @@ class HostState:
         st.stamp = [_stamp(p) for p in st.params]
 
     def gcopy(self, layer: int) -> None:
-        """G-copy: landed gradients of one layer -> `p.grad` (accumulating, as autograd does).
+        """G-copy: landed gradients of one layer -> the gradient the step reads (accumulating).
 
-        Where p.grad is None the landing buffer itself becomes p.grad (no copy); the next
-        landing takes the buffer a step gave back (`clear_grads`) or a new one.  So gradients
-        cost one fp32 buffer per parameter with a synchronous step and two with an
-        asynchronous one (the next call lands while the step reads p.grad), and no step
-        allocates."""
+        Where the layer has no gradient yet the landing sum itself becomes it (no copy): `p.grad`
+        when fp32, else `held`; otherwise it is added in (a held gradient turns fp32 first)."""
         delay_point("gcopy")
         st = self.layers[layer]
         for j in st.trainable:
             if not st.ghas[j]:
                 continue
             p, g = st.params[j], st.gbuf[j]
-            if p.grad is None:
-                p.grad = g
-                st.gbuf[j] = None
-            else:
+            st.gbuf[j], st.ghas[j] = None, False
+            if p.grad is not None:
                 p.grad.add_(g)
-            st.ghas[j] = False
+            elif st.held[j] is not None:
+                st.held[j] = self._fp32_sum(st.held[j], g)
+            elif g.dtype == torch.float32:
+                p.grad = g
+            else:
+                st.held[j] = g
+            if st.held[j] is not None and st.held[j].dtype == torch.float32:
+                p.grad, st.held[j] = st.held[j], None
+
+    def _fp32_sum(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a + b in fp32: in place when a is fp32, else in a new fp32 buffer."""
+        if a.dtype != torch.float32:
+            out = self.alloc(a.shape, torch.float32)
+            self.copy(out, a)
+            a = out
+        return a.add_(b)
+
+    def step_grads(self, layer: int) -> list[torch.Tensor | None]:
+        """Per parameter of the layer, the gradient a step reads: p.grad, else the held one, else None."""
+        st = self.layers[layer]
+        return [p.grad if p.grad is not None else h for p, h in zip(st.params, st.held)]
+
+    def materialize(self, layer: int) -> None:
+        """Held low-precision gradients of the layer -> fp32 `p.grad` (for readers of p.grad)."""
+        st = self.layers[layer]
+        for j, h in enumerate(st.held):
+            if h is not None:
+                st.params[j].grad, st.held[j] = h.float(), None
 
     def land_grads(self, layer: int, grads: list[torch.Tensor | None]) -> None:
         """Adds one stage's downloaded gradients to the layer's landing sums (None: no gradient).
 
-        Each landing is logged until the call ends (`end_call`), so that a failed call can
-        take its gradients out again: a first landing is dropped exactly; one added to an
-        earlier call's sum still waiting for its G-copy (gradient accumulation while the
-        previous step is pending) is subtracted, exact up to fp32 rounding."""
+        A first landing is adopted as it is (the caller hands over the download's buffers); a
+        second one makes the sum fp32.  Each landing is logged until the call ends (`end_call`),
+        so that a failed call can take its gradients out again: a first landing is dropped
+        exactly; one added to an earlier call's sum still waiting for its G-copy (gradient
+        accumulation while the previous step is pending) is subtracted, exact up to fp32
+        rounding."""
         st = self.layers[layer]
         for j, g in zip(st.trainable, grads):
             if g is None:
                 continue
+            if g.shape != st.params[j].shape or g.device.type != "cpu" or not g.is_floating_point():
+                raise ValueError(f"gradient of {st.param_names[j]} (layer {layer}): a {g.dtype} tensor of shape "
+                                 f"{tuple(g.shape)} on {g.device}, expected a floating host tensor of shape "
+                                 f"{tuple(st.params[j].shape)}")
             log = self._landed.get((layer, j), ())
             if st.ghas[j]:
-                st.gbuf[j].add_(g)
+                st.gbuf[j] = self._fp32_sum(st.gbuf[j], g)
                 if log is not None:   # the sum predates this call: keep what to subtract
                     self._landed[(layer, j)] = [*log, g]
             else:
-                if st.gbuf[j] is None:
-                    st.gbuf[j], st.spare[j] = (st.spare[j] if st.spare[j] is not None
-                                               else self.alloc(st.params[j].shape, torch.float32)), None
-                self.copy(st.gbuf[j], g)
-                st.ghas[j] = True
+                st.gbuf[j], st.ghas[j] = g, True
                 self._landed[(layer, j)] = None   # this call started the sum: dropped whole
 
     def end_call(self, ok: bool) -> None:
@@ -262,18 +299,15 @@ class HostState:
             for (layer, j), log in self._landed.items():
                 st = self.layers[layer]
                 if log is None:
-                    st.ghas[j] = False
+                    st.ghas[j], st.gbuf[j] = False, None
                 else:
                     for g in log:
                         st.gbuf[j].sub_(g)
         self._landed = {}
 
     def clear_grads(self, layer: int) -> None:
-        """After a step read them: p.grad = None, each fp32 gradient kept as the next landing buffer."""
+        """After a step read them: p.grad = None and the held gradients dropped."""
         st = self.layers[layer]
         for j, p in enumerate(st.params):
-            g = p.grad
-            if (g is not None and st.spare[j] is None and p.requires_grad and g.dtype == torch.float32
-                    and g.shape == p.shape and g.is_contiguous() and g.device.type == "cpu"):
-                st.spare[j] = g
             p.grad = None
+            st.held[j] = None

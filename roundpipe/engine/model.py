@@ -340,6 +340,8 @@ class RoundPipe:
         with self._api:
             self._check_open()
             self._drain()
+            for l in range(len(self.host)):   # low-precision gradients held for the fused step
+                self.host.materialize(l)
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Device bytes per worker (current and peak per category, roundpipe/workers/ledger.py) and host

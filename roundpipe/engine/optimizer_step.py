@@ -71,6 +71,10 @@ def check_step_args(asynchronous: Any, lr_scheduler: Any, max_grad_norm: Any, op
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm over all gradients; low-precision ones (held bf16/fp16) are read in fp32, as
+    clip_grad_norm_ would read their fp32 `p.grad`."""
+    if any(g.dtype != torch.float32 for g in grads):
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
     get = getattr(torch.nn.utils, "get_total_norm", None)   # torch >= 2.6: clip_grad_norm_'s own norm
     if get is not None:
         return get(grads, 2.0)
@@ -108,14 +112,16 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                 lr_scheduler.step()
 
         def measure() -> None:
-            clip[0] = clip_coefficient([p.grad for p in params if p.grad is not None], max_grad_norm)
+            clip[0] = clip_coefficient([g for l in range(len(host)) for g in host.step_grads(l) if g is not None],
+                                       max_grad_norm)
 
         def update(l: int) -> None:
             st = host.layers[l]
             with torch.no_grad():
-                if native_clip:
-                    optimizer.step_layer(st.params, st.upload, clip_coef=clip[0])
+                if native_clip:   # reads held low-precision gradients as they are
+                    optimizer.step_layer(st.params, st.upload, clip_coef=clip[0], grads=host.step_grads(l))
                 else:
+                    host.materialize(l)
                     if clip[0] != 1.0:
                         for p in st.params:
                             if p.grad is not None:
@@ -134,6 +140,8 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                         f"step_layer(params, upload), got {type(optimizer).__name__}")
 
     def whole_step() -> None:
+        for l in range(len(host)):
+            host.materialize(l)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
         with torch.no_grad():

@@ -10,7 +10,7 @@ Three kinds of stage (docs/architecture.md, "Computation dispatch"):
 A B stage recomputes microbatch m before it asks for m's output gradient, so the
 recompute overlaps with the upstream backward; only the backward part waits.
 Parameter gradients accumulate in fp32 on the worker over the stage's
-microbatches and are downloaded once per stage; buffers are written back after
+microbatches and are downloaded once per stage, in the compute dtype; buffers are written back after
 F and fused stages only, so a recompute never updates them twice.
 
 The layer compute itself (layers in order, backward, error tags) is in
@@ -256,9 +256,12 @@ class StageRun:
                     self.w.download_buffers(rep.bound_buffers(), self._land_buffers(l))
         if task.kind != "F":
             per_layer = []
+            dt = self.w.compute_dtype
             for l, bound, acc in zip(task.layers, self.bound, self.acc):
                 st = ctx.host.layers[l]
-                per_layer.append(acc if self.w.compute_dtype != torch.float32 else [bound[j].grad for j in st.trainable])
+                # summed in fp32 over the microbatches, sent home in the compute dtype (rounded once)
+                per_layer.append([None if a is None else a.to(dt) for a in acc] if dt != torch.float32
+                                 else [bound[j].grad for j in st.trainable])
             # One LPT-windowed download for the whole stage, riding behind the next activation downloads.
             sizes = [len(g) for g in per_layer]
             self.w.download_grads([g for gs in per_layer for g in gs], len(task.mbs), self._land_grads(sizes))

@@ -138,10 +138,12 @@ class Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_layer(self, params: Sequence[torch.Tensor], upload: Sequence[torch.Tensor | None] | None = None,
-                   clip_coef: float = 1.0) -> None:
+                   clip_coef: float = 1.0, grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """The engine's per-layer step: updates those of `params` that have a `.grad` and writes
         each updated weight into upload[i] (the copy workers upload, any float dtype) in the same pass.
-        The gradients are read as grad * clip_coef (global-norm clipping folded into the pass).
+        The gradients are read as grad * clip_coef (global-norm clipping folded into the pass);
+        `grads` gives them explicitly (one per parameter, None: no update; fp32, bf16 or fp16,
+        read as they are), else each parameter's `.grad`.
 
         RoundPipe.step calls this once per layer as the layer's P-copy gate opens, so
         the update of shallow layers overlaps the next iteration's use of deep ones.
@@ -153,10 +155,17 @@ class Adam(torch.optim.Optimizer):
             raise ValueError(f"upload has {len(upload)} entries but params has {len(params)}; they must match")
         if not (clip_coef > 0 and math.isfinite(clip_coef)):
             raise ValueError(f"clip_coef={clip_coef!r} must be a finite number > 0")
-        live = [i for i, p in enumerate(params) if p.grad is not None]
+        grads = [p.grad for p in params] if grads is None else list(grads)
+        if len(grads) != len(params):
+            raise ValueError(f"grads has {len(grads)} entries but params has {len(params)}; they must match")
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape or not g.is_floating_point()):
+                what = f"a {g.dtype} tensor of shape {tuple(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__
+                raise ValueError(f"grads[{i}] is {what}; expected None or a floating tensor of shape {tuple(p.shape)}")
+        live = [i for i, g in enumerate(grads) if g is not None]
         for gi, idx in self._by_group([params[i] for i in live]).items():
             chosen = [live[i] for i in idx]
-            self._update(self.param_groups[gi], [params[i] for i in chosen], [params[i].grad for i in chosen],
+            self._update(self.param_groups[gi], [params[i] for i in chosen], [grads[i] for i in chosen],
                          [upload[i] for i in chosen], clip_coef)
 
     def _by_group(self, params: Sequence[torch.Tensor]) -> dict[int, list[int]]:
