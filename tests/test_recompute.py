@@ -6,7 +6,7 @@ from torch import nn
 
 import roundpipe as rp
 from rp_models import Mlp
-from roundpipe.engine.recompute import segment_seed
+from roundpipe.engine.recompute import layer_seed
 from roundpipe.testing import inject_delays, random_sleeps
 
 
@@ -92,5 +92,98 @@ def test_caller_stream_advances_by_one_draw():
 
 def test_segment_seeds_differ():
     """Seeds differ between segments and microbatches and fit in 63 bits."""
-    seeds = {segment_seed(123, b, m) for b in range(20) for m in range(20)}
+    seeds = {layer_seed(123, b, m) for b in range(20) for m in range(20)}
     assert len(seeds) == 400 and max(seeds) < 2**63
+
+
+def test_dropout_does_not_depend_on_the_plan():
+    """Each layer draws from its own seed (call, layer, microbatch), so two different plans give bitwise-equal
+    losses and gradients (before: seeds followed the stage boundaries, and a re-plan changed every mask)."""
+    layers = dropout_layers()
+    other = rp.Plan(forward=[range(0, 2), range(2, 4)], backward=[range(4, 6), range(2, 4), range(0, 2)])
+
+    def run(plan):
+        torch.manual_seed(3)
+        with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=4, plan=plan) as model:
+            model._check_recompute = True
+            x, y = torch.randn(8, 8), torch.randn(8, 8)
+            loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.synchronize()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.step(lambda: None)
+        return loss, grads
+
+    loss_a, a = run(PLAN)
+    loss_b, b = run(other)
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(g, h) for g, h in zip(a, b))
+
+
+class RandomEverywhere(nn.Module):
+    """Randomness through several doors: functional dropout, torch.rand, an in-place draw, channel dropout and
+    attention dropout (no generator argument: runs on the default generator with the worker's state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = F.dropout(self.fc(x), 0.3, training=True)
+        h = h + 0.1 * torch.rand(h.shape) + 0.1 * torch.empty_like(h).normal_()
+        h = F.dropout1d(h.unsqueeze(-1), 0.2, training=True).squeeze(-1)
+        q = h.view(h.shape[0], 1, 2, 4)
+        return h + F.scaled_dot_product_attention(q, q, q, dropout_p=0.25).reshape(h.shape)
+
+
+def test_every_kind_of_draw_is_recomputed_exactly_and_repeats():
+    layers = [Mlp(), RandomEverywhere(), RandomEverywhere(), Mlp()]
+    plan = rp.Plan(forward=[range(0, 3)], backward=[range(3, 4), range(1, 3), range(0, 1)])
+
+    def run(seed):
+        torch.manual_seed(seed)
+        with rp.RoundPipe(layers, devices=["cpu"] * 3, num_microbatches=3, plan=plan) as model:
+            model._check_recompute = True   # asserts recompute == forward, per stage and microbatch
+            loss = model.forward_backward(torch.randn(6, 8), labels=torch.randn(6, 8), loss_fn=F.mse_loss)
+            model.synchronize()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.step(lambda: None)
+        return loss, grads
+
+    (la, a), (lb, b), (lc, c) = run(0), run(0), run(1)
+    assert torch.equal(la, lb) and all(torch.equal(g, h) for g, h in zip(a, b))
+    assert not torch.equal(la, lc)
+
+
+class SlowDropout(nn.Module):
+    """Sleeps (releasing the GIL) and draws: records when each forward ran and on which thread."""
+
+    log: list = []
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import threading
+        import time
+        t0 = time.perf_counter()
+        time.sleep(0.03)
+        out = F.dropout(self.fc(x), 0.5, training=True)
+        SlowDropout.log.append((threading.current_thread().name, t0, time.perf_counter()))
+        return out
+
+
+def test_workers_draw_random_numbers_side_by_side():
+    """Forwards with dropout on two CPU workers overlap in time: each worker draws from its own generator
+    (before: one lock around every forward segment on the shared CPU generator serialised them)."""
+    layers = [SlowDropout() for _ in range(4)]
+    plan = rp.Plan(forward=[range(0, 2), range(2, 3)], backward=[range(3, 4), range(2, 3), range(0, 2)])
+    SlowDropout.log = []
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3, plan=plan) as model:
+        for _ in range(2):
+            model.forward_backward(torch.randn(6, 8), labels=torch.randn(6, 8), loss_fn=F.mse_loss)
+        model.synchronize()
+    log = SlowDropout.log
+    overlaps = sum(1 for i, (ta, a0, a1) in enumerate(log) for tb, b0, b1 in log[i + 1:]
+                   if ta != tb and a0 < b1 and b0 < a1)
+    assert overlaps > 0, log

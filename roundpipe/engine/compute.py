@@ -11,7 +11,7 @@ import torch
 
 from roundpipe.engine.async_step import Aborted
 from roundpipe.engine.microbatch import tree_leaves
-from roundpipe.engine.recompute import segment_seed
+from roundpipe.engine.recompute import layer_seed
 from roundpipe.workers.base import Worker
 
 if TYPE_CHECKING:
@@ -54,17 +54,16 @@ def float_leaves(x: Any) -> list[torch.Tensor]:
 
 def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                publish: Callable[[int, Any], None] | None = None) -> Any:
-    """Runs layers on x; reseeds at every saved boundary; publish(b, x) after each one inside."""
+    """Runs layers on x, each from its own seed (recompute.py); publish(b, x) at saved boundaries inside.
+
+    Random draws go to the worker's own generator, so workers run layers side by side; long
+    compute runs outside the worker's turn (Worker.compute_span)."""
     reps = ctx.replicas[w.name]
-    # Long compute runs outside the worker's turn, beside another worker's.  The span is
-    # entered before the RNG lock and left after it, so the lock's holder never waits for
-    # the turn; a short span keeps the turn, which no holder of the lock can be waiting for.
-    with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop)), w.rng.hold():
+    with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop)), w.rng.stream():
         for l in layers:
             if ctx.abort_requested():
                 raise Aborted()
-            if l in ctx.points:
-                w.rng.reseed(segment_seed(ctx.rng_base, l, m))
+            w.rng.reseed(layer_seed(ctx.rng_base, l, m))
             try:
                 x = reps[l].module(*x[0], **x[1]) if l == 0 else reps[l].module(x)
             except Exception as e:

@@ -37,7 +37,7 @@ from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_c
 from roundpipe.engine.host_state import HostState
 from roundpipe.engine.microbatch import SplitFn, merge, split, tensors, tree_map
 from roundpipe.engine.plan import Plan
-from roundpipe.engine.recompute import CallerRng
+from roundpipe.engine.recompute import draw_base
 from roundpipe.engine.replica import Replica
 from roundpipe.engine.stage import CallContext
 from roundpipe.trace import Trace
@@ -259,8 +259,7 @@ class RoundPipe:
         if not sched.fits_checked:   # before any work, once per schedule: a stage that cannot fit
             check_schedule(sched.tasks, self.device_memory, self.host)
             sched.fits_checked = True
-        rng = CallerRng(self.devices)
-        ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, rng.base,
+        ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, draw_base(),
                           labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace_call(plan),
                           on_timing=self.autoplan.recorder(training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s)
@@ -279,7 +278,6 @@ class RoundPipe:
         finally:
             self.host.end_call(ok)
             self.sync.end_call()
-            rng.restore()
             self.autoplan.after_call(plan, training, ok)
         if training:
             self._grads_pending = True

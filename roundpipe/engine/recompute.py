@@ -1,81 +1,165 @@
-"""RNG handling that makes recomputation exact and runs reproducible.
+"""RNG handling that makes recomputation exact, runs reproducible and workers independent.
 
 Backward stages recompute their forward, so a dropout mask drawn in the forward
-must be drawn again, bit for bit, in the recompute.  Workers run concurrently
-and the CPU generator (and a GPU's generator, when one GPU is listed twice) is
-shared, so the state a segment sees must not depend on the schedule.  Each
-*segment* (the layers from one saved activation to the next) therefore starts
-from a generator seeded with `segment_seed(base, boundary, microbatch)`, where
-`base` is drawn once per call from the caller's generator; forward and
-recompute reseed identically, and two runs with the same `torch.manual_seed`
-give bitwise-equal results.
+must be drawn again, bit for bit, in the recompute.  Every layer therefore runs
+from a generator seeded with `layer_seed(base, layer, microbatch)`, where `base`
+is drawn once per call from the caller's generator: forward and recompute seed
+identically, and the masks depend on the seed, the call, the microbatch and the
+layer only, never on the plan (where stages start), the worker or the device.
+Two runs with the same `torch.manual_seed` give bitwise-equal results even when
+the auto-planner changes the plan between calls.
 
-Seeding and the random draws of a segment must not interleave with another
-worker's: `RngDomain.hold()` serialises forward segments on one generator (all
-CPU workers share one domain; each GPU has its own, so for CUDA only kernel
-launches are serialised, not the kernels).  `CallerRng` saves the caller's
-generator states after drawing `base` and restores them when the call ends, so
-the user's random stream advances by exactly one draw per call.
+Each worker owns its generator (`WorkerRng`), so workers draw side by side with
+no lock.  PyTorch's random functions draw from the device's default generator
+unless given one; while a worker runs layers (`WorkerRng.stream()`, a
+thread-local torch function mode) every random function that takes a
+`generator=` gets the worker's, and dropout (`F.dropout`, `dropout1d/2d/3d`) is
+drawn from it as a Bernoulli mask.  The few random functions without a
+`generator=` argument (alpha dropout, rrelu, attention with dropout_p > 0,
+gumbel softmax, ...) borrow the device's default generator under a lock, with
+the worker's state swapped in and the default's put back: exact and
+reproducible, serialised only while such a function runs.  The caller's own
+random stream advances by exactly the one draw of `base` per call.  Randomness
+from a generator a layer owns itself is not rewound by recompute; the engine's
+`_check_recompute` debugging switch finds it.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 _MASK = (1 << 63) - 1
+_U64 = (1 << 64) - 1
 
 
-def segment_seed(base: int, boundary: int, microbatch: int) -> int:
-    """A seed unique to (call, segment start, microbatch) (splitmix64-style mixing)."""
-    x = (base + 0x9E3779B97F4A7C15 * (boundary + 1) + 0xBF58476D1CE4E5B9 * (microbatch + 1)) & ((1 << 64) - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+def layer_seed(base: int, layer: int, microbatch: int) -> int:
+    """A seed unique to (call, layer, microbatch) (splitmix64-style mixing)."""
+    x = (base + 0x9E3779B97F4A7C15 * (layer + 1) + 0xBF58476D1CE4E5B9 * (microbatch + 1)) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
     return (x ^ (x >> 31)) & _MASK
 
 
-class RngDomain:
-    """One random generator shared by some workers: a lock and a reseed function."""
+# Random functions that take `generator=`: the worker's is passed when the caller gave none.
+_TAKES_GENERATOR = {
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.normal, torch.bernoulli, torch.multinomial, torch.poisson,
+    torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch.Tensor.normal_, torch.Tensor.uniform_,
+    torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_,
+    torch.Tensor.cauchy_, torch.Tensor.multinomial,
+}
 
-    _domains: dict[str, "RngDomain"] = {}
-    _registry_lock = threading.Lock()
+# Random functions without `generator=`: run on the default generator with the worker's state swapped in.
+_BORROWS_DEFAULT = {
+    F.alpha_dropout, F.feature_alpha_dropout, F.rrelu, F.rrelu_, F.gumbel_softmax,
+    F.fractional_max_pool2d, F.fractional_max_pool3d, torch.dropout, torch.feature_dropout,
+    torch.alpha_dropout, torch.feature_alpha_dropout, torch.native_dropout, torch.rrelu, torch.rrelu_,
+}
+
+_default_locks: dict[str, threading.Lock] = {}
+_default_locks_lock = threading.Lock()
+
+
+def _default_lock(device: torch.device) -> threading.Lock:
+    key = str(device) if device.type == "cuda" else "cpu"
+    with _default_locks_lock:
+        return _default_locks.setdefault(key, threading.Lock())
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def _dropout(gen: torch.Generator, x: torch.Tensor, p: float, training: bool, inplace: bool,
+             feature_dims: int = 0) -> torch.Tensor:
+    """F.dropout (feature_dims=0) or channel dropout (dropoutNd: whole trailing `feature_dims` dims)."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return x
+    if feature_dims and x.dim() > feature_dims:
+        shape = tuple(x.shape[:x.dim() - feature_dims]) + (1,) * feature_dims
+    else:
+        shape = x.shape
+    keep = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if p == 1.0:
+        keep.zero_()
+    else:
+        keep.bernoulli_(1.0 - p, generator=gen).div_(1.0 - p)
+    return x.mul_(keep) if inplace else x * keep
+
+
+def _dropout_fn(feature_dims: int) -> Callable[..., torch.Tensor]:
+    def run(gen: torch.Generator, input: torch.Tensor, p: float = 0.5, training: bool = True,
+            inplace: bool = False) -> torch.Tensor:
+        return _dropout(gen, input, p, training, inplace, feature_dims)
+    return run
+
+
+# dropout2d/3d drop whole channels: the mask covers (N, C) with the spatial dims broadcast.
+_DROPOUT = {F.dropout: _dropout_fn(0), F.dropout1d: _dropout_fn(1), F.dropout2d: _dropout_fn(2),
+            F.dropout3d: _dropout_fn(3)}
+
+
+class _WorkerRandom(TorchFunctionMode):
+    """Routes random functions called on this thread to one generator."""
+
+    def __init__(self, rng: "WorkerRng"):
+        super().__init__()
+        self.rng = rng
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TAKES_GENERATOR:
+            if kwargs.get("generator") is None:
+                kwargs = {**kwargs, "generator": self.rng.generator}
+            return func(*args, **kwargs)
+        dropout = _DROPOUT.get(func)
+        if dropout is not None:
+            return dropout(self.rng.generator, *args, **kwargs)
+        if func in _BORROWS_DEFAULT or (func is F.scaled_dot_product_attention
+                                        and (kwargs.get("dropout_p") or (args[4] if len(args) > 4 else 0.0))):
+            return self.rng.on_default(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class WorkerRng:
+    """A worker's own generator, and the mode that makes the layers it runs draw from it."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.lock = threading.RLock()
-
-    @classmethod
-    def of(cls, device: torch.device) -> "RngDomain":
-        key = str(device) if device.type == "cuda" else "cpu"
-        with cls._registry_lock:
-            if key not in cls._domains:
-                cls._domains[key] = cls(device)
-            return cls._domains[key]
-
-    def hold(self) -> threading.RLock:
-        return self.lock
+        self.generator = torch.Generator(device=device)
+        self._mode = _WorkerRandom(self)
 
     def reseed(self, seed: int) -> None:
-        """Seeds this domain's generator(s); call with `hold()` held."""
-        if self.device.type == "cuda":
-            torch.cuda.default_generators[self.device.index].manual_seed(seed)
-        else:
-            torch.default_generator.manual_seed(seed)
+        self.generator.manual_seed(seed)
+
+    @contextlib.contextmanager
+    def stream(self) -> Iterator[None]:
+        """Random functions called on this thread inside draw from this worker's generator."""
+        with self._mode:
+            yield
+
+    def on_default(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """func(*args, **kwargs) on the device's default generator holding this worker's state."""
+        default = _default_generator(self.device)
+        with _default_lock(self.device):
+            saved = default.get_state()
+            default.set_state(self.generator.get_state())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.generator.set_state(default.get_state())
+                default.set_state(saved)
 
 
-class CallerRng:
-    """Draws the call's base seed and restores the caller's generators when the call ends."""
-
-    def __init__(self, devices: list[torch.device]):
-        self.base = int(torch.randint(0, 2**62, (1,)).item())
-        self.cpu_state = torch.get_rng_state()
-        self.cuda_states = {d.index: torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
-
-    def restore(self) -> None:
-        cpu = RngDomain.of(torch.device("cpu"))
-        with cpu.hold():
-            torch.set_rng_state(self.cpu_state)
-        for index, state in self.cuda_states.items():
-            dev = torch.device("cuda", index)
-            with RngDomain.of(dev).hold():
-                torch.cuda.set_rng_state(state, dev)
+def draw_base() -> int:
+    """The call's base seed: one draw from the caller's generator."""
+    return int(torch.randint(0, 2**62, (1,)).item())

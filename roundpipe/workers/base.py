@@ -38,7 +38,7 @@ import torch
 
 from roundpipe.engine.executor import SerialExecutor
 from roundpipe.engine.microbatch import tree_leaves, tree_unflatten
-from roundpipe.engine.recompute import RngDomain
+from roundpipe.engine.recompute import WorkerRng
 from roundpipe.workers.ledger import DeviceLedger
 from roundpipe.workers.transfers import Bulk, Transfers
 
@@ -90,7 +90,7 @@ class Worker(ABC):
         self.device = device
         self.name = name
         self.compute_dtype = compute_dtype
-        self.rng = RngDomain.of(device)
+        self.rng = WorkerRng(device)   # its own generator: layers draw without a lock
         self.host_alloc = alloc or _plain_alloc
         self.copies = Transfers(device)
         self.ledger = DeviceLedger()   # device bytes this worker holds (roundpipe/workers/ledger.py)
