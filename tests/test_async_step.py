@@ -1,6 +1,9 @@
 """The optimizer step: synchronous equals PyTorch, asynchronous equals a one-step-late reference."""
 import copy
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -123,43 +126,91 @@ def test_synchronize_makes_the_next_call_fresh():
 def test_protocol_orders_pcopy_after_next_calls_uploads():
     """A P-copy waits for the next call's uploads of that layer, and the upload after it waits for it."""
     sync = LayerSync(2)
-    assert sync.begin_call(True, [1, 1]) == 0
-    sync.uploaded(0, None)
-    sync.uploaded(1, None)
-    sync.end_call()
+    c1 = sync.begin_call(True, [1, 1])
+    assert c1.version == 0
+    sync.uploaded(c1, 0, None)
+    sync.uploaded(c1, 1, None)
+    sync.end_call(c1)
     sync.issue_gcopy()
     rec = sync.new_step(asynchronous=True)
     assert rec.readers_left == 1 and not sync._gate(rec, 0)   # call 2 has not started yet
-    assert sync.begin_call(True, [2, 1]) == 0                 # call 2 may read the old weights
-    assert sync.upload_ready(0)
-    sync.uploaded(1, None)
+    c2 = sync.begin_call(True, [2, 1])
+    assert c2.version == 0                                    # call 2 may read the old weights
+    assert sync.upload_ready(c2, 0)
+    sync.uploaded(c2, 1, None)
     assert sync._gate(rec, 1) and not sync._gate(rec, 0)
-    sync.uploaded(0, None)
-    sync.uploaded(0, None)
+    sync.uploaded(c2, 0, None)
+    sync.uploaded(c2, 0, None)
     assert sync._gate(rec, 0)
-    sync.end_call()
-    assert sync.begin_call(True, [1, 1]) == 1                 # call 3 must see step 1's weights
-    assert not sync.upload_ready(0)
+    sync.end_call(c2)
+    c3 = sync.begin_call(True, [1, 1])
+    assert c3.version == 1                                    # call 3 must see step 1's weights
+    assert not sync.upload_ready(c3, 0)
     sync.pcopy_done(0)
-    assert sync.upload_ready(0) and not sync.upload_ready(1)
+    assert sync.upload_ready(c3, 0) and not sync.upload_ready(c3, 1)
+
+
+def test_protocol_with_two_calls_in_flight():
+    """Call t still draining (its backward uploads of layer 0 not issued) while call t+1 runs: step t's
+    update of layer 0 waits for both calls' uploads, a G-copy waits for call t's end, and call t+1
+    lands gradients only after call t ended."""
+    sync = LayerSync(2)
+    t = sync.begin_call(True, [2, 2])
+    for l in (0, 1):
+        sync.uploaded(t, l, None)            # forwards of call t
+    sync.uploaded(t, 1, None)                # call t's fused tail; its backward of layer 0 still to come
+    _, calls = sync.issue_gcopy()
+    assert calls == [t]
+    rec = sync.new_step(asynchronous=True)
+    t1 = sync.begin_call(True, [2, 2])       # the next call starts while t drains
+    assert t1.version == 0 and sync.active == [t, t1]
+    for l in (0, 1):
+        sync.uploaded(t1, l, None)
+        sync.uploaded(t1, l, None)
+    assert sync._gate(rec, 1) and not sync._gate(rec, 0)     # t's backward still reads W_0 of layer 0
+    landed = threading.Event()
+
+    def land_t1():
+        sync.wait_grad_write(t1, 0, 0)
+        landed.set()
+    th = threading.Thread(target=land_t1, daemon=True)
+    th.start()
+    waiter = threading.Thread(target=sync.wait_calls, args=(calls,), daemon=True)
+    waiter.start()
+    time.sleep(0.1)
+    assert not landed.is_set() and waiter.is_alive()         # both wait for call t's end
+    sync.uploaded(t, 0, None)
+    assert sync._gate(rec, 0)
+    sync.end_call(t)
+    waiter.join(5)
+    assert not waiter.is_alive()
+    time.sleep(0.1)
+    assert not landed.is_set()                               # and for the G-copy issued before t+1
+    sync.gcopy_done(0)
+    th.join(5)
+    assert landed.is_set()
+    sync.end_call(t1)
 
 
 def test_protocol_window_is_the_accumulation_group():
     """With k calls per step, the next k calls read the old weights; a flush or the next step closes it."""
     sync = LayerSync(1)
     for _ in range(3):
-        assert sync.begin_call(True, [1]) == 0
-        sync.end_call()
+        c = sync.begin_call(True, [1])
+        assert c.version == 0
+        sync.end_call(c)
     rec = sync.new_step(asynchronous=True)
     assert rec.readers_left == 3
     for _ in range(2):
-        assert sync.begin_call(True, [1]) == 0
-        sync.end_call()
+        c = sync.begin_call(True, [1])
+        assert c.version == 0
+        sync.end_call(c)
     assert not sync._gate(rec, 0)
     sync.flush()                                             # e.g. synchronize(): the window closes
     assert sync._gate(rec, 0)
-    assert sync.begin_call(True, [1]) == 1
-    sync.end_call()
+    c = sync.begin_call(True, [1])
+    assert c.version == 1
+    sync.end_call(c)
     assert sync.new_step(asynchronous=False).readers_left == 0   # a synchronous step opens no window
 
 

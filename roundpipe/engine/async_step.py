@@ -14,24 +14,33 @@ closes early at the next step, at every sync point (`synchronize`,
 `state_dict`, `load_state_dict`, a synchronous step, a forward-only call,
 `close`); a call started after it closed reads W_s.
 
+Calls in flight.  A training call returns once its loss is known; its last
+backward stages, gradient landings and its end run under the next call (the
+continuous pipeline), so several calls can be active at once (`CallState`,
+begun and not ended).  They end in the order they began: every worker runs its
+share of call t before its share of t+1.
+
 Gradients.  Workers land a call's gradients in per-layer landing buffers,
 which sum every call since the last G-copy (a parameter that got no gradient
-keeps none).  A G-copy moves the sums into `p.grad`, after every step issued
-before it has read (and cleared) `p.grad`.  One is issued at the end of a
-training call when no step still has to read `p.grad` (it then waits for
-nothing), else just before the next step or at `synchronize`.
+keeps none).  A G-copy moves the sums into `p.grad` (or the held gradient the
+fused step reads), once the calls it covers ended and after every step issued
+before it has read (and cleared) the gradients.  One is issued when a training
+call returns and no step still has to read gradients (it then waits for its
+calls only), else just before the next step or at `synchronize`.
 
 The orderings, per layer l (every wait points to something issued earlier,
 so no cycle can form):
 
     upload(call reading W_v, l)  waits until the P-copies of steps 1..v of l are done
-    P-copy / update(step s, l)   waits until its window is closed and no running call
-                                 that reads W_(s-1) still has an upload of l to issue,
-                                 and for those uploads' copies to complete
+    P-copy / update(step s, l)   waits until its window is closed and no active call
+                                 that reads an older version still has an upload of l
+                                 to issue, and for those uploads' copies to complete
     update(step s, l)            also waits for the G-copies issued before step s
-    G-copy(e, l)                 waits until the steps issued before e consumed p.grad(l)
-    grad landing(call, l)        waits for the G-copies issued before the call, and for
-                                 the earlier rounds of the same call (a fixed sum order)
+    G-copy(e, l)                 waits until the calls begun before e ended and the
+                                 steps issued before e consumed p.grad(l)
+    grad landing(call, l)        waits until the calls begun before it ended, for the
+                                 G-copies issued before it, and for the earlier rounds
+                                 of the same call (a fixed sum order)
 
 State of one step, as the host thread takes it through (table in docs/async_step.md):
 
@@ -72,6 +81,20 @@ class StepRecord:
     gcopies: int        # G-copy epochs issued before this step (it consumes their gradients)
 
 
+@dataclass
+class CallState:
+    """One active call: the weights version it reads and its per-layer progress."""
+
+    index: int                                   # calls begun before it, plus one
+    training: bool
+    version: int                                 # it reads W_version
+    uploads_left: list[int]                      # uploads of each layer still to issue
+    upload_waits: list[list[Callable[[], None]]]  # per layer: waits for its issued uploads' copies
+    landed: list[int]                            # gradient rounds of each layer landed
+    gcopies_before: int                          # G-copy epochs issued before it began
+    ended: bool = False
+
+
 class LayerSync:
     """Per-layer counters and one condition variable implementing the orderings above."""
 
@@ -87,12 +110,7 @@ class LayerSync:
         self.consumed = [0] * L             # steps that have read and cleared p.grad of l
         self.gcopies_issued = 0
         self.gcopied = [0] * L              # G-copy epochs done, per layer
-        # the running (or last) call
-        self.running = False
-        self.version = 0                    # it reads W_version
-        self.uploads_left = [0] * L
-        self.upload_waits: list[list[Callable[[], None]]] = [[] for _ in range(L)]
-        self.landed = [0] * L               # gradient rounds landed by it
+        self.active: list[CallState] = []   # calls begun and not ended, oldest first
 
     def _wait(self, ready: Callable[[], bool], abort: Callable[[], bool] | None) -> None:
         while not ready():
@@ -100,29 +118,28 @@ class LayerSync:
                 raise Aborted()
             self.cv.wait(0.05)
 
-    # ---- calls (caller thread)
-    def begin_call(self, training: bool, uploads_per_layer: list[int]) -> int:
-        """Starts a call; returns the weights version it reads."""
+    # ---- calls (caller thread begins, the call's last worker ends)
+    def begin_call(self, training: bool, uploads_per_layer: list[int]) -> CallState:
+        """Starts a call; it reads the weights version it is given."""
         with self.cv:
-            assert not self.running
             self.iteration += 1
             s = self.latest
             if training and s is not None and s.readers_left > 0:
                 s.readers_left -= 1
-                self.version = s.index - 1
+                version = s.index - 1
             else:
-                self.version = self.steps_issued
+                version = self.steps_issued
             if training:
                 self.calls_since_step += 1
-            self.running = True
-            self.uploads_left = list(uploads_per_layer)
-            self.upload_waits = [[] for _ in range(self.L)]
-            self.landed = [0] * self.L
-            return self.version
+            call = CallState(self.iteration, training, version, list(uploads_per_layer),
+                             [[] for _ in range(self.L)], [0] * self.L, self.gcopies_issued)
+            self.active.append(call)
+            return call
 
-    def end_call(self) -> None:
+    def end_call(self, call: CallState) -> None:
         with self.cv:
-            self.running = False
+            call.ended = True
+            self.active.remove(call)
             self.cv.notify_all()
 
     def flush(self) -> None:
@@ -138,39 +155,46 @@ class LayerSync:
             return self.pcopied[layer] == self.steps_issued
 
     # ---- uploads (worker threads)
-    def upload_ready(self, layer: int) -> bool:
+    def upload_ready(self, call: CallState, layer: int) -> bool:
         with self.cv:
-            return self.pcopied[layer] >= self.version
+            return self.pcopied[layer] >= call.version
 
-    def wait_upload(self, layer: int, abort: Callable[[], bool] | None = None) -> None:
+    def wait_upload(self, call: CallState, layer: int, abort: Callable[[], bool] | None = None) -> None:
         with self.cv:
-            self._wait(lambda: self.pcopied[layer] >= self.version, abort)
+            self._wait(lambda: self.pcopied[layer] >= call.version, abort)
 
-    def uploaded(self, layer: int, done: Waitable) -> None:
+    def uploaded(self, call: CallState, layer: int, done: Waitable) -> None:
         with self.cv:
-            self.uploads_left[layer] -= 1
+            call.uploads_left[layer] -= 1
             if done is not None:
-                self.upload_waits[layer].append(done)
+                call.upload_waits[layer].append(done)
             self.cv.notify_all()
 
     # ---- gradient landings (worker threads)
-    def wait_grad_write(self, layer: int, round_index: int, abort: Callable[[], bool] | None = None) -> None:
-        """Waits for the G-copies issued before this call and for this call's earlier rounds of the layer."""
+    def wait_grad_write(self, call: CallState, layer: int, round_index: int,
+                        abort: Callable[[], bool] | None = None) -> None:
+        """Waits for the calls begun earlier to end, the G-copies issued before this call, and
+        this call's earlier rounds of the layer."""
         with self.cv:
-            self._wait(lambda: self.gcopied[layer] == self.gcopies_issued and self.landed[layer] == round_index,
-                       abort)
+            self._wait(lambda: self.active[0] is call and self.gcopied[layer] >= call.gcopies_before
+                       and call.landed[layer] == round_index, abort)
 
-    def grad_written(self, layer: int) -> None:
+    def grad_written(self, call: CallState, layer: int) -> None:
         with self.cv:
-            self.landed[layer] += 1
+            call.landed[layer] += 1
             self.cv.notify_all()
 
     # ---- G-copies (caller issues, G-copy thread completes)
-    def issue_gcopy(self) -> int:
-        """Registers a G-copy epoch; returns the number of steps that must consume p.grad before it."""
+    def issue_gcopy(self) -> tuple[int, list[CallState]]:
+        """Registers a G-copy epoch; returns the number of steps that must consume p.grad before it
+        and the calls it waits for (the active training calls, whose gradients it moves)."""
         with self.cv:
             self.gcopies_issued += 1
-            return self.steps_issued
+            return self.steps_issued, [c for c in self.active if c.training]
+
+    def wait_calls(self, calls: list[CallState]) -> None:
+        with self.cv:
+            self._wait(lambda: all(c.ended for c in calls), None)
 
     def gcopy_free(self) -> bool:
         """Every issued step has consumed every layer's p.grad: a G-copy issued now waits for nothing."""
@@ -207,7 +231,7 @@ class LayerSync:
     def _gate(self, rec: StepRecord, layer: int) -> bool:
         if rec.readers_left > 0:
             return False
-        return not self.running or self.version >= rec.index or self.uploads_left[layer] == 0
+        return all(c.uploads_left[layer] == 0 for c in self.active if c.version < rec.index)
 
     def wait_gate(self, rec: StepRecord, pending: set[int]) -> tuple[int, list[Callable[[], None]]]:
         """Blocks until one layer of `pending` may be overwritten; returns it and the upload copies to wait for."""
@@ -215,7 +239,7 @@ class LayerSync:
             while True:
                 for l in sorted(pending, reverse=True):
                     if self._gate(rec, l):
-                        return l, list(self.upload_waits[l]) if self.version < rec.index else []
+                        return l, [w for c in self.active if c.version < rec.index for w in c.upload_waits[l]]
                 self.cv.wait(0.05)
 
     def wait_grads(self, rec: StepRecord, layer: int) -> None:
@@ -234,8 +258,11 @@ class LayerSync:
             self.cv.notify_all()
 
 
-def run_gcopy(sync: LayerSync, after_steps: int, gcopy: Callable[[int], None]) -> None:
-    """G-copy thread job: each layer's landed gradients into p.grad once earlier steps consumed it."""
+def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Callable[[int], None]) -> None:
+    """G-copy thread job: once its calls ended, each layer's landed gradients into p.grad as soon
+    as the steps issued before it consumed the layer's."""
+    after_steps, calls = issued
+    sync.wait_calls(calls)
     pending = set(range(sync.L))
     while pending:
         layer = sync.wait_gcopy_ready(after_steps, pending)

@@ -296,11 +296,12 @@ class AutoPlanner:
         self.enabled = config.enabled and fixed is None
         self.profiler: Profiler | None = None
         self.replanner: Replanner | None = None
-        self.calls = 0          # training calls seen
+        self.calls = 0          # training calls ended
+        self._begun = 0         # training calls begun (calls overlap: the next begins before one ends)
         self.replans = 0        # plan changes after the first call's size-based plan
         self.history: list[Plan] = []
         self._pending: Plan | None = None
-        self._events: list[tuple] = []
+        self._events: dict[int, list[tuple]] = {}   # call key -> its timing events (calls overlap)
         self._lock = threading.Lock()
         if fixed is not None:
             self.plan = fixed
@@ -331,8 +332,9 @@ class AutoPlanner:
         with self._lock:
             self._pending = plan.check(len(self.layers))
 
-    def _profiling(self) -> bool:
-        n = self.calls - self.config.warmup
+    def _profiled(self, call: int) -> bool:
+        """Training call number `call` (0-based) is timed: past the warm-up, within the profile."""
+        n = call - self.config.warmup
         return n >= 0 and (self.config.profile is None or n < self.config.profile)
 
     def before_call(self, sample: tuple[tuple, dict], num_microbatches: int, training: bool) -> Plan:
@@ -357,12 +359,15 @@ class AutoPlanner:
             self.history.append(plan)
             self.replans += count
 
-    def recorder(self, training: bool, user: Callable[..., None] | None = None) -> Callable[..., None] | None:
-        """The stage_timing callback of this call: the user's (model.stage_timing), plus the
+    def recorder(self, key: int, training: bool, user: Callable[..., None] | None = None) -> Callable[..., None] | None:
+        """The stage_timing callback of call `key`: the user's (model.stage_timing), plus the
         profiler's when the call is profiled; None when neither."""
-        if not (self.enabled and training and self._profiling()):
+        if not (self.enabled and training):
             return user
-        events = self._events = []
+        self._begun += 1
+        if not self._profiled(self._begun - 1):
+            return user
+        events = self._events[key] = []
         if user is None:
             return lambda *event: events.append(event)   # list.append: atomic under the GIL, cheap
 
@@ -371,14 +376,13 @@ class AutoPlanner:
             user(*event)
         return both
 
-    def after_call(self, plan: Plan, training: bool, ok: bool) -> None:
-        """Folds a finished call's timings into the profiler; re-plans if they drifted past the threshold."""
+    def after_call(self, key: int, plan: Plan, training: bool, ok: bool) -> None:
+        """Folds finished call `key`'s timings into the profiler; re-plans if they drifted past the threshold."""
+        events = self._events.pop(key, None)   # None: the call was not profiled
         if not (self.enabled and training):
             return
-        events, self._events = self._events, []
-        profiled = self._profiling()
         self.calls += 1
-        if not (ok and profiled and events):
+        if not (ok and events):
             return
         prof = self.profiler
         for (kind, r), secs in stage_seconds(events, plan, prof.costs(), self.remove_waits).items():

@@ -95,11 +95,28 @@ class Schedule:
         return [Consumer(w, kind != "B") for kind, r, w, _ in placed if r.start == b]
 
 
-class _Progress:
-    def __init__(self, workers: int):
+class CallRun:
+    """One call's work on the workers: how many are still at it, the first error, the end.
+
+    `on_end(run)` runs once, on the thread of the last worker to finish (or the caller's, when
+    work was never handed out), before anyone waiting for the end is woken."""
+
+    def __init__(self, ctx: CallContext, workers: int, on_end: Callable[["CallRun"], None]):
+        self.ctx = ctx
         self.cv = threading.Condition()
         self.left = workers
         self.error: BaseException | None = None
+        self._on_end = on_end
+
+    @property
+    def finished(self) -> bool:
+        with self.cv:
+            return self.left == 0
+
+    @property
+    def ok(self) -> bool:
+        """Finished without an error or an abort (read after the end)."""
+        return self.error is None and not self.ctx.board.aborted
 
     def fail(self, e: BaseException) -> None:
         with self.cv:
@@ -107,19 +124,31 @@ class _Progress:
                 self.error = e
             self.cv.notify_all()
 
-    def done(self) -> None:
+    def done(self, count: int = 1) -> None:
         with self.cv:
-            self.left -= 1
-            self.cv.notify_all()
+            self.left -= count
+            last = self.left == 0
+        if last:
+            try:
+                self._on_end(self)
+            finally:
+                with self.cv:
+                    self.cv.notify_all()
 
-    def wait(self, until_error: bool) -> None:
+    def wait(self, until: Callable[[], bool] | None = None) -> None:
+        """Until every worker finished, an error, or `until()`."""
         with self.cv:
-            while self.left and not (until_error and self.error is not None):
+            while self.left and self.error is None and not (until is not None and until()):
+                self.cv.wait(0.02)
+
+    def wait_end(self) -> None:
+        with self.cv:
+            while self.left:
                 self.cv.wait(0.1)
 
 
 class Dispatcher:
-    """Owns the rotation g0 and runs one call's schedule on the workers."""
+    """Owns the rotation g0 and runs each call's schedule on the workers."""
 
     def __init__(self, workers: list[Worker]):
         self.workers = workers
@@ -136,29 +165,40 @@ class Dispatcher:
             sched = self._schedules[key] = Schedule(plan, training, num_mb, round_size, self.workers, self.g0)
         return sched
 
-    def run(self, ctx: CallContext, sched: Schedule) -> None:
-        """Runs every worker's slots; re-raises the first error after all workers have stopped."""
-        progress = _Progress(len(self.workers))
+    def start(self, ctx: CallContext, sched: Schedule, on_end: Callable[[CallRun], None]) -> CallRun:
+        """Hands every worker its slots of the call, behind whatever earlier calls left it; the
+        rotation moves on at once, so the next call's slots continue where these stop."""
+        run = CallRun(ctx, len(self.workers), on_end)
         submitted = 0
         try:
             for w in self.workers:
-                w.submit(self._work_fn(ctx, w, sched.tasks[w.name], progress))
+                w.submit(self._work_fn(ctx, w, sched.tasks[w.name], run))
                 submitted += 1
-            progress.wait(until_error=True)
         except BaseException:
-            ctx.board.abort()   # Ctrl-C: stop the workers, leave the host state as it was
-            with progress.cv:
-                progress.left -= len(self.workers) - submitted   # never handed their work
-            progress.wait(until_error=False)
+            ctx.board.abort()   # Ctrl-C while handing out work: stop the workers that got it
+            run.done(len(self.workers) - submitted)
+            run.wait_end()
             raise
-        if progress.error is not None:
-            ctx.board.abort()
-            progress.wait(until_error=False)
-            raise progress.error
         self.g0 = sched.next_g0 % len(self.workers)
+        return run
 
     @staticmethod
-    def _work_fn(ctx: CallContext, w: Worker, tasks: list[StageTask], progress: _Progress) -> Callable[[], None]:
+    def wait(run: CallRun, until: Callable[[], bool] | None = None) -> None:
+        """Waits for the call's end (or `until()`); on an error or Ctrl-C stops every worker's part of
+        the call, waits for them and re-raises, leaving the host state as it was."""
+        try:
+            run.wait(until)
+        except BaseException:
+            run.ctx.board.abort()   # Ctrl-C: stop the workers, leave the host state as it was
+            run.wait_end()
+            raise
+        if run.error is not None:
+            run.ctx.board.abort()
+            run.wait_end()
+            raise run.error
+
+    @staticmethod
+    def _work_fn(ctx: CallContext, w: Worker, tasks: list[StageTask], run: CallRun) -> Callable[[], None]:
         def work() -> None:
             try:
                 pre = None
@@ -169,8 +209,8 @@ class Dispatcher:
                 w.drain()
             except Aborted:
                 pass
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller by Dispatcher.run
-                progress.fail(e)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller by Dispatcher.wait
+                run.fail(e)
                 ctx.board.abort()
             finally:
                 if ctx.board.aborted:
@@ -178,5 +218,5 @@ class Dispatcher:
                         w.abandon()
                     except BaseException:  # noqa: BLE001 - the first error is already recorded
                         pass
-                progress.done()
+                run.done()
         return work

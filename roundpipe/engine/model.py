@@ -32,7 +32,7 @@ from roundpipe.engine.optimizer_step import check_step_args, make_step
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine.board import Board
 from roundpipe.engine.device_memory import check_schedule, resolve_caps
-from roundpipe.engine.dispatcher import Dispatcher, default_plan
+from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_collected
 from roundpipe.engine.host_state import HostState
 from roundpipe.engine.microbatch import SplitFn, merge, split, tensors, tree_map
@@ -91,6 +91,15 @@ def _register_then_queue(register: Callable[[], Any], queue: Callable[[Any], Non
         raise KeyboardInterrupt
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A training call that returned while its last stages may still run."""
+
+    key: int
+    plan: Plan
+    run: CallRun
+
+
 class RoundPipe:
     """A model kept in host memory whose stages are dispatched round-robin to a pool of workers."""
 
@@ -143,6 +152,7 @@ class RoundPipe:
         self._api = threading.RLock()
         self._closed = False
         self._grads_pending = False   # a training call landed gradients that no G-copy has been issued for
+        self._inflight: list[_InFlight] = []   # training calls that returned and may still be running
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit, and
         # none outlives the interpreter's exit (roundpipe/engine/executor.py); flush lets a pending step run.
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
@@ -201,6 +211,7 @@ class RoundPipe:
                                "loss_fn or step callable run by a RoundPipe); RoundPipes cannot be nested")
         for t in self._host_threads():
             t.raise_error()
+        self._retire(block=False)
 
     def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
         """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor."""
@@ -213,7 +224,12 @@ class RoundPipe:
             mb = split(args, kwargs, labels, self.num_microbatches, self.round_size, self.split_fn,
                        labels_required=loss_fn is not None and labels is not None)
             ctx = self._run(mb, training=True, loss_fn=loss_fn)
-            losses = [ctx.losses[m].cpu() * w for m, w in enumerate(mb.weights)]
+            losses = []
+            for m, w in enumerate(mb.weights):
+                loss, ready = ctx.losses[m]
+                if ready is not None:
+                    ready.wait()
+                losses.append(loss * w)
             total = losses[0].clone()
             for x in losses[1:]:
                 total += x
@@ -253,37 +269,78 @@ class RoundPipe:
                 host.refresh(l)
 
     def _run(self, mb, training: bool, loss_fn: Callable | None) -> CallContext:
+        """Starts a call; returns once its loss is known (training) or its outputs are (forward).
+
+        A training call's last backward stages, gradient landings and its end run on under the
+        next call: `_inflight` keeps it until `_retire` sees it ended and raises its error."""
         self._refresh_edited()
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
+        if self._inflight and plan != self._inflight[-1].plan:
+            self._retire(block=True)   # a new plan starts from an empty pipeline
+        self._retire(block=True, keep=1)   # at most one earlier call still draining
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
         if not sched.fits_checked:   # before any work, once per schedule: a stage that cannot fit
             check_schedule(sched.tasks, self.device_memory, self.host)
             sched.fits_checked = True
+        key = self.sync.iteration + 1   # the call about to begin
         ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, draw_base(),
                           labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace_call(plan),
-                          on_timing=self.autoplan.recorder(training, self.stage_timing),
+                          on_timing=self.autoplan.recorder(key, training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s)
         pin = self.host.staged if self._cuda else (lambda t: t)
         ctx.gpu_ready = _gpu_input_events(mb)
         for m in range(len(mb)):
             ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m])),
                                                  gpu_ready=ctx.gpu_ready), sched.input_consumers)
-        self.sync.begin_call(training, sched.uploads)
-        ok = False
+        ctx.call = self.sync.begin_call(training, sched.uploads)
+        host, sync = self.host, self.sync   # the end runs on a worker thread: no reference to the model
+
+        def on_end(run: CallRun) -> None:
+            try:
+                host.end_call(run.ok)   # keeps or takes back the gradients the call landed
+            finally:
+                sync.end_call(run.ctx.call)
+        run = self.dispatcher.start(ctx, sched, on_end)
         try:
-            self.dispatcher.run(ctx, sched)
-            for t in self._host_threads():   # a step that failed meanwhile: this call then had no effect
-                t.raise_error()
-            ok = True
-        finally:
-            self.host.end_call(ok)
-            self.sync.end_call()
-            self.autoplan.after_call(plan, training, ok)
+            self.dispatcher.wait(run, ctx.losses_known.is_set if training else None)
+            try:
+                for t in self._host_threads():   # a step that failed meanwhile: this call then has no effect
+                    t.raise_error()
+            except BaseException:
+                ctx.board.abort()
+                run.wait_end()
+                raise
+        except BaseException:
+            self.autoplan.after_call(key, plan, training, False)
+            raise
+        if run.finished:
+            self.autoplan.after_call(key, plan, training, run.ok)
+        else:
+            self._inflight.append(_InFlight(key, plan, run))
         if training:
             self._grads_pending = True
-            if self.sync.gcopy_free():   # nothing to wait for: p.grad fills while the caller goes on
+            if self.sync.gcopy_free():   # waits for nothing but the call: gradients fill while the caller goes on
                 self._issue_gcopy()
         return ctx
+
+    def _retire(self, block: bool, keep: int = 0) -> None:
+        """Forgets the earlier calls that ended (all but `keep` of them, waiting with `block`); raises
+        the first error one of them met after it returned (its gradients are then dropped)."""
+        error = None
+        while len(self._inflight) > keep:
+            rec = self._inflight[0]
+            if not rec.run.finished:
+                if not block:
+                    break
+                rec.run.wait_end()
+            self._inflight.pop(0)
+            self.autoplan.after_call(rec.key, rec.plan, True, rec.run.ok)
+            if rec.run.error is not None and error is None:
+                error = rec.run.error
+                error.add_note(f"[roundpipe] raised after forward_backward returned, in the rest of training call "
+                               f"{rec.key} (its last backward stages); that call's gradients were dropped")
+        if error is not None:
+            raise error
 
     def _issue_gcopy(self) -> None:
         """Moves the gradients landed since the last G-copy into p.grad (after earlier steps read it)."""
@@ -322,7 +379,9 @@ class RoundPipe:
                 self._drain()
 
     def _drain(self) -> None:
-        """A sync point: every landed gradient in p.grad, every issued step applied; raises their errors."""
+        """A sync point: every call ended, every landed gradient in p.grad, every issued step applied;
+        raises their errors."""
+        self._retire(block=True)
         self.sync.flush()
         self._issue_gcopy()
         for t in self._host_threads():
@@ -388,6 +447,7 @@ class RoundPipe:
             self._finalizer.detach()
             self.sync.flush()
             try:
+                self._retire(block=True)   # calls still draining end first; their error is raised
                 for t in self._host_threads():
                     t.wait_idle()
             finally:

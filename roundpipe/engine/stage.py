@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from roundpipe.engine.async_step import LayerSync
+from roundpipe.engine.async_step import CallState, LayerSync
 from roundpipe.engine.board import Board
 from roundpipe.engine.compute import autograd_backward, float_leaves, run_layers, tag
 from roundpipe.engine.host_state import HostState
@@ -79,6 +79,8 @@ class CallContext:
     # ("f" or "b", first, stop layer) -> seconds its last forward / backward took; kept by the model
     compute_s: dict[tuple[str, int, int], float] = field(default_factory=dict)
     gpu_ready: dict | None = None         # events for call inputs already on a GPU (Handoff.gpu_ready)
+    call: CallState | None = None         # this call in the per-layer protocol (set when it begins)
+    losses_known: threading.Event = field(default_factory=threading.Event)   # every microbatch's loss is in
 
     def abort_requested(self) -> bool:
         return self.board.aborted
@@ -129,10 +131,10 @@ class StageRun:
                 self._get(("buf", l, task.round - 1))   # buffers of the previous round's forward
         if prefetched is None:
             for l in task.layers:
-                if not ctx.sync.upload_ready(l):
+                if not ctx.sync.upload_ready(ctx.call, l):
                     w.idle()
                     with w.yielded():
-                        ctx.sync.wait_upload(l, ctx.abort_requested)
+                        ctx.sync.wait_upload(ctx.call, l, ctx.abort_requested)
             prefetched = upload_stage(ctx, w, task.layers, windows=1)
         stage_params = w.params_ready(prefetched)
         for l, rep, params in zip(task.layers, self.reps, stage_params):
@@ -228,6 +230,8 @@ class StageRun:
             self._backward([loss.reshape(()) * ctx.weights[m]], None)
         with ctx.lock:
             ctx.losses[m] = self.w.scalar(loss)
+            if len(ctx.losses) == len(ctx.weights):
+                ctx.losses_known.set()
         self._publish_input_grad(m, x)
 
     def backward(self, m: int) -> None:
@@ -278,9 +282,9 @@ class StageRun:
             start = 0
             for l, n in zip(self.task.layers, sizes):
                 with self.w.yielded():   # earlier rounds' writes may come from another worker
-                    self.ctx.sync.wait_grad_write(l, self.task.round, self.ctx.abort_requested)
+                    self.ctx.sync.wait_grad_write(self.ctx.call, l, self.task.round, self.ctx.abort_requested)
                 self.ctx.host.land_grads(l, host_grads[start:start + n])
-                self.ctx.sync.grad_written(l)
+                self.ctx.sync.grad_written(self.ctx.call, l)
                 start += n
         return land
 
@@ -290,7 +294,7 @@ def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int) -> Up
     up = w.upload_params([ctx.host.layers[l].upload for l in layers], windows)
     done = w.upload_done(up)
     for l in layers:
-        ctx.sync.uploaded(l, done)
+        ctx.sync.uploaded(ctx.call, l, done)
     return up
 
 
@@ -299,7 +303,7 @@ def prefetch(ctx: CallContext, w: Worker, task: StageTask, windows: int) -> Uplo
 
     They ride in the current stage's `windows`, behind its next activation uploads.
     """
-    if not all(ctx.sync.upload_ready(l) for l in task.layers):
+    if not all(ctx.sync.upload_ready(ctx.call, l) for l in task.layers):
         return None
     return upload_stage(ctx, w, task.layers, windows)
 

@@ -316,8 +316,9 @@ class Worker(ABC):
         self._download(device_bufs, 1, then)
 
     @abstractmethod
-    def scalar(self, t: torch.Tensor) -> torch.Tensor:
-        """A 0-dim fp32 copy of a device scalar (used for the loss), readable after drain()."""
+    def scalar(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A 0-dim fp32 host copy of a device scalar (the loss) and the fence it is readable after
+        (None: readable now); the caller reads it while the worker goes on."""
 
     def idle(self) -> None:
         """The worker is about to wait: send every held-back bulk window now."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -95,5 +95,5 @@ class CpuWorker(Worker):
             if f is not None:
                 f.wait()
 
-    def scalar(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().float().clone()
+    def scalar(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return t.detach().float().clone(), None

@@ -98,9 +98,12 @@ class CudaWorker(Worker):
             if t.device.type == "cuda":
                 t.record_stream(self.s_compute)
 
-    def scalar(self, t: torch.Tensor) -> torch.Tensor:
-        # Stays on the device: the caller reads it after drain() synchronised the streams.
-        return t.detach().float().reshape(())
+    def scalar(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        # Copied on the compute stream (current here) into pinned memory; the caller waits for the
+        # fence recorded after it, not for the worker's later stages.
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        host.copy_(t.detach().float().reshape(()), non_blocking=True)
+        return host, self._compute_fence()
 
     # ---- GPU timing
     def timer_start(self) -> torch.cuda.Event:
