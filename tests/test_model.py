@@ -1,4 +1,5 @@
 """RoundPipe on CPU workers: exact gradients, API semantics, bad input and faults."""
+import collections
 import threading
 import time
 
@@ -167,7 +168,11 @@ def test_trace_and_rotation():
         model.stage_timing = lambda *a: timings.append(a)   # the profiler seam
         with model.record_trace() as trace:
             model.forward_backward(torch.randn(3, 8), labels=torch.randn(3, 8), loss_fn=F.mse_loss)
-        assert len(trace.events) == len(timings) == 3 * 3
+        # one event per compute span: F forward; fused forward, loss, backward; B recompute, backward
+        assert len({(e.args["stage"], e.name) for e in trace.events}) == len(timings) == 3 * 3
+        parts = collections.Counter((e.cat, e.args["part"]) for e in trace.events)
+        assert parts == {("F", "forward"): 3, ("fused", "forward"): 3, ("fused", "loss"): 3,
+                         ("fused", "backward"): 3, ("B", "recompute"): 3, ("B", "backward"): 3}
         assert sorted((w, k, first, m) for w, k, first, m, t0, t1 in timings if k == "B") == \
             [("cpu:0", "B", 0, m) for m in range(3)]
         placed = {(e.cat, e.args["layers"], e.worker) for e in trace.events}

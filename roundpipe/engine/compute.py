@@ -53,13 +53,14 @@ def float_leaves(x: Any) -> list[torch.Tensor]:
 
 
 def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
-               publish: Callable[[int, Any], None] | None = None) -> Any:
+               publish: Callable[[int, Any], None] | None = None,
+               report: Callable[[float, float], None] | None = None) -> Any:
     """Runs layers on x, each from its own seed (recompute.py); publish(b, x) at saved boundaries inside.
 
     Random draws go to the worker's own generator, so workers run layers side by side; long
     compute runs outside the worker's turn (Worker.compute_span)."""
     reps = ctx.replicas[w.name]
-    with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop)), w.rng.stream():
+    with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop), report), w.rng.stream():
         for l in layers:
             if ctx.abort_requested():
                 raise Aborted()

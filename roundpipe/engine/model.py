@@ -423,13 +423,19 @@ class RoundPipe:
 
     @contextlib.contextmanager
     def record_trace(self) -> Iterator[Trace]:
-        """Records every stage-microbatch run on every worker into a Trace while the block runs."""
+        """Records the compute of every stage-microbatch of the calls begun in the block into a Trace.
+
+        One event per compute span (a forward, a recompute, a loss, a backward), waits left out;
+        leaving the block waits for the calls begun in it to end, so the trace is complete."""
         trace = Trace(metadata={"devices": [str(d) for d in self.devices], "plan": repr(self.plan)})
         self._trace = trace
         try:
             yield trace
         finally:
             self._trace = None
+            with self._api:
+                if not self._closed:
+                    self._retire(block=True)
 
     def _trace_call(self, plan: Plan):
         """This call's view of the recording trace (events stamped with the iteration), or None."""

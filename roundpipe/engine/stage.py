@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -175,10 +174,22 @@ class StageRun:
                                             any((not c.forward) or c.worker.device != w.device for c in cons))
         self.ctx.board.put(key, w.send(x, route[1], route[0]), len(cons))
 
+    def _report(self, m: int, part: str) -> Callable[[float, float], None] | None:
+        """The trace's record of one compute span of microbatch m (None when no trace is kept).
+
+        Only compute is recorded, never a wait (for an input, a gradient, the turn or an upload):
+        idle time in a trace is idle time of the worker (roundpipe/sim/metrics.py)."""
+        trace, task = self.ctx.trace, self.task
+        if trace is None:
+            return None
+        name, layers = f"{task.label} mb{m}", f"{task.layers.start}-{task.layers.stop - 1}"
+        return lambda t0, t1: trace.add(self.w.name, name, t0, t1, cat=task.kind, stage=task.label,
+                                        layers=layers, round=task.round, part=part)
+
     def forward(self, m: int) -> None:
         x = self._input(m)
         with torch.no_grad():
-            run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m))
+            run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m), self._report(m, "forward"))
 
     def _input_with_grad(self, m: int) -> Any:
         """The stage input with its floating leaves requiring grad (none for layer 0: data needs none)."""
@@ -194,11 +205,12 @@ class StageRun:
         grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in tree_leaves(x)]
         self._handoff(("grad", self.task.layers.start, m), grads, self.task.consumers.get(self.task.layers.start, []))
 
-    def _backward(self, roots: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+    def _backward(self, roots: list[torch.Tensor], grads: list[torch.Tensor] | None, m: int) -> None:
         if not roots:
             return
         try:
-            with self.w.compute_span(self.ctx.compute_s, ("b", self.task.layers.start, self.task.layers.stop)):
+            with self.w.compute_span(self.ctx.compute_s, ("b", self.task.layers.start, self.task.layers.stop),
+                                     self._report(m, "backward")):
                 autograd_backward(roots, grads)
         except Exception as e:
             r = self.task.layers
@@ -216,18 +228,23 @@ class StageRun:
         ctx = self.ctx
         x = self._input_with_grad(m)
         with torch.enable_grad():
-            out = run_layers(ctx, self.w, self.task.layers, x, m)
+            out = run_layers(ctx, self.w, self.task.layers, x, m, report=self._report(m, "forward"))
             labels = (self.w.use(self.w.receive(Handoff(host=ctx.labels[m], gpu_ready=ctx.gpu_ready)))
                       if ctx.labels[m] is not None else None)
             try:
-                loss = ctx.loss_fn(out, labels) if ctx.loss_fn is not None else out
+                if ctx.loss_fn is None:
+                    loss = out
+                else:
+                    with self.w.compute_span(ctx.compute_s, ("l", self.task.layers.start, self.task.layers.stop),
+                                             self._report(m, "loss")):
+                        loss = ctx.loss_fn(out, labels)
             except Exception as e:
                 raise tag(e, f"loss_fn (microbatch {m})")
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
                 what = f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
                 src = "loss_fn" if ctx.loss_fn is not None else "the last layer (no loss_fn given)"
                 raise tag(TypeError(f"{src} must return a floating scalar loss, got a {what}"), "loss_fn")
-            self._backward([loss.reshape(()) * ctx.weights[m]], None)
+            self._backward([loss.reshape(()) * ctx.weights[m]], None, m)
         with ctx.lock:
             ctx.losses[m] = self.w.scalar(loss)
             if len(ctx.losses) == len(ctx.weights):
@@ -238,7 +255,7 @@ class StageRun:
         ctx, r = self.ctx, self.task.layers
         x = self._input_with_grad(m)
         with torch.enable_grad():
-            out = run_layers(ctx, self.w, r, x, m)
+            out = run_layers(ctx, self.w, r, x, m, report=self._report(m, "recompute"))
         grads = self._use(self.w.receive(self._get(("grad", r.stop, m))))
         if ctx.check_recompute is not None:   # after the gradient: its forward has surely run
             ref = ctx.check_recompute.get((r.stop, m))
@@ -248,7 +265,7 @@ class StageRun:
                 f"recompute of layers {r.start}-{r.stop - 1} microbatch {m} differs from its forward"
         pairs = [(o, g) for o, g in zip(tree_leaves(out), grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        self._backward([o for o, _ in pairs], [g for _, g in pairs])
+        self._backward([o for o, _ in pairs], [g for _, g in pairs], m)
         self._publish_input_grad(m, x)
 
     # ---- end of stage
@@ -323,13 +340,8 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
         try:
             run.upload(prefetched)
             for i, m in enumerate(task.mbs):
-                t0 = time.perf_counter()
                 timer = w.timer_start() if ctx.on_timing is not None else None
                 step(m)
-                t1 = time.perf_counter()
-                if ctx.trace is not None:
-                    ctx.trace.add(w.name, f"{task.label} mb{m}", t0, t1, cat=task.kind,
-                                  layers=f"{task.layers.start}-{task.layers.stop - 1}", round=task.round)
                 if timer is not None:   # execution time: on a GPU measured by events, reported later
                     w.timer_stop(timer, functools.partial(ctx.on_timing, w.name, task.kind, task.layers.start, m))
                 if w.prefetches and i + 1 < len(task.mbs):

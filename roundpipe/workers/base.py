@@ -124,13 +124,16 @@ class Worker(ABC):
         """Around a wait for another worker's output: gives the turn back meanwhile, if held."""
         return contextlib.nullcontext()
 
-    def compute_span(self, seconds: dict, key: Hashable) -> contextlib.AbstractContextManager:
+    def compute_span(self, seconds: dict, key: Hashable,
+                     report: Callable[[float, float], None] | None = None) -> contextlib.AbstractContextManager:
         """Around a stage's layer compute: outside the worker's turn when it took long last time.
 
         `seconds[key]` keeps how long the compute under `key` took.  Never measured counts as
         long, so a slow layer never holds the turn even once; forward and backward have their
-        own keys, since a cheap forward says nothing about its backward."""
-        return _ComputeSpan(self, seconds, key)
+        own keys, since a cheap forward says nothing about its backward.  `report(t0, t1)` gets
+        the compute's execution time, waits for the turn excluded (`timer_stop`: on a GPU once
+        its events completed), for the trace."""
+        return _ComputeSpan(self, seconds, key, report)
 
     # True when issuing the next stage's weights and the next microbatch's input early
     # overlaps compute.  Copies are asynchronous on both kinds of worker, but on a CPU worker
@@ -337,18 +340,21 @@ class Worker(ABC):
 
 
 class _ComputeSpan:
-    __slots__ = ("seconds", "key", "yielded", "t0")
+    __slots__ = ("w", "seconds", "key", "report", "yielded", "t0", "timer")
 
-    def __init__(self, w: Worker, seconds: dict, key: Hashable):
-        self.seconds, self.key = seconds, key
+    def __init__(self, w: Worker, seconds: dict, key: Hashable, report: Callable[[float, float], None] | None):
+        self.w, self.seconds, self.key, self.report = w, seconds, key, report
         self.yielded = w.yielded() if seconds.get(key, LONG_COMPUTE_S + 1) > LONG_COMPUTE_S else None
 
     def __enter__(self) -> None:
         if self.yielded is not None:
             self.yielded.__enter__()
+        self.timer = self.w.timer_start() if self.report is not None else None
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
         self.seconds[self.key] = time.perf_counter() - self.t0
+        if self.timer is not None and exc[0] is None:
+            self.w.timer_stop(self.timer, self.report)
         if self.yielded is not None:
             self.yielded.__exit__(*exc)
