@@ -66,7 +66,8 @@ def make_optimizer(kind, model, weight_decay):
 OPS = ["fb"] * 9 + ["step_async"] * 3 + ["step_sync", "eval", "eval", "sync", "state_dict", "load", "edit"]
 
 
-def run_case(seed):
+def run_case(seed, pause=None):
+    """`pause()` runs between the ops on the caller's thread."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     workers = rng.choice([1, 2, 3])
@@ -83,6 +84,8 @@ def run_case(seed):
         opt = make_optimizer(kind, model, weight_decay)
         for i, op in enumerate(ops):
             at = f"{where}, op {i} ({op})"
+            if pause is not None:
+                pause()
             if op == "fb":
                 x, y = data()
                 loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
@@ -140,3 +143,17 @@ def test_random_call_sequence_under_delays(seed):
         (host if kind in ("optimizer", "pcopy", "gcopy") else copies)(kind)
     with inject_delays(hook):
         run_with_watchdog(lambda: run_case(1000 + seed))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_call_sequence_with_delays_between_calls(seed):
+    """Random sleeps in layer compute and between the calls: a call begins while the last backward
+    stages of the one before still run, or after they ended, or in between (the continuous pipeline)."""
+    compute = random_sleeps(0.006, seed=seed, prob=0.7)
+    between = random_sleeps(0.01, seed=seed + 200, prob=0.5)
+
+    def hook(kind):
+        if kind == "compute":
+            compute(kind)
+    with inject_delays(hook):
+        run_with_watchdog(lambda: run_case(2000 + seed, pause=lambda: between("caller")))

@@ -36,6 +36,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
+from roundpipe import testing
 from roundpipe.engine.executor import SerialExecutor
 from roundpipe.engine.microbatch import tree_leaves, tree_unflatten
 from roundpipe.engine.recompute import WorkerRng
@@ -349,6 +350,7 @@ class _ComputeSpan:
     def __enter__(self) -> None:
         if self.yielded is not None:
             self.yielded.__enter__()
+        testing.delay_point("compute")
         self.timer = self.w.timer_start() if self.report is not None else None
         self.t0 = time.perf_counter()
 
