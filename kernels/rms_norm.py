@@ -1,6 +1,8 @@
 """RMSNorm with an optional fused residual add, forward and backward.
 
-Shapes: x, residual [..., H] viewed as rows [N, H]; weight [H]; rstd [N] fp32.
+Shapes: x, residual [..., H] viewed as rows [N, H]; weight [H] with any stride
+(a slice of a packed buffer, an expanded scalar: the kernels index it with its
+stride); rstd [N] fp32.
 
     s = x + residual            (stored in x's dtype, returned as the new residual)
     y = s * rsqrt(mean(s^2) + eps) * weight
@@ -35,7 +37,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 
 
 @jit
-def _rms_norm_fwd_kernel(X, R, S, Y, W, RSTD, stride_x, stride_r, stride_s, stride_y, H, eps,
+def _rms_norm_fwd_kernel(X, R, S, Y, W, RSTD, stride_x, stride_r, stride_s, stride_y, stride_w, H, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -48,17 +50,17 @@ def _rms_norm_fwd_kernel(X, R, S, Y, W, RSTD, stride_x, stride_r, stride_s, stri
         x = s.to(tl.float32)  # normalise what the caller gets back as the residual
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
     tl.store(RSTD + row, rstd)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols.to(tl.int64) * stride_w, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
 @jit
-def _rms_norm_bwd_kernel(DY, DS, X, W, RSTD, DX, DW_PART, stride_dy, stride_ds, stride_x, stride_dx,
+def _rms_norm_bwd_kernel(DY, DS, X, W, RSTD, DX, DW_PART, stride_dy, stride_ds, stride_x, stride_dx, stride_w,
                          n_rows, rows_per_program, H, HAS_DS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols.to(tl.int64) * stride_w, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     start = pid * rows_per_program
     end = tl.minimum(start + rows_per_program, n_rows)
@@ -93,8 +95,8 @@ def _rms_norm_fwd(x, weight, eps, residual):
     if n:
         block = triton.next_power_of_2(h)
         _triton.launch(_rms_norm_fwd_kernel, (n,), x2, r2, s, y, weight, rstd, x2.stride(0), r2.stride(0),
-                       s.stride(0), y.stride(0), h, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                       num_warps=_triton.num_warps(block))
+                       s.stride(0), y.stride(0), weight.stride(0), h, eps, HAS_RESIDUAL=residual is not None,
+                       BLOCK=block, num_warps=_triton.num_warps(block))
     return y, (s if residual is not None else None), rstd
 
 
@@ -108,7 +110,7 @@ def _rms_norm_bwd(dy, ds, s, weight, rstd):
         block = triton.next_power_of_2(h)
         ds2 = ds if ds is not None else dy
         _triton.launch(_rms_norm_bwd_kernel, (programs,), dy, ds2, s, weight, rstd, dx, dw_part, dy.stride(0),
-                       ds2.stride(0), s.stride(0), dx.stride(0), n, triton.cdiv(n, programs), h,
+                       ds2.stride(0), s.stride(0), dx.stride(0), weight.stride(0), n, triton.cdiv(n, programs), h,
                        HAS_DS=ds is not None, BLOCK=block, num_warps=_triton.num_warps(block))
     return dx, dw_part.sum(0).to(weight.dtype)
 

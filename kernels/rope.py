@@ -38,7 +38,9 @@ def apply_rope_ref(q, k, cos, sin):
 @jit
 def _rope_tile(X, Y, sxb, sxh, sxt, syb, syh, syt, b, t, n_heads, half, c1, c2, s1, s2,
                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    heads = tl.arange(0, BLOCK_H)[:, None]
+    # int64: heads * sxh alone passes 2**31 for a [B, H, T, D]-contiguous q at T*D >= 2**31 / H
+    # (T = 256K at 64 heads of 128); b and t are already int64 (from the program id).
+    heads = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < n_heads) & (cols < half)
     x_off = X + b * sxb + t * sxt + heads * sxh + cols

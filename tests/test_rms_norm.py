@@ -58,6 +58,28 @@ def test_low_precision_within_twice_torch_error(dtype, shape):
                                   ref, atol=1e-3)
 
 
+@pytest.mark.parametrize("layout", ["every-other", "column", "expanded"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_strided_weight(layout, with_residual):
+    """A weight that is not unit-stride (a slice, a matrix column, an expanded scalar) is read with its stride."""
+    n, h = 5, 123
+    x, r, dy = torch.randn(n, h), torch.randn(n, h), torch.randn(n, h)
+    base = {"every-other": lambda: torch.randn(2 * h)[::2], "column": lambda: torch.randn(h, 3)[:, 1],
+            "expanded": lambda: torch.randn(1).expand(h)}[layout]()
+    w = base.detach().requires_grad_(True)
+    assert w.stride(0) != 1
+    w_ref = base.detach().contiguous().requires_grad_(True)
+    xs, x_ref = leaf(x), leaf(x)
+    out = rms_norm(xs, w, 1e-6, r if with_residual else None)
+    ref = rms_norm_ref(x_ref, w_ref, 1e-6, r if with_residual else None)
+    out, ref = (out[0], ref[0]) if with_residual else (out, ref)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.backward(dy)
+    ref.backward(dy)
+    torch.testing.assert_close(xs.grad, x_ref.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_module_and_empty_batch():
     """The module forwards to rms_norm, and zero rows give an empty output and a zero weight grad."""
     norm = RMSNorm(123)

@@ -1,4 +1,9 @@
 """Rotary embedding kernels against the fp32 reference, values and gradients."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from _kernel_util import LOW_PRECISION, assert_within_torch_error, leaf
@@ -65,6 +70,41 @@ def test_low_precision_within_twice_torch_error(dtype):
     refs = [*out_ref, ref[0].grad, ref[1].grad]
     for i, label in enumerate(["q", "k", "dq", "dk"]):
         assert_within_torch_error(f"{dtype} {label}", got["ours"][i].float(), got["torch"][i].float(), refs[i])
+
+
+# Run in a child: on the old int32 arithmetic the wrapped offset points below the buffer and the
+# interpreter (or a GPU) faults, which would take the whole test session down with it.
+_HEAD_OFFSET_PAST_INT32 = textwrap.dedent("""
+    import torch
+    from roundpipe.kernels.rope import _rope, apply_rope_ref
+    D, sxh = 8, 2**30 + 64                   # heads at 0, 2**30 + 64, 2**31 + 128: the last passes int32
+    buf = torch.empty(3 * sxh + D, dtype=torch.float16)   # 4 GiB of address space, three rows touched
+    q = buf.as_strided((1, 3, 1, D), (3 * sxh, sxh, D, 1))
+    q.copy_(torch.randn(1, 3, 1, D).half())
+    k = torch.randn(1, 1, 1, D).half()
+    cos, sin = torch.randn(1, D).half(), torch.randn(1, D).half()
+    for backward in (False, True):
+        qo, ko = _rope(q, k, cos, sin, backward)
+        s = -sin.roll(D // 2, -1) if backward else sin   # the transpose: (sin1, sin2) -> (-sin2, -sin1)
+        qr, kr = apply_rope_ref(q, k, cos, s)
+        assert torch.equal(qo, qr) and torch.equal(ko, kr), (backward, (qo.float() - qr.float()).abs().max())
+    print("ok")
+""")
+
+
+def test_head_offsets_past_int32_are_computed_in_int64():
+    """A q whose head stride times head index passes 2**31 elements is read from the right rows, both directions.
+
+    Covers the load offsets (the outputs are fresh contiguous tensors, so their
+    offsets stay small; the same int64 head index feeds both).  Needs 4 GiB of
+    address space, not of memory: torch.empty does not touch the pages.
+    """
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter path; on a GPU the strided CPU buffer would need a 4 GiB device copy")
+    done = subprocess.run([sys.executable, "-c", _HEAD_OFFSET_PAST_INT32], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
 def test_bad_arguments_name_the_argument():
