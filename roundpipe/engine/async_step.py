@@ -98,10 +98,13 @@ class CallState:
 class LayerSync:
     """Per-layer counters and one condition variable implementing the orderings above."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, groups: list[tuple[int, ...]] | None = None):
         L = num_layers
         self.cv = threading.Condition()
         self.L = L
+        # per layer: the layers sharing a parameter with it, itself included (HostState.groups); every
+        # ordering of a layer below holds for its whole group, since its step writes their shared weight
+        self.groups = groups or [(l,) for l in range(L)]
         self.iteration = 0                  # calls begun
         self.steps_issued = 0
         self.latest: StepRecord | None = None
@@ -152,16 +155,16 @@ class LayerSync:
     def settled(self, layer: int) -> bool:
         """No issued step still has to update or copy this layer (the host thread leaves it alone)."""
         with self.cv:
-            return self.pcopied[layer] == self.steps_issued
+            return all(self.pcopied[k] == self.steps_issued for k in self.groups[layer])
 
     # ---- uploads (worker threads)
     def upload_ready(self, call: CallState, layer: int) -> bool:
         with self.cv:
-            return self.pcopied[layer] >= call.version
+            return all(self.pcopied[k] >= call.version for k in self.groups[layer])
 
     def wait_upload(self, call: CallState, layer: int, abort: Callable[[], bool] | None = None) -> None:
         with self.cv:
-            self._wait(lambda: self.pcopied[layer] >= call.version, abort)
+            self._wait(lambda: all(self.pcopied[k] >= call.version for k in self.groups[layer]), abort)
 
     def uploaded(self, call: CallState, layer: int, done: Waitable) -> None:
         with self.cv:
@@ -206,7 +209,7 @@ class LayerSync:
         with self.cv:
             while True:
                 for l in sorted(pending, reverse=True):
-                    if self.consumed[l] >= after_steps:
+                    if all(self.consumed[k] >= after_steps for k in self.groups[l]):
                         return l
                 self.cv.wait(0.05)
 
@@ -231,7 +234,7 @@ class LayerSync:
     def _gate(self, rec: StepRecord, layer: int) -> bool:
         if rec.readers_left > 0:
             return False
-        return all(c.uploads_left[layer] == 0 for c in self.active if c.version < rec.index)
+        return all(c.uploads_left[k] == 0 for c in self.active if c.version < rec.index for k in self.groups[layer])
 
     def wait_gate(self, rec: StepRecord, pending: set[int]) -> tuple[int, list[Callable[[], None]]]:
         """Blocks until one layer of `pending` may be overwritten; returns it and the upload copies to wait for."""
@@ -239,13 +242,14 @@ class LayerSync:
             while True:
                 for l in sorted(pending, reverse=True):
                     if self._gate(rec, l):
-                        return l, [w for c in self.active if c.version < rec.index for w in c.upload_waits[l]]
+                        return l, [w for c in self.active if c.version < rec.index for k in self.groups[l]
+                                   for w in c.upload_waits[k]]
                 self.cv.wait(0.05)
 
     def wait_grads(self, rec: StepRecord, layer: int) -> None:
         """Waits until p.grad of the layer holds every gradient issued before the step."""
         with self.cv:
-            self._wait(lambda: self.gcopied[layer] >= rec.gcopies, None)
+            self._wait(lambda: all(self.gcopied[k] >= rec.gcopies for k in self.groups[layer]), None)
 
     def grads_consumed(self, layer: int) -> None:
         with self.cv:

@@ -30,6 +30,18 @@ taken at each P-copy lets a call find the masters the user changed since
 (`edited`): an in-place edit under no_grad, `load_state_dict`, `p.data = ...`,
 a freeze or unfreeze (not an in-place op on `p.data`, see `_stamp`).
 
+Shared parameters (tied embeddings: the same tensor in the first and the last
+layer, or any weight used by several layers).  The first layer holding the
+tensor owns it; a later one holds an alias (`alias[j]` = (owner layer, index)).
+Master and upload copy are one (the alias reads the owner's upload copy); each
+occurrence gets its own landing buffer, since each layer's stage sends its own
+gradient, and the alias's G-copy adds its sum into the owner's gradient
+(`p.grad` or held), so the step reads the total and updates the master once,
+with the owner's layer; an alias is never updated, copied or cleared itself.
+The layers sharing a parameter form a group (`groups()`): the per-layer
+protocol (roundpipe/engine/async_step.py) orders each layer's uploads, G-copies
+and step against its whole group.
+
 Buffers (BatchNorm running stats, ...) have no extra copy: forward stages
 upload them with the parameters and write them back after the stage; they stay
 in their own dtype.
@@ -100,6 +112,8 @@ class LayerState:
     ghas: list[bool] = field(default_factory=list)       # per param: gbuf holds a gradient
     held: list[torch.Tensor | None] = field(default_factory=list)    # per param: low-precision gradient for the step
     stamp: list[tuple] = field(default_factory=list)     # per param: _stamp(p) at the last P-copy
+    alias: list[tuple[int, int] | None] = field(default_factory=list)   # per param: its owner (layer, index)
+    owned: list[int] = field(default_factory=list)       # indices of params that are not aliases
 
 
 class HostState:
@@ -113,15 +127,11 @@ class HostState:
         self.arena = make_arena(pinned)
         # this call's landings per (layer, param): None if it started the sum, else what it added
         self._landed: dict[tuple[int, int], list[torch.Tensor] | None] = {}
-        seen: dict[int, str] = {}
+        seen: dict[int, tuple[int, int]] = {}   # id(master) -> (owner layer, index)
         self.layers: list[LayerState] = []
         for i, layer in enumerate(layers):
             names, params = zip(*layer.named_parameters()) if any(True for _ in layer.parameters()) else ((), ())
             for n, p in zip(names, params):
-                if id(p) in seen:
-                    raise ValueError(f"layers: parameter {i}.{n} is the same tensor as {seen[id(p)]}; parameters "
-                                     "shared between layers are not supported (each layer is uploaded on its own)")
-                seen[id(p)] = f"{i}.{n}"
                 if p.device.type != "cpu":
                     raise ValueError(f"layers: parameter {i}.{n} is on {p.device}; the model must be on the CPU "
                                      "(roundpipe keeps all weights in host memory)")
@@ -130,6 +140,16 @@ class HostState:
             bnames, bufs = zip(*layer.named_buffers()) if any(True for _ in layer.buffers()) else ((), ())
             state = LayerState(list(names), list(params), [], [], list(bnames), list(bufs))
             for j, p in enumerate(params):
+                owner = seen.get(id(p))
+                state.alias.append(owner)
+                state.gbuf.append(None)
+                state.ghas.append(False)
+                state.held.append(None)
+                if owner is not None:   # shared with an earlier layer: its master and upload copy
+                    state.upload.append(self.layers[owner[0]].upload[owner[1]])
+                    continue
+                seen[id(p)] = (i, j)
+                state.owned.append(j)
                 if p.dtype != torch.float32:
                     # fp32 masters are the contract; convert in place so the user's module stays the master.
                     p.data = p.data.float()
@@ -137,15 +157,29 @@ class HostState:
                 u = self.alloc(p.shape, dtype)
                 self.copy(u, p.data)
                 state.upload.append(u)
-                state.gbuf.append(None)
-                state.ghas.append(False)
-                state.held.append(None)
             self._set_trainable(state)
             state.stamp = [_stamp(p) for p in state.params]
             self.layers.append(state)
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """Per layer, the layers joined to it by shared parameters (transitively), itself included."""
+        parent = list(range(len(self.layers)))
+
+        def root(l: int) -> int:
+            while parent[l] != l:
+                l = parent[l]
+            return l
+        for l, st in enumerate(self.layers):
+            for owner in st.alias:
+                if owner is not None:
+                    parent[root(l)] = root(owner[0])
+        members: dict[int, list[int]] = {}
+        for l in range(len(self.layers)):
+            members.setdefault(root(l), []).append(l)
+        return [tuple(members[root(l)]) for l in range(len(self.layers))]
 
     def alloc(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous host tensor: from the arena, else torch (pinned when CUDA)."""
@@ -184,8 +218,9 @@ class HostState:
 
     def host_bytes(self) -> dict[str, int]:
         """Host bytes of the training state by kind (the masters' own bytes included)."""
-        def total(get) -> int:
-            return sum(t.nbytes for st in self.layers for t in get(st) if t is not None)
+        def total(get) -> int:   # a shared master (and its upload copy) counted once
+            unique = {id(t): t for st in self.layers for t in get(st) if t is not None}
+            return sum(t.nbytes for t in unique.values())
         out = {"masters": total(lambda st: st.params), "upload_copies": total(lambda st: st.upload),
                "grad_landing": total(lambda st: st.gbuf), "grads_held": total(lambda st: st.held),
                "grads": total(lambda st: [p.grad for p in st.params]),
@@ -215,8 +250,8 @@ class HostState:
         """P-copy: new fp32 master weights -> upload copy of one layer."""
         delay_point("pcopy")
         st = self.layers[layer]
-        for u, p in zip(st.upload, st.params):
-            self.copy(u, p.data)
+        for j in st.owned:   # an alias's upload copy is its owner's
+            self.copy(st.upload[j], st.params[j].data)
         self.stamp(layer)
 
     def stamp(self, layer: int) -> None:
@@ -228,24 +263,28 @@ class HostState:
         """G-copy: landed gradients of one layer -> the gradient the step reads (accumulating).
 
         Where the layer has no gradient yet the landing sum itself becomes it (no copy): `p.grad`
-        when fp32, else `held`; otherwise it is added in (a held gradient turns fp32 first)."""
+        when fp32, else `held`; otherwise it is added in (a held gradient turns fp32 first).  An
+        alias's sum goes into its owner's gradient."""
         delay_point("gcopy")
         st = self.layers[layer]
         for j in st.trainable:
             if not st.ghas[j]:
                 continue
-            p, g = st.params[j], st.gbuf[j]
+            g = st.gbuf[j]
             st.gbuf[j], st.ghas[j] = None, False
+            owner = st.alias[j]
+            ost, k = (st, j) if owner is None else (self.layers[owner[0]], owner[1])
+            p = ost.params[k]
             if p.grad is not None:
                 p.grad.add_(g)
-            elif st.held[j] is not None:
-                st.held[j] = self._fp32_sum(st.held[j], g)
+            elif ost.held[k] is not None:
+                ost.held[k] = self._fp32_sum(ost.held[k], g)
             elif g.dtype == torch.float32:
                 p.grad = g
             else:
-                st.held[j] = g
-            if st.held[j] is not None and st.held[j].dtype == torch.float32:
-                p.grad, st.held[j] = st.held[j], None
+                ost.held[k] = g
+            if ost.held[k] is not None and ost.held[k].dtype == torch.float32:
+                p.grad, ost.held[k] = ost.held[k], None
 
     def _fp32_sum(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a + b in fp32: in place when a is fp32, else in a new fp32 buffer."""
@@ -256,9 +295,15 @@ class HostState:
         return a.add_(b)
 
     def step_grads(self, layer: int) -> list[torch.Tensor | None]:
-        """Per parameter of the layer, the gradient a step reads: p.grad, else the held one, else None."""
+        """Per parameter the layer owns (`step_params`), the gradient a step reads: p.grad, else the held
+        one, else None."""
         st = self.layers[layer]
-        return [p.grad if p.grad is not None else h for p, h in zip(st.params, st.held)]
+        return [st.params[j].grad if st.params[j].grad is not None else st.held[j] for j in st.owned]
+
+    def step_params(self, layer: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+        """The masters a step of the layer updates and their upload copies: all but its aliases."""
+        st = self.layers[layer]
+        return [st.params[j] for j in st.owned], [st.upload[j] for j in st.owned]
 
     def materialize(self, layer: int) -> None:
         """Held low-precision gradients of the layer -> fp32 `p.grad` (for readers of p.grad)."""
@@ -306,8 +351,8 @@ class HostState:
         self._landed = {}
 
     def clear_grads(self, layer: int) -> None:
-        """After a step read them: p.grad = None and the held gradients dropped."""
+        """After a step read them: p.grad = None and the held gradients dropped (an alias's by its owner)."""
         st = self.layers[layer]
-        for j, p in enumerate(st.params):
-            p.grad = None
+        for j in st.owned:
+            st.params[j].grad = None
             st.held[j] = None

@@ -7,7 +7,9 @@ has a dim 0; every tensor leaf whose dim 0 equals B is split along dim 0 and
 every other leaf (scalars, masks of another size, Python values) goes whole to
 every microbatch.  Splits may be uneven: B=10 in 4 microbatches gives sizes
 3, 3, 2, 2 (the first B % M microbatches get one sample more), and the loss of
-microbatch m is weighted by size_m / B (see `Microbatches.weights`).
+microbatch m is weighted by size_m / B (see `Microbatches.weights`), or by 1
+with `reduction="sum"` (the loss_fn then returns its share of the batch loss,
+e.g. a sum over tokens divided by the batch's token count: token weighting).
 
 A custom `split_fn(args, kwargs, labels, num_microbatches)` may replace the
 rule; it returns one `(args, kwargs, labels)` triple per microbatch and the
@@ -104,13 +106,16 @@ class Microbatches:
     kwargs: list[dict]
     labels: list[Any]
     sizes: list[int]
+    reduction: str = "mean"   # "mean": losses weighted by size_m / B; "sum": added as they are
 
     def __len__(self) -> int:
         return len(self.sizes)
 
     @property
     def weights(self) -> list[float]:
-        """size_m / B: makes the weighted sum of per-microbatch mean losses the batch mean."""
+        """size_m / B: makes the weighted sum of per-microbatch mean losses the batch mean (1 each for "sum")."""
+        if self.reduction == "sum":
+            return [1.0] * len(self.sizes)
         total = sum(self.sizes)
         return [s / total for s in self.sizes]
 

@@ -106,7 +106,8 @@ class RoundPipe:
     def __init__(self, layers, devices=None, num_microbatches: int | None = None,
                  compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
-                 planning: PlanningConfig | None = None, device_memory: int | dict | None = None):
+                 planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
+                 loss_reduction: str = "mean"):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
@@ -115,6 +116,10 @@ class RoundPipe:
                 raise ValueError(f"{name}={v!r} must be None or an int >= 1")
         if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={compute_dtype!r} must be one of {COMPUTE_DTYPES} or None")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' (microbatch losses weighted by "
+                             "their share of the samples) or 'sum' (added as loss_fn returns them)")
+        self.loss_reduction = loss_reduction
         if split_fn is not None and not callable(split_fn):
             raise TypeError(f"split_fn must be callable, got {type(split_fn).__name__}")
         L = len(self.module)
@@ -138,7 +143,7 @@ class RoundPipe:
         self._cuda = self.devices[0].type == "cuda"
         layers = list(self.module)
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda)
-        self.sync = LayerSync(L)
+        self.sync = LayerSync(L, self.host.groups())
         self.host_thread = SerialExecutor("roundpipe-step")      # optimizer steps and P-copies
         self.gcopy_thread = SerialExecutor("roundpipe-gcopy")    # G-copies
         self.workers = make_workers(self.devices, self.compute_dtype, self.host.alloc)
@@ -223,6 +228,7 @@ class RoundPipe:
                 raise ValueError("labels were given but loss_fn is None; pass loss_fn(output, labels)")
             mb = split(args, kwargs, labels, self.num_microbatches, self.round_size, self.split_fn,
                        labels_required=loss_fn is not None and labels is not None)
+            mb.reduction = self.loss_reduction
             ctx = self._run(mb, training=True, loss_fn=loss_fn)
             losses = []
             for m, w in enumerate(mb.weights):

@@ -116,17 +116,17 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                                        max_grad_norm)
 
         def update(l: int) -> None:
-            st = host.layers[l]
+            params, upload = host.step_params(l)   # a shared master once, with its first layer
             with torch.no_grad():
                 if native_clip:   # reads held low-precision gradients as they are
-                    optimizer.step_layer(st.params, st.upload, clip_coef=clip[0], grads=host.step_grads(l))
+                    optimizer.step_layer(params, upload, clip_coef=clip[0], grads=host.step_grads(l))
                 else:
                     host.materialize(l)
                     if clip[0] != 1.0:
-                        for p in st.params:
+                        for p in params:
                             if p.grad is not None:
                                 p.grad.mul_(clip[0])
-                    optimizer.step_layer(st.params, st.upload)
+                    optimizer.step_layer(params, upload)
             host.stamp(l)
         return StepFns(measure if max_grad_norm is not None else None, False, update, host.pcopy,
                        host.clear_grads, finish)
