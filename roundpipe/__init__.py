@@ -26,6 +26,7 @@ _LAZY = {
     "planner": "roundpipe.planner",
     "offload": "roundpipe.offload",
     "PlanningConfig": "roundpipe.engine.autoplan",
+    "hf": "roundpipe.hf",
 }
 
 native_available = _native.available

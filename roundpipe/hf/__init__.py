@@ -1,0 +1,33 @@
+"""Hugging Face models in one call: `rp.hf.wrap(hf_model)`, `rp.hf.from_pretrained(dir)`, `rp.hf.Trainer`.
+
+Names load lazily (this package imports transformers only when a function that needs it runs):
+roundpipe/hf/model.py (wrap, from_pretrained, HFRoundPipe), presets.py (where a model's parts
+are), layers.py (the layers a decoder is cut into), loss.py (HF's token-weighted loss),
+trainer.py (the transformers.Trainer subclass).
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "wrap": "roundpipe.hf.model",
+    "from_pretrained": "roundpipe.hf.model",
+    "HFRoundPipe": "roundpipe.hf.model",
+    "PRESETS": "roundpipe.hf.presets",
+    "Trainer": "roundpipe.hf.trainer",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'roundpipe.hf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,169 @@
+"""`wrap`: a Hugging Face causal LM as a RoundPipe, with HF's names, loss and files.
+
+    model = rp.hf.wrap(hf_model, devices=["cpu", "cpu"])
+    loss = model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
+    model.step(optimizer)
+    logits = model(input_ids=ids, attention_mask=mask)
+    model.save_pretrained(out_dir)
+
+The model is cut into an embedding layer, one layer per decoder layer and a norm + LM head
+layer (roundpipe/hf/layers.py) that hold the HF model's own modules, so the host masters are
+the HF model's parameters: `named_parameters()`, `state_dict()` and `save_pretrained()` are the
+HF model's.  Training runs the engine with `loss_reduction="sum"` and HF's token-weighted loss
+(roundpipe/hf/loss.py); the LM head's loss goes through the fused linear + cross-entropy.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe.engine.model import RoundPipe
+from roundpipe.hf.layers import Decoder, Embed, Head
+from roundpipe.hf.loss import TokenLoss, count_items, shift_labels
+from roundpipe.hf.presets import causal_lm, find_parts
+from roundpipe.workers import parse_devices
+
+
+def _layers(hf_model: nn.Module) -> list[nn.Module]:
+    parts = find_parts(hf_model)
+    layers: list[nn.Module] = [Embed(parts.embed_tokens, parts.rotary_emb, parts.config, parts.attention_types)]
+    layers += [Decoder(layer, kind) for layer, kind in zip(parts.layers, parts.attention_types)]
+    layers.append(Head(parts.norm, parts.lm_head))
+    covered = {id(p) for layer in layers for p in layer.parameters()}
+    for name, p in hf_model.named_parameters():
+        if id(p) not in covered:
+            raise ValueError(f"{type(hf_model).__name__}: parameter {name!r} is outside the embedding, the decoder "
+                             "layers, the final norm and the LM head, so no roundpipe layer would train it")
+    return layers
+
+
+def _patch_kernels(hf_model: nn.Module, devices) -> int:
+    """Our Triton kernels into the HF modules when a worker is a GPU (roundpipe/hf/kernels.py), else 0."""
+    if not any(d.type == "cuda" for d in parse_devices(devices)):
+        return 0
+    try:
+        from roundpipe.hf.kernels import patch_kernels
+    except ImportError:
+        return 0
+    return patch_kernels(hf_model)
+
+
+class HFRoundPipe(RoundPipe):
+    """A RoundPipe over a Hugging Face causal LM (built by `wrap`); HF names, loss and files."""
+
+    def __init__(self, hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
+                 compute_dtype: torch.dtype | None = None, plan=None, **roundpipe_kwargs):
+        if not isinstance(hf_model, nn.Module):
+            raise TypeError(f"hf_model must be a transformers causal LM (an nn.Module), got {type(hf_model).__name__}")
+        if "loss_reduction" in roundpipe_kwargs:
+            raise TypeError("loss_reduction is fixed by rp.hf.wrap (HF's token-weighted loss); do not pass it")
+        if any(p.device.type != "cpu" for p in hf_model.parameters()):
+            raise ValueError("hf_model must be on the CPU (roundpipe keeps every weight in host memory); "
+                             "build or load it without device_map / .to('cuda')")
+        layers = _layers(hf_model)
+        self.hf_model = hf_model
+        self.kernels_patched = _patch_kernels(hf_model, devices)
+        super().__init__(layers, devices, num_microbatches, compute_dtype, plan, loss_reduction="sum",
+                         **roundpipe_kwargs)
+
+    @property
+    def config(self):
+        return causal_lm(self.hf_model).config
+
+    # ---- state: the HF model's own
+    def parameters(self, recurse: bool = True):
+        return self.hf_model.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.hf_model.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self.hf_model.buffers(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.hf_model.named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        with self._api:
+            self._check_open()
+            self._drain()
+            return self.hf_model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        with self._api:
+            self._check_open()
+            self._drain()
+            result = self.hf_model.load_state_dict(state_dict, strict=strict)
+            for l in range(len(self.host)):
+                self.host.refresh(l)
+            return result
+
+    def train(self, mode: bool = True) -> "HFRoundPipe":
+        self.hf_model.train(mode)
+        return self
+
+    # ---- calls
+    @staticmethod
+    def _inputs(input_ids, attention_mask, position_ids, extra: dict) -> dict:
+        if extra:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(extra)}; a wrapped HF model takes input_ids, "
+                            "attention_mask, position_ids (and labels, num_items_in_batch for training)")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            what = f"a {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" \
+                if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq_len], got {what}")
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                           or attention_mask.shape != input_ids.shape):
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be None or a tensor of input_ids' shape {tuple(input_ids.shape)}, "
+                             f"got {shape}")
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+    def forward_backward(self, input_ids=None, attention_mask=None, labels=None, *, position_ids=None,
+                         num_items_in_batch=None, **kwargs) -> torch.Tensor:
+        """HF's causal-LM loss of the batch (labels shifted inside, -100 ignored, the mean over the batch's
+        counted tokens or divided by num_items_in_batch) and its gradients; returns the loss."""
+        inputs = self._inputs(input_ids, attention_mask, position_ids, kwargs)
+        if labels is None:
+            raise ValueError("labels is None; pass labels [batch, seq_len] (usually input_ids, with -100 at padding)")
+        shifted = shift_labels(labels)
+        if shifted.shape != input_ids.shape:
+            raise ValueError(f"labels have shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}; they must match")
+        loss_fn = TokenLoss(count_items(shifted, num_items_in_batch))
+        return super().forward_backward(labels=shifted, loss_fn=loss_fn, **inputs)
+
+    def __call__(self, input_ids=None, attention_mask=None, *, position_ids=None, **kwargs) -> torch.Tensor:
+        """Forward only: logits [batch, seq_len, vocab] on the CPU."""
+        return super().__call__(**self._inputs(input_ids, attention_mask, position_ids, kwargs))
+
+    forward = __call__
+
+    # ---- files
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """The HF model's save_pretrained (safetensors, HF names; a PEFT model writes its adapter)
+        with the masters as they are after every pending step."""
+        self.synchronize()
+        self.hf_model.save_pretrained(save_directory, **kwargs)
+
+
+def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
+         compute_dtype: torch.dtype | None = None, plan=None, **roundpipe_kwargs: Any) -> HFRoundPipe:
+    """A RoundPipe over a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or any decoder
+    with embeddings, a list of decoder layers, a final norm and an LM head), or a PEFT model around one.
+
+    The HF model must be on the CPU; it becomes the host master (its parameters turn fp32 in place).
+    roundpipe_kwargs go to RoundPipe (microbatches_per_round, planning, device_memory, ...)."""
+    return HFRoundPipe(hf_model, devices, num_microbatches, compute_dtype, plan, **roundpipe_kwargs)
+
+
+def from_pretrained(path: str | os.PathLike, **wrap_kwargs: Any) -> HFRoundPipe:
+    """Loads a local checkpoint (safetensors) into host memory in fp32 and wraps it."""
+    from transformers import AutoModelForCausalLM
+    if not os.path.isdir(path):
+        raise ValueError(f"path={str(path)!r} is not a directory; give a folder written by save_pretrained "
+                         "(config.json and *.safetensors); the hub is not reached from here")
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return wrap(hf_model, **wrap_kwargs)
