@@ -55,6 +55,12 @@ ordered by the copies' fences), plain memory for CPU workers; without it,
 ordinary torch tensors (pinned when CUDA).  `close()` drops the state's own
 buffers, so the arena's memory goes back once the last tensor viewing it is
 gone.  `HostState.copy(dst, src)` does every host-side conversion.
+
+Frozen parameters (requires_grad=False when wrapped: a LoRA model's base weights)
+keep their dtype (no fp32 master) and have no landing buffer, no gradient and
+no optimizer work; one already in the upload dtype is moved into its upload
+copy (`p.data` then views it: one host copy, uploaded as it is).  Unfreezing
+one that is not fp32 later is a ValueError: wrap after unfreezing.
 """
 from __future__ import annotations
 
@@ -150,12 +156,14 @@ class HostState:
                     continue
                 seen[id(p)] = (i, j)
                 state.owned.append(j)
-                if p.dtype != torch.float32:
+                if p.dtype != torch.float32 and p.requires_grad:
                     # fp32 masters are the contract; convert in place so the user's module stays the master.
                     p.data = p.data.float()
                 dtype = upload_dtype if p.is_floating_point() else p.dtype
                 u = self.alloc(p.shape, dtype)
                 self.copy(u, p.data)
+                if not p.requires_grad and p.dtype == dtype:
+                    p.data = u   # frozen, already in the upload dtype: the upload copy is the master, one copy
                 state.upload.append(u)
             self._set_trainable(state)
             state.stamp = [_stamp(p) for p in state.params]
@@ -221,7 +229,9 @@ class HostState:
         def total(get) -> int:   # a shared master (and its upload copy) counted once
             unique = {id(t): t for st in self.layers for t in get(st) if t is not None}
             return sum(t.nbytes for t in unique.values())
-        out = {"masters": total(lambda st: st.params), "upload_copies": total(lambda st: st.upload),
+        masters = {p.data_ptr() for st in self.layers for p in st.params}   # a frozen master may be its upload copy
+        out = {"masters": total(lambda st: st.params),
+               "upload_copies": total(lambda st: [u for u in st.upload if u.data_ptr() not in masters]),
                "grad_landing": total(lambda st: st.gbuf), "grads_held": total(lambda st: st.held),
                "grads": total(lambda st: [p.grad for p in st.params]),
                "buffers": total(lambda st: st.buffers)}
@@ -239,10 +249,12 @@ class HostState:
         """After the user changed masters: checks them, follows freezes, rewrites the upload copy."""
         st = self.layers[layer]
         for j, (p, u) in enumerate(zip(st.params, st.upload)):
-            if p.shape != u.shape or p.dtype != torch.float32 or p.device.type != "cpu":
+            if p.shape != u.shape or (p.dtype != torch.float32 and p.requires_grad) or p.device.type != "cpu":
                 raise ValueError(f"parameter {st.param_names[j]} of layer {layer} is now a {p.dtype} tensor of shape "
-                                 f"{tuple(p.shape)} on {p.device}; after wrapping, a master may change its values "
-                                 f"only (it must stay fp32, on the CPU, of shape {tuple(u.shape)})")
+                                 f"{tuple(p.shape)} on {p.device} (requires_grad={p.requires_grad}); after wrapping, "
+                                 f"a master may change its values only (it must stay on the CPU, of shape "
+                                 f"{tuple(u.shape)}, and fp32 when trained: a frozen {p.dtype} parameter cannot be "
+                                 "unfrozen after wrapping; unfreeze it before)")
         self._set_trainable(st)
         self.pcopy(layer)
 
@@ -251,7 +263,8 @@ class HostState:
         delay_point("pcopy")
         st = self.layers[layer]
         for j in st.owned:   # an alias's upload copy is its owner's
-            self.copy(st.upload[j], st.params[j].data)
+            if st.upload[j].data_ptr() != st.params[j].data_ptr():   # else the master is its upload copy
+                self.copy(st.upload[j], st.params[j].data)
         self.stamp(layer)
 
     def stamp(self, layer: int) -> None:
