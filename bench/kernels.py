@@ -1,6 +1,6 @@
 """roundpipe.kernels against eager PyTorch, torch.compile and Liger-Kernel on one GPU.
 
-    python bench/kernels.py [--quick] [--no-save] [--ops rms_norm,swiglu,rope,lce]
+    python bench/kernels.py [--quick] [--no-save] [--ops rms_norm,swiglu,rope,lce,lce_chunks]
 
 For every op (bf16, Qwen3-8B-like sizes) and provider the table gives the
 median milliseconds of the forward and of forward+backward, the achieved rate
@@ -12,6 +12,16 @@ memory above the inputs for T = 8K..32K tokens, V = 151,936.  The LM-head loss
 runs roundpipe and Liger-Kernel with both weight-gradient accumulators:
 "accum=fp32" sums dW over the chunks in fp32 (roundpipe's default),
 "accum=None" in the weight's dtype (Liger-Kernel's default).
+
+"lce_chunks" is a second table, kernels_lce_chunks: the LM-head loss's chunk
+sizing at V = 151,936 before and after the large-vocabulary fix, per (T, H):
+chunk, chunk count, bytes moved per microbatch (forward+backward) and the
+temporaries, as counted by roundpipe.kernels.linear_cross_entropy.chunk_costs
+(a count of the code's tensor accesses, not a measurement), then the median
+time of forward+backward with both chunk sizes on one smaller case: on CPU
+under the Triton interpreter (whose interpreted softmax kernel costs both the
+same), on a GPU at T = 16,384, H = 4,096 (unmeasured so far).  Its rows are
+saved on CPU too (the counts do not depend on the device).
 
 Liger-Kernel is an optional import (never a roundpipe dependency); when it is
 missing the table says so.  Without a CUDA GPU the script runs a tiny CPU
@@ -163,6 +173,57 @@ def passes(fn, case: Case) -> dict[str, Callable]:
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
+def _old_lce_chunk(tokens: int, hidden: int, vocab: int) -> int:
+    """linear_cross_entropy's default chunk before the large-vocabulary fix: logits about as large as hidden."""
+    return max(1, min(tokens, 1 << (-(-tokens * hidden // vocab) - 1).bit_length()))
+
+
+def lce_chunk_report(cuda: bool, quick: bool) -> Report:
+    """Chunk sizing of the LM-head loss, old rule against the default: counted bytes, then a timed case."""
+    from roundpipe.kernels import linear_cross_entropy
+    from roundpipe.kernels.linear_cross_entropy import chunk_costs, default_chunk_size
+
+    report = Report("kernels_lce_chunks", columns=["case", "rule", "chunk", "chunks", "GB moved", "[V,H] GB",
+                                                   "logits GB", "temp GB", "fewer bytes", "ms", "vs before"],
+                    device="cuda" if cuda else "cpu")
+    vocab, b, acc = 151936, 2, 4
+    for tokens, hidden in ((4096, 1024), (4096, 4096), (16384, 1024), (16384, 4096), (32768, 5120)):
+        old = chunk_costs(tokens, hidden, vocab, _old_lce_chunk(tokens, hidden, vocab), b, acc)
+        for rule, chunk in (("before", _old_lce_chunk(tokens, hidden, vocab)),
+                            ("after", default_chunk_size(tokens, hidden, vocab, b, acc))):
+            c = chunk_costs(tokens, hidden, vocab, chunk, b, acc)
+            report.add(case=f"counted T{tokens} H{hidden} V{vocab} bf16", rule=rule, chunk=chunk, chunks=c.chunks,
+                       **{"GB moved": c.bytes_moved / 1e9, "[V,H] GB": c.weight_bytes_moved / 1e9,
+                          "logits GB": c.logits_bytes_moved / 1e9, "temp GB": c.temporary_bytes / 1e9,
+                          "fewer bytes": old.bytes_moved / c.bytes_moved})
+    if cuda:
+        tokens, hidden, vocab, dtype = (4096, 1024, 151936, torch.bfloat16) if quick else \
+            (16384, 4096, 151936, torch.bfloat16)
+        device, sync, repeat = "cuda", torch.cuda.synchronize, 5
+    else:
+        tokens, hidden, vocab, dtype = 128, 1024, 32000, torch.bfloat16
+        device, sync, repeat = "cpu", None, 3
+    h = torch.randn(tokens, hidden, device=device, dtype=dtype).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, device=device) / hidden ** 0.5).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+    before_ms = None
+    for rule, chunk in (("before", _old_lce_chunk(tokens, hidden, vocab)),
+                        ("after", default_chunk_size(tokens, hidden, vocab, dtype.itemsize, 4))):
+        run = lambda: torch.autograd.grad(linear_cross_entropy(h, w, labels, chunk_size=chunk), [h, w])
+        ms = median_time(run, warmup=1, repeat=repeat, sync=sync) * 1e3
+        before_ms = before_ms or ms
+        c = chunk_costs(tokens, hidden, vocab, chunk, dtype.itemsize, 4)
+        report.add(case=f"timed T{tokens} H{hidden} V{vocab} {str(dtype)[6:]}", rule=rule, chunk=chunk,
+                   chunks=c.chunks, **{"GB moved": c.bytes_moved / 1e9, "temp GB": c.temporary_bytes / 1e9,
+                                       "ms": ms, "vs before": before_ms / ms})
+    report.note("counted: chunk_costs' count of tensor accesses per forward+backward (bf16, fp32 dW sums), "
+                "not a measurement; [V,H] GB: W read twice and dW's product and fp32 sum, per chunk")
+    report.note("timed: median of forward+backward with the chunk forced; "
+                + ("on this GPU" if cuda else "CPU under TRITON_INTERPRET=1, whose interpreted softmax costs both "
+                   "rules the same; the difference is torch's matmuls and dW passes"))
+    return report
+
+
 def _peak_mib(fn, device: str) -> float | None:
     if device != "cuda":
         return None
@@ -202,20 +263,26 @@ def _import_liger(report: Report):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/kernels.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", default="rms_norm,swiglu,rope,lce", help="comma-separated subset of the ops")
+    parser.add_argument("--ops", default="rms_norm,swiglu,rope,lce,lce_chunks",
+                        help="comma-separated subset of the ops")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     add_common_args(parser)
     args = parser.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    unknown = set(ops) - {"rms_norm", "swiglu", "rope", "lce"}
+    unknown = set(ops) - {"rms_norm", "swiglu", "rope", "lce", "lce_chunks"}
     if unknown:
         parser.error(f"--ops has unknown names {sorted(unknown)}")
     cuda = torch.cuda.is_available()
     if not cuda:
         print("bench/kernels.py: no CUDA GPU visible; this benchmark is meaningful on a GPU only. Running the "
-              "CPU sanity mode (tiny shapes, Triton interpreter, nothing saved).", file=sys.stderr)
+              "CPU sanity mode (tiny shapes, Triton interpreter; only the lce_chunks table is saved).", file=sys.stderr)
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before roundpipe.kernels defines its kernels
     device = "cuda" if cuda else "cpu"
+    if "lce_chunks" in ops:
+        lce_chunk_report(cuda, args.quick).finish(args.out, save=not args.no_save)
+        ops.remove("lce_chunks")
+        if not ops:
+            return 0
     report = Report("kernels", columns=["case", "pass", "provider", "ms", "rate", "unit", "% of limit",
                                         "vs eager", "peak MiB"], device=device)
     if cuda:

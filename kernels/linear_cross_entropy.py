@@ -17,14 +17,40 @@ With reduction "mean"/"sum" the gradients are produced during the forward
 (scale = 1/n_valid or 1) and the backward only multiplies them by the incoming
 scalar, so the logits are computed once.  With "none" the per-token incoming
 gradient is only known in the backward, which then recomputes the chunks.
+
+Chunk size: traffic against memory.  Every chunk, whatever its C, reads W
+twice and passes once over the [V, H] weight gradient (with fp32 sums: the
+product written in the weight's dtype and read back, the fp32 sum read and
+written), (4b + 2*4) V*H bytes for b-byte weights, 16 V*H in bf16; the logits
+cost 6 C*V*b bytes (written, read twice and rewritten by the kernel, read by
+the two gradient matmuls).  The old rule made a chunk's logits as large as
+hidden (C = next_pow2(T*H/V), Liger-Kernel's rule), so at V = 151,936 there
+were about V/H chunks and the [V, H] passes moved ~16 V^2 bytes whatever T and
+H: at T = 4,096 (128 chunks at H = 1,024, 32 at H = 4,096) 326 GB per
+microbatch in all, 240 GB of it dW's fp32 sums, against 7.5 GB of logits.
+Now (`default_chunk_size`):
+
+  - all T tokens form one chunk when their logits fit in MAX_CHUNK_BYTES (1 GiB)
+    plus the fp32 accumulator that one chunk does without (dW is then written
+    once): T = 4,096 at H = 1,024 or 4,096 moves 8.4 or 11.3 GB;
+  - otherwise C = H tokens, cut to a multiple of 128 under MAX_CHUNK_BYTES:
+    the [V, H] passes cost at most (4b + 8)/(6b) (1.33x in bf16) of the logits'
+    own traffic plus one pass (T = 16,384, H = 4,096: 5 chunks of 3,456, 81 GB
+    instead of 350 GB).
+
+The temporaries (logits chunk and accumulator) stay within MAX_CHUNK_BYTES +
+V*H*4 bytes: 3.5 GB instead of 2.6 GB at T = 16,384, H = 4,096.  These numbers
+are `chunk_costs`' count of this file's tensor accesses (bench/kernels.py
+prints them before and after); unmeasured on GPU.
+
 Extra peak memory is C*V (logits) + T*H (dh) + V*H (dW) in the inputs' dtype
-instead of eager's several [T, V] tensors, plus V*H*4 bytes for dW's fp32
-accumulator when the weight is fp16/bf16 and accum_dtype=torch.float32 (the
-default; 2.5 GB at V=151936, H=4096; Liger-Kernel's accum_dtype=torch.float32
-allocates the same accumulator).  On CPU torch's mixed-dtype add_ also casts
-each chunk's [V, H] product through a transient fp32 copy (V*H*4 more).
-The default C makes the logits chunk about as large as `hidden`
-(C = next_pow2(ceil(T*H/V))), the same rule Liger-Kernel uses.
+instead of eager's several [T, V] tensors, plus, with more than one chunk,
+V*H*4 bytes for dW's fp32 accumulator when the weight is fp16/bf16 and
+accum_dtype=torch.float32 (the default; 2.5 GB at V=151936, H=4096;
+Liger-Kernel's accum_dtype=torch.float32 allocates the same accumulator).  dW
+itself receives each chunk's product before it is added to the accumulator.
+On CPU torch's mixed-dtype add_ also casts each chunk's [V, H] product through
+a transient fp32 copy (V*H*4 more).
 
 Precision: dW is the only sum across chunks (each chunk writes its own dh rows
 once, from one matmul over V: dh's error measured the same with 1 and 32
@@ -46,6 +72,7 @@ micro-batch must not poison the step).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -57,6 +84,7 @@ from ._triton import jit, tl, triton
 
 Reduction = Literal["mean", "sum", "none"]
 MAX_BLOCK_V = 8192
+MAX_CHUNK_BYTES = 1 << 30
 
 
 def linear_cross_entropy_ref(hidden, weight, labels, ignore_index: int = -100, reduction: Reduction = "mean"):
@@ -105,26 +133,87 @@ def _cross_entropy_kernel(LOGITS, LABELS, LOSS, SCALE, stride_row, V, ignore_ind
             tl.store(ptr + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
 
 
-def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk so that the [C, V] logits are about as large as hidden [T, H]."""
-    return max(1, min(tokens, triton.next_power_of_2(triton.cdiv(tokens * hidden, vocab))))
+def default_chunk_size(tokens: int, hidden: int, vocab: int, itemsize: int = 2, accum_itemsize: int | None = 4,
+                       max_bytes: int | None = None) -> int:
+    """Tokens per chunk: at least `hidden` (all `tokens` if fewer), with logits of at most `max_bytes`.
+
+    See the module docstring: C >= H bounds the per-chunk passes over W and dW
+    by the chunk's own logits traffic.  All tokens go in one chunk when its
+    logits fit in `max_bytes` plus the fp32 accumulator that one chunk does
+    without (`accum_itemsize` wider than `itemsize`), so the temporaries stay
+    within max_bytes + V*H*accum_itemsize either way.  A chunk that the cap cuts
+    is rounded down to a multiple of 128 tokens (matmul tiles) when that leaves any.
+    max_bytes defaults to MAX_CHUNK_BYTES (read at the call).
+    """
+    max_bytes = MAX_CHUNK_BYTES if max_bytes is None else max_bytes
+    for name, value in (("tokens", tokens), ("hidden", hidden), ("vocab", vocab), ("itemsize", itemsize),
+                        ("max_bytes", max_bytes)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    saved = vocab * hidden * accum_itemsize if accum_itemsize not in (None, itemsize) else 0
+    if tokens * vocab * itemsize <= max_bytes + saved:
+        return tokens
+    chunk = min(tokens, hidden)
+    fits = max(1, max_bytes // (vocab * itemsize))
+    if chunk > fits:
+        chunk = fits - fits % 128 if fits >= 128 else fits
+    return chunk
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """What one forward+backward (reduction "mean"/"sum") moves and holds, by `chunk_costs`' count."""
+    chunks: int
+    logits_bytes_moved: int      # [C, V] chunks: written by the matmul, kernel passes, gradient matmuls
+    weight_bytes_moved: int      # [V, H] per chunk: W read twice, dW's per-chunk product and sum
+    other_bytes_moved: int       # hidden read, dh written, the final fp32 -> weight-dtype rounding
+    temporary_bytes: int         # alive only inside the call: logits chunk, fp32 accumulator, loss
+    gradient_bytes: int          # returned: dh [T, H] and dW [V, H] in the inputs' dtype
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.logits_bytes_moved + self.weight_bytes_moved + self.other_bytes_moved
+
+
+def chunk_costs(tokens: int, hidden: int, vocab: int, chunk: int, itemsize: int = 2,
+                accum_itemsize: int | None = 4) -> ChunkCosts:
+    """DRAM bytes and temporary memory of `_chunked` with gradients, counted per tensor access.
+
+    A model of this file's code, not a measurement: each matmul reads its
+    inputs once and writes its output once, the kernel reads a logits row twice
+    and writes it once.  `accum_itemsize` is dW's sum dtype size (None or
+    `itemsize`: summed in the weight's dtype by addmm_).  Ignores the labels,
+    the [T] loss traffic and caches.
+    """
+    T, H, V, b = tokens, hidden, vocab, itemsize
+    n = -(-T // chunk)
+    wide = accum_itemsize not in (None, b) and n > 1
+    if wide:   # W read twice; the product written to dW and read back; the sum read (not the first) and written
+        weight = n * (4 * V * H * b + 2 * V * H * accum_itemsize) - V * H * accum_itemsize
+    else:      # W read twice; dW written by the first chunk, read and written by addmm_ in the others
+        weight = n * 4 * V * H * b - V * H * b
+    logits = 6 * T * V * b
+    other = 3 * T * H * b + (V * H * (accum_itemsize + b) if wide else 0)
+    temporary = min(chunk, T) * V * b + (V * H * accum_itemsize if wide else 0) + 4 * T
+    return ChunkCosts(n, logits, weight, other, temporary, (T * H + V * H) * b)
 
 
 def _chunked(hidden, weight, labels, ignore_index, scale, *, per_row, need_dh, need_dw, chunk, accum_dtype):
     """Loss [T] fp32 and, if asked, dh [T, H] and dW [V, H] scaled by `scale` (1 value or [T]).
 
-    dW is summed over the chunks in `accum_dtype`; when that is wider than the
-    weight's dtype each chunk's product lands in a [V, H] buffer of the
-    weight's dtype (torch.mm writes its inputs' dtype), is added to the
-    accumulator, and the buffer receives the rounded sum at the end.
+    dW is summed over the chunks in `accum_dtype`.  When that is wider than the
+    weight's dtype and there is more than one chunk, each chunk's product lands
+    in dW (torch.mm writes its inputs' dtype), is added to an fp32 accumulator,
+    and dW receives the rounded sum at the end.  One chunk writes dW once.
     """
     T, H = hidden.shape
     V = weight.shape[0]
     compute_grad = need_dh or need_dw
     loss = torch.empty(T, dtype=torch.float32, device=hidden.device)
     dh = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device) if need_dh else None  # hidden may be strided
-    dw = torch.zeros_like(weight, dtype=accum_dtype) if need_dw else None
-    product = torch.empty_like(weight) if need_dw and accum_dtype != weight.dtype else None
+    dw = torch.empty_like(weight) if need_dw else None
+    wide = need_dw and accum_dtype != weight.dtype and T > chunk
+    acc = torch.empty_like(weight, dtype=accum_dtype) if wide else None
     logits_buf = torch.empty((min(chunk, T), V), dtype=hidden.dtype, device=hidden.device)
     block = min(triton.next_power_of_2(V), MAX_BLOCK_V)
     for start in range(0, T, chunk):
@@ -139,11 +228,15 @@ def _chunked(hidden, weight, labels, ignore_index, scale, *, per_row, need_dh, n
             num_warps=_triton.num_warps(block))
         if need_dh:
             torch.mm(logits, weight, out=dh[start:end])
-        if product is not None:
-            dw.add_(torch.mm(logits.t(), h, out=product))
+        if need_dw and (wide or start == 0):
+            torch.mm(logits.t(), h, out=dw)
+            if wide:
+                acc.copy_(dw) if start == 0 else acc.add_(dw)
         elif need_dw:
             dw.addmm_(logits.t(), h)
-    return loss, dh, (product.copy_(dw) if product is not None else dw)
+    if wide:
+        dw.copy_(acc)
+    return loss, dh, dw
 
 
 def _scale(labels, ignore_index, reduction):
@@ -247,8 +340,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     flat = labels.reshape(-1).contiguous()
     if h.shape[0] == 0:
         return linear_cross_entropy_ref(hidden, weight, labels, ignore_index, reduction)
-    chunk = chunk_size or default_chunk_size(h.shape[0], h.shape[1], weight.shape[0])
     accum = accum_dtype or weight.dtype
+    chunk = chunk_size or default_chunk_size(h.shape[0], h.shape[1], weight.shape[0], weight.element_size(),
+                                             accum.itemsize)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         out = LinearCrossEntropyFunction.apply(h, weight, flat, ignore_index, reduction, chunk, accum)
     else:

@@ -1,4 +1,6 @@
-"""Chunked linear cross-entropy against the fp32 reference: loss, gradients, peak memory."""
+"""Chunked linear cross-entropy against the fp32 reference: loss, gradients, peak memory, chunk sizing."""
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,8 @@ from roundpipe.kernels import LinearCrossEntropyLoss, linear_cross_entropy
 from roundpipe.kernels.linear_cross_entropy import linear_cross_entropy_ref
 
 IGNORE = -100
+lce = importlib.import_module("roundpipe.kernels.linear_cross_entropy")  # the package exports the function by that name
+QWEN_VOCAB = 151936
 
 
 def _labels(T, V, ignored: str):
@@ -152,6 +156,96 @@ def test_peak_memory_is_order_chunk_times_vocab(dtype, accum_dtype):
     assert ours < logits_bytes / 4
 
 
+def _old_chunk(T, H, V):
+    """The rule before the large-vocabulary fix: logits chunk about as large as hidden."""
+    return max(1, min(T, 1 << (-(-T * H // V) - 1).bit_length()))
+
+
+# (T, H, how many times fewer bytes than the old rule at least): the old rule grew the logits chunk with T*H
+# unbounded (4,096 tokens, 1.24 GB, at T = 64K, H = 8K), so where the cap cuts the new chunk it may move more.
+@pytest.mark.parametrize("T,H,fewer", [(1, 4096, 1), (4096, 1024, 30), (4096, 4096, 25), (16384, 1024, 4.5),
+                                       (16384, 4096, 4), (32768, 5120, 1.3), (65536, 8192, 0.85)])
+def test_default_chunks_bound_traffic_and_temporaries_at_qwen_vocab(T, H, fewer):
+    """At V=151,936 (bf16, fp32 sums) the default chunks keep temporaries under MAX_CHUNK_BYTES + V*H*4 and the
+    [V, H] passes within 4/3 of the logits' traffic when C >= H; 4-30x fewer bytes than the old rule at T <= 16K."""
+    V, b, acc = QWEN_VOCAB, 2, 4
+    chunk = lce.default_chunk_size(T, H, V, b, acc)
+    costs, old = lce.chunk_costs(T, H, V, chunk, b, acc), lce.chunk_costs(T, H, V, _old_chunk(T, H, V), b, acc)
+    assert costs.temporary_bytes <= lce.MAX_CHUNK_BYTES + V * H * acc + 4 * T
+    assert chunk * V * b <= lce.MAX_CHUNK_BYTES or costs.chunks == 1
+    per_chunk_passes = (4 * b + 2 * acc) * V * H
+    if chunk >= min(T, H):    # not cut by the cap: [V, H] traffic <= (4b + 2a)/(6b) of the logits' plus one pass
+        assert costs.weight_bytes_moved <= (4 * b + 2 * acc) / (6 * b) * costs.logits_bytes_moved + per_chunk_passes
+    else:                     # cut: the fewest 128-multiples that fit, never fewer tokens than the cap allows - 127
+        assert chunk > lce.MAX_CHUNK_BYTES // (V * b) - 128
+    assert costs.bytes_moved * fewer <= old.bytes_moved, (costs, old)
+    if T == 4096:   # the issue's case: ~240 GB of fp32 dW sums per microbatch under the old rule
+        assert 230e9 < old.chunks * V * H * (2 * b + 2 * acc) < 250e9 and costs.bytes_moved < 12e9
+
+
+def test_default_chunk_size_rejects_bad_sizes():
+    """Non-positive sizes raise a ValueError naming the argument."""
+    with pytest.raises(ValueError, match="hidden=0"):
+        lce.default_chunk_size(16, 0, 100)
+    with pytest.raises(ValueError, match="max_bytes=-1"):
+        lce.default_chunk_size(16, 8, 100, max_bytes=-1)
+
+
+def _spy_chunks(monkeypatch) -> list:
+    """Records the chunk size of every _chunked call."""
+    seen, real = [], lce._chunked
+
+    def spy(*args, chunk, **kw):
+        seen.append(chunk)
+        return real(*args, chunk=chunk, **kw)
+
+    monkeypatch.setattr(lce, "_chunked", spy)
+    return seen
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_large_vocab_default_chunks_match_plain_pytorch(monkeypatch, reduction):
+    """V=32,011, H=8: with the cap forcing several default chunks, loss and both gradients equal plain PyTorch."""
+    T, H, V = 96, 8, 32011
+    monkeypatch.setattr(lce, "MAX_CHUNK_BYTES", 40 * V * 4)   # 40 tokens of fp32 logits: chunks of H = 8
+    seen = _spy_chunks(monkeypatch)
+    h, w = torch.randn(T, H), torch.randn(V, H) / H ** 0.5
+    labels = _labels(T, V, "some")
+    ours = _run(linear_cross_entropy, h, w, labels, reduction)
+    plain = _run(lambda h, w, y, ii, r: F.cross_entropy(h @ w.t(), y, ignore_index=ii, reduction=r), h, w, labels,
+                 reduction)
+    assert seen and set(seen) == {H}, seen
+    for name, a, b in zip(["loss", "dhidden", "dweight"], ours, plain):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype,accum_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                               (torch.bfloat16, None)], ids=["fp32", "bf16-fp32-sum", "bf16"])
+@pytest.mark.parametrize("cap_tokens", [40, 10_000], ids=["cut-by-cap", "one-chunk"])
+def test_default_chunks_peak_memory_within_the_counted_bound(monkeypatch, dtype, accum_dtype, cap_tokens):
+    """Measured peak (profiler) of forward+backward stays within chunk_costs' temporaries plus the gradients."""
+    T, H, V = 256, 64, 4099
+    monkeypatch.setattr(lce, "MAX_CHUNK_BYTES", cap_tokens * V * dtype.itemsize)
+    seen = _spy_chunks(monkeypatch)
+    h = torch.randn(T, H).to(dtype).requires_grad_(True)
+    w = (torch.randn(V, H) / 8).to(dtype).requires_grad_(True)
+    labels = _labels(T, V, "some")
+
+    def step():
+        linear_cross_entropy(h, w, labels, IGNORE, "mean", accum_dtype=accum_dtype).backward()
+        h.grad = w.grad = None
+
+    peak = _peak_bytes(step)
+    acc = (accum_dtype or dtype).itemsize
+    expect = lce.default_chunk_size(T, H, V, dtype.itemsize, acc)
+    assert seen == [expect] and expect == (40 if cap_tokens == 40 else T), (seen, expect)
+    costs = lce.chunk_costs(T, H, V, expect, dtype.itemsize, acc)
+    # CPU torch's mixed-dtype add_ makes an fp32 copy of each chunk's [V, H] product (module docstring).
+    cpu_transient = V * H * 4 if costs.chunks > 1 and acc != dtype.itemsize else 0
+    assert expect * V * dtype.itemsize <= peak, "the measurement misses the logits chunk"
+    assert peak <= costs.temporary_bytes + costs.gradient_bytes + cpu_transient + 65536, (peak, costs)
+
+
 def test_strided_hidden():
     """A non-contiguous hidden (a transposed buffer) gives the reference loss and gradients."""
     h, w = torch.randn(64, 19), torch.randn(1000, 64) / 8
@@ -201,8 +295,9 @@ def test_bad_arguments_name_the_argument():
 
 @pytest.mark.cuda
 def test_cuda_compiled_matches_reference_and_saves_memory():
-    """On a GPU at T=4096, V=151936: bf16 loss close to fp32; extra memory is the gradients, dW's fp32 sum, no T x V."""
-    T, H, V = 4096, 1024, 151936
+    """On a GPU at T=16,384, V=151,936: bf16 loss close to fp32; extra memory is the gradients and chunk_costs'
+    temporaries (a 1,024-token logits chunk, dW's fp32 sum), no T x V term."""
+    T, H, V = 16384, 1024, QWEN_VOCAB
     h = (torch.randn(T, H, device="cuda") * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(V, H, device="cuda") / 32).bfloat16().requires_grad_()
     labels = torch.randint(0, V, (T,), device="cuda")
@@ -214,11 +309,12 @@ def test_cuda_compiled_matches_reference_and_saves_memory():
     loss.backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    grads = (T * H + V * H) * 2
-    accum = V * H * 4  # dW's fp32 sum while the chunks run (accum_dtype=torch.float32, the default)
-    assert extra < grads + accum + T * V * 2 / 4, (
-        f"extra {extra / 2**20:.0f} MiB vs gradients {grads / 2**20:.0f} MiB + dW's fp32 sum {accum / 2**20:.0f} MiB"
-        f" + a quarter of the bf16 logits {T * V * 2 / 4 / 2**20:.0f} MiB")
+    costs = lce.chunk_costs(T, H, V, lce.default_chunk_size(T, H, V, 2, 4), 2, 4)
+    assert costs.chunks == 16
+    bound = costs.gradient_bytes + costs.temporary_bytes + (64 << 20)   # + the allocator's rounding, labels, loss
+    assert extra < bound and extra < T * V * 2 / 4, (
+        f"extra {extra / 2**20:.0f} MiB vs gradients + temporaries {bound / 2**20:.0f} MiB;"
+        f" a quarter of the bf16 logits {T * V * 2 / 4 / 2**20:.0f} MiB")
     ref = linear_cross_entropy_ref(h.detach()[:512], w.detach(), labels[:512])
     loss_512 = linear_cross_entropy(h.detach()[:512], w.detach(), labels[:512])
     torch.testing.assert_close(loss_512, ref, rtol=1e-2, atol=1e-2)
