@@ -99,19 +99,20 @@ class CallRun:
     """One call's work on the workers: how many are still at it, the first error, the end.
 
     `on_end(run)` runs once, on the thread of the last worker to finish (or the caller's, when
-    work was never handed out), before anyone waiting for the end is woken."""
+    work was never handed out); the call counts as finished only once it returned."""
 
     def __init__(self, ctx: CallContext, workers: int, on_end: Callable[["CallRun"], None]):
         self.ctx = ctx
         self.cv = threading.Condition()
         self.left = workers
+        self.ended = False
         self.error: BaseException | None = None
         self._on_end = on_end
 
     @property
     def finished(self) -> bool:
         with self.cv:
-            return self.left == 0
+            return self.ended
 
     @property
     def ok(self) -> bool:
@@ -133,17 +134,23 @@ class CallRun:
                 self._on_end(self)
             finally:
                 with self.cv:
+                    self.ended = True
                     self.cv.notify_all()
 
-    def wait(self, until: Callable[[], bool] | None = None) -> None:
-        """Until every worker finished, an error, or `until()`."""
+    def poke(self) -> None:
+        """Wakes a `wait(until)` to test its condition again."""
         with self.cv:
-            while self.left and self.error is None and not (until is not None and until()):
+            self.cv.notify_all()
+
+    def wait(self, until: Callable[[], bool] | None = None) -> None:
+        """Until the end, an error, or `until()`."""
+        with self.cv:
+            while not self.ended and self.error is None and not (until is not None and until()):
                 self.cv.wait(0.02)
 
     def wait_end(self) -> None:
         with self.cv:
-            while self.left:
+            while not self.ended:
                 self.cv.wait(0.1)
 
 
@@ -169,6 +176,7 @@ class Dispatcher:
         """Hands every worker its slots of the call, behind whatever earlier calls left it; the
         rotation moves on at once, so the next call's slots continue where these stop."""
         run = CallRun(ctx, len(self.workers), on_end)
+        ctx.on_losses = run.poke
         submitted = 0
         try:
             for w in self.workers:

@@ -80,6 +80,7 @@ class CallContext:
     gpu_ready: dict | None = None         # events for call inputs already on a GPU (Handoff.gpu_ready)
     call: CallState | None = None         # this call in the per-layer protocol (set when it begins)
     losses_known: threading.Event = field(default_factory=threading.Event)   # every microbatch's loss is in
+    on_losses: Callable[[], None] | None = None   # called once losses_known is set (wakes the caller)
 
     def abort_requested(self) -> bool:
         return self.board.aborted
@@ -247,8 +248,11 @@ class StageRun:
             self._backward([loss.reshape(()) * ctx.weights[m]], None, m)
         with ctx.lock:
             ctx.losses[m] = self.w.scalar(loss)
-            if len(ctx.losses) == len(ctx.weights):
-                ctx.losses_known.set()
+            known = len(ctx.losses) == len(ctx.weights)
+        if known:
+            ctx.losses_known.set()
+            if ctx.on_losses is not None:
+                ctx.on_losses()
         self._publish_input_grad(m, x)
 
     def backward(self, m: int) -> None:
