@@ -57,6 +57,7 @@ class TrainConfig:
     eval_batches: int = 4                # held-out batches evaluated before and after training
     trace: str | None = None             # write a Chrome trace of the run here
     progress: bool = True
+    hf: str | None = None                # fine-tune this local HF checkpoint instead (roundpipe/commands/train_hf.py)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "microbatches", "layers", "hidden", "heads", "warmup"):
@@ -239,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"AdamW weight decay of the matrices (default {TrainConfig.weight_decay:g})")
     t.add_argument("--warmup", type=int, default=None, help="warmup steps (default 10%% of --steps, at most 50)")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help="seed of the initial weights and the batches (default 0)")
-    t.add_argument("--data-dir", default=None, help="train on the text files under this folder "
+    t.add_argument("--data-dir", "--data", default=None, help="train on the text files under this folder "
                    "instead of the Python standard library's sources")
     t.add_argument("--eval-batches", type=int, default=TrainConfig.eval_batches,
                    help=f"held-out batches evaluated before and after training, 0 for none (default {TrainConfig.eval_batches})")
@@ -257,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--sync", dest="asynchronous", action="store_false",
                       help="synchronous optimizer step, equal to --engine torch (default on CPU)")
     e.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace of the run")
+    h = p.add_argument_group("hugging face")
+    h.add_argument("--hf", default=None, metavar="DIR", help="fine-tune the causal LM saved in DIR (save_pretrained's "
+                   "files and its tokenizer) on --data's text files instead of the built-in decoder; no download")
+    h.add_argument("--save", default=None, metavar="OUT", help="with --hf: write the fine-tuned model and tokenizer here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -269,7 +274,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        devices=devices, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
                        data_dir=args.data_dir, seed=args.seed, asynchronous=args.asynchronous,
                        engine=args.engine, dtype=args.dtype, eval_batches=args.eval_batches, trace=args.trace,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, hf=args.hf)
 
 
 def _describe(cfg: TrainConfig, corpus: ByteCorpus) -> str:
@@ -286,6 +291,17 @@ def _describe(cfg: TrainConfig, corpus: ByteCorpus) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.save is not None and args.hf is None:
+        parser.error("--save needs --hf (the built-in decoder is not saved)")
+    if args.hf is not None:
+        from roundpipe.commands.train_hf import run
+        if args.engine != "roundpipe" or args.trace:
+            parser.error("--hf trains with the roundpipe engine only, without --trace")
+        try:
+            cfg = config_from_args(args).resolved()
+            return run(cfg, args.save)
+        except (ValueError, TypeError, OSError) as exc:
+            parser.error(str(exc))
     try:
         cfg = config_from_args(args).resolved()
         corpus = ByteCorpus.load(cfg.data_dir)

@@ -1,0 +1,57 @@
+"""`roundpipe train --hf DIR --data DIR`: fine-tunes a local checkpoint with its own tokenizer, no download."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from roundpipe.commands.train import main  # noqa: E402
+
+TEXT = ("the quick brown fox jumps over the lazy dog . a small model learns the words of a small text . "
+        "round pipes carry stages to workers and back again . ") * 8
+
+
+def local_checkpoint(root):
+    """A tiny Llama and a word-level tokenizer trained on the spot, saved with save_pretrained."""
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator([TEXT], tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "</s>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+
+
+def test_train_hf_fine_tunes_and_saves(tmp_path, capsys):
+    """A few steps on a folder of text files lower the loss; --save writes a model transformers loads."""
+    local_checkpoint(tmp_path / "model")
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        (data / f"part{i}.txt").write_text(TEXT)
+    out = tmp_path / "tuned"
+    rc = main(["--hf", str(tmp_path / "model"), "--data", str(data), "--steps", "12", "--batch-size", "4",
+               "--seq-len", "16", "--lr", "0.01", "--devices", "cpu,cpu", "--eval-batches", "1", "--no-progress",
+               "--save", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "model: " in text and "tokens/s" in text and f"saved to {out}" in text
+    start, end = (float(w) for w in text.split("held-out loss: start ")[1].split("  (")[0].split("  end "))
+    assert end < start
+    tuned = AutoModelForCausalLM.from_pretrained(out)
+    first = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert not torch.equal(tuned.model.layers[0].mlp.up_proj.weight, first.model.layers[0].mlp.up_proj.weight)
+    assert (out / "tokenizer.json").exists()
+
+
+def test_train_hf_bad_folder_is_a_usage_error(tmp_path, capsys):
+    """--hf naming no folder exits 2 with the flag named; --save without --hf too."""
+    with pytest.raises(SystemExit) as e:
+        main(["--hf", str(tmp_path / "missing"), "--steps", "1"])
+    assert e.value.code == 2 and "--hf" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--save", str(tmp_path / "x"), "--steps", "1"])
+    assert e.value.code == 2 and "--save needs --hf" in capsys.readouterr().err
