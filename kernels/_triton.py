@@ -74,6 +74,11 @@ def _device_reason(tensor: torch.Tensor) -> str | None:
     return None
 
 
+def can_run(tensor: torch.Tensor) -> bool:
+    """Whether the kernels can run on `tensor`'s device; silent (for callers with their own fallback)."""
+    return _device_reason(tensor) is None
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when the kernels can run on `tensor`'s device; else warns once and returns False."""
     global _warned
