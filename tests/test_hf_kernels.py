@@ -154,3 +154,28 @@ def test_bad_arguments_name_the_argument():
         patch_kernels(nn.Linear(2, 2), force="yes")
     with pytest.raises(ValueError, match="devices entry 'tpu:0'"):
         patch_kernels(nn.Linear(2, 2), devices=["tpu:0"])
+
+
+def test_patched_model_through_rp_hf_wrap_on_cpu_workers(monkeypatch):
+    """A patched model wrapped by rp.hf.wrap (per-worker deep-copied replicas, 2 microbatches) keeps HF's loss and
+    gradients, and the kernels run inside the workers."""
+    import roundpipe as rp
+
+    model = _model("qwen3")
+    reference = copy.deepcopy(model)
+    assert patch_kernels(model, force=True) == 13
+    launched = _launches(monkeypatch)
+    batch = _batch()
+    wrapped = rp.hf.wrap(model, devices=["cpu", "cpu"], num_microbatches=2, compute_dtype=torch.float32)
+    try:
+        loss = wrapped.forward_backward(**batch)
+        wrapped.synchronize()
+        grads = {name: p.grad for name, p in wrapped.named_parameters()}
+    finally:
+        wrapped.close()
+    ref = reference(**batch)
+    ref.loss.backward()
+    torch.testing.assert_close(loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_swiglu_bwd_kernel", "_rope_kernel"} <= set(launched)
