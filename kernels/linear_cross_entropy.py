@@ -1,4 +1,4 @@
-"""LM head + cross-entropy in token chunks, never holding the [T, V] logits.
+"""LM head + cross-entropy in token chunks of bounded size, never eager's fp32 [T, V] logits and their gradient.
 
 Shapes: hidden [T, H] (or [..., H]); weight [V, H] (the lm_head / tied
 embedding); labels [T] (or [...]) int, `ignore_index` where no loss is wanted;
