@@ -162,9 +162,11 @@ def test_no_replan_when_times_are_stable():
         x, y = torch.randn(6, 8), torch.randn(6, 8)
         fit(model, x, y)
         fit(model, x, y)
+        model.synchronize()   # a call's timings are folded at the call after next or a sync point
         plan, solves = model.plan, model.autoplan.replanner.replans
         for _ in range(5):
             fit(model, x, y)
+        model.synchronize()
         assert model.plan == plan and model.autoplan.replans == 0 and model.autoplan.profiler.coverage() > 0
         assert model.autoplan.replanner.replans == solves   # drift below the threshold: no re-solve at all
 
@@ -181,14 +183,16 @@ def test_replans_when_a_layer_is_slow():
         assert model.autoplan.profiler.coverage() == 0
         for _ in range(3):
             fit(model, x, y)
+        model.synchronize()   # folds the last calls' timings
         costs = model.autoplan.profiler.costs()
         # A stage's time is split over its layers by their current costs, so layer 2 keeps most of it.
-        # CPU workers share a generator, so stage times are raw (roundpipe/engine/autoplan.py) and the
-        # neighbours of layer 2 on the other worker may be charged its sleep: layer 1's backward waits
-        # for 2's gradient, layer 3's for the generator while 2 recomputes (under load, in every
-        # microbatch, so the fastest one is slow too).  Layers 0, 4 and 5 are checked.
+        # Stage times on CPU workers are raw (roundpipe/engine/autoplan.py), so the neighbours of
+        # layer 2 on the other worker may be charged its sleep: layer 1's backward waits for 2's
+        # gradient (under load, in every microbatch, so the fastest one is slow too).  Layers 0, 4
+        # and 5 are checked.
         assert sum(c.bwd_s for c in costs) >= 0.02 and costs[2].bwd_s >= 0.01
         assert all(costs[l].bwd_s < costs[2].bwd_s / 5 for l in (0, 4, 5))
+        fit(model, x, y)   # a new plan takes effect at a call's start
         assert model.autoplan.replans >= 1 and model.plan != first
         # The plan running is the replanner's: the partitioner's for the costs of the last re-plan, or,
         # if that one was less than `threshold` better (timing noise), the plan kept by the hysteresis.
@@ -198,6 +202,7 @@ def test_replans_when_a_layer_is_slow():
         assert objective(best, basis, 2, 3) >= (1 - cfg.threshold) * objective(model.plan, basis, 2, 3)
         calls = model.autoplan.replanner.replans
         fit(model, x, y)   # past the profiled calls: no timing, no re-planning
+        model.synchronize()
         assert model.autoplan.replanner.replans == calls
 
 
@@ -209,16 +214,17 @@ def test_refused_plan_is_taken_once_worth_it():
     cfg = PlanningConfig(warmup=0, profile=None, alpha=1.0, timer=timer)
     x, y = torch.randn(6, 8), torch.randn(6, 8)
     with rp.RoundPipe(mlp(6), devices=["cpu"] * 2, num_microbatches=3, planning=cfg) as model:
-        fit(model, x, y)   # equal layers: the size-based plan stays
+        step = lambda: (fit(model, x, y), model.synchronize())   # sync: the call's timings are folded
+        step()   # equal layers: the size-based plan stays
         first, costs = model.plan, model.autoplan.profiler.costs
         ratio = lambda: objective(planner.plan(costs(), 2, 3), costs(), 2, 3) / objective(first, costs(), 2, 3)
         slow["factor"] = 1.3
-        fit(model, x, y)
+        step()
         assert 1 - cfg.threshold < ratio() < 1   # a better plan, by less than the hysteresis: refused
         slow["factor"] = 1.6
-        fit(model, x, y)
+        step()
         assert model.plan == first and ratio() < 1 - cfg.threshold   # now clearly better
-        fit(model, x, y)
+        step()
         assert model.plan == planner.plan(costs(), 2, 3) and model.autoplan.replans == 1
 
 

@@ -319,26 +319,28 @@ class RoundPipe:
         except BaseException:
             self.autoplan.after_call(key, plan, training, False)
             raise
-        if run.finished:
-            self.autoplan.after_call(key, plan, training, run.ok)
-        else:
+        if training:   # retired (timings folded, late error raised) at a fixed later point
             self._inflight.append(_InFlight(key, plan, run))
+        else:
+            self.autoplan.after_call(key, plan, training, run.ok)
         if training:
             self._grads_pending = True
             if self.sync.gcopy_free():   # waits for nothing but the call: gradients fill while the caller goes on
                 self._issue_gcopy()
         return ctx
 
-    def _retire(self, block: bool, keep: int = 0) -> None:
-        """Forgets the earlier calls that ended (all but `keep` of them, waiting with `block`); raises
-        the first error one of them met after it returned (its gradients are then dropped)."""
+    def _retire(self, block: bool = True, keep: int = 0) -> None:
+        """Forgets the earlier calls in flight but the newest `keep`, waiting for their ends, and
+        folds their timings into the planner; with `block=False` only calls that ended with an
+        error (none is waited for).  Raises the first error one of them met after it returned
+        (its gradients were dropped).  Timings are folded at fixed points (the start of the call
+        after next, a sync point), so re-planning does not depend on thread timing."""
         error = None
         while len(self._inflight) > keep:
             rec = self._inflight[0]
-            if not rec.run.finished:
-                if not block:
-                    break
-                rec.run.wait_end()
+            if not block and not (rec.run.finished and rec.run.error is not None):
+                break
+            rec.run.wait_end()
             self._inflight.pop(0)
             self.autoplan.after_call(rec.key, rec.plan, True, rec.run.ok)
             if rec.run.error is not None and error is None:
