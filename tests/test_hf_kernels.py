@@ -17,6 +17,13 @@ def _config(family: str):
                   attn_implementation="eager")
     if family == "llama":
         return transformers.LlamaConfig(**common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(head_dim=16, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                           **common)
+    if family == "gemma":
+        return transformers.GemmaConfig(head_dim=16, **common)
     return transformers.Qwen3Config(head_dim=16, **common)
 
 
@@ -30,9 +37,14 @@ def _model(family: str) -> nn.Module:
     return model
 
 
-# per decoder layer: input/post-attention norms, the MLP, the attention (Qwen3 adds q_norm, k_norm); + the final norm
+# per decoder layer: input/post-attention norms, the MLP, the attention (Qwen3 adds q_norm, k_norm); + the final norm.
+# Qwen3-MoE's experts are one fused module (no gate_proj/up_proj/down_proj submodules): its MLPs stay HF's.
+# Gemma's norms compute x * (1 + weight) and its MLP is GELU: only its rotary application is ours.
 EXPECTED = {"llama": {"rms_norm": 2 * 2 + 1, "swiglu": 2, "rope": 2},
-            "qwen3": {"rms_norm": 4 * 2 + 1, "swiglu": 2, "rope": 2}}
+            "qwen2": {"rms_norm": 2 * 2 + 1, "swiglu": 2, "rope": 2},
+            "qwen3": {"rms_norm": 4 * 2 + 1, "swiglu": 2, "rope": 2},
+            "qwen3_moe": {"rms_norm": 4 * 2 + 1, "rope": 2},
+            "gemma": {"rope": 2}}
 
 
 def _batch():
@@ -54,7 +66,7 @@ def _launches(monkeypatch) -> list:
     return names
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", list(EXPECTED))
 def test_patched_model_matches_hf_logits_loss_and_gradients(monkeypatch, family):
     """With force=True the patched fp32 model's logits, loss and every gradient equal the unpatched model's."""
     model = _model(family)
@@ -71,10 +83,12 @@ def test_patched_model_matches_hf_logits_loss_and_gradients(monkeypatch, family)
     out, ref = model(**batch), reference(**batch)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
-    assert {"_rms_norm_fwd_kernel", "_swiglu_fwd_kernel", "_rope_kernel"} <= set(launched), set(launched)
+    kernel_names = {"rms_norm": "_rms_norm_fwd_kernel", "swiglu": "_swiglu_fwd_kernel", "rope": "_rope_kernel"}
+    assert {kernel_names[k] for k in kinds} == set(launched), set(launched)
     out.loss.backward()
     ref.loss.backward()
-    assert {"_rms_norm_bwd_kernel", "_swiglu_bwd_kernel"} <= set(launched)
+    backward_names = {"rms_norm": "_rms_norm_bwd_kernel", "swiglu": "_swiglu_bwd_kernel", "rope": "_rope_kernel"}
+    assert {backward_names[k] for k in kinds} <= set(launched)
     grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-5, msg=name)
