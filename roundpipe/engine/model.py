@@ -408,6 +408,14 @@ class RoundPipe:
             for l in range(len(self.host)):   # low-precision gradients held for the fused step
                 self.host.materialize(l)
 
+    def wait_calls(self) -> None:
+        """Waits until the training calls still running after they returned (their last backward
+        stages, the continuous pipeline) have ended; raises their errors.  Not a sync point: the
+        step window stays open and pending steps keep running (for that, `synchronize()`)."""
+        with self._api:
+            self._check_open()
+            self._retire(block=True)
+
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Device bytes per worker (current and peak per category, roundpipe/workers/ledger.py) and host
         bytes of the training state; with `optimizer`, its state's bytes too.  Peaks since the last
