@@ -78,8 +78,11 @@ _HEAD_OFFSET_PAST_INT32 = textwrap.dedent("""
     import torch
     from roundpipe.kernels.rope import _rope, apply_rope_ref
     D, sxh = 8, 2**30 + 64                   # heads at 0, 2**30 + 64, 2**31 + 128: the last passes int32
-    buf = torch.empty(3 * sxh + D, dtype=torch.float16)   # 4 GiB of address space, three rows touched
-    q = buf.as_strided((1, 3, 1, D), (3 * sxh, sxh, D, 1))
+    try:
+        buf = torch.empty(2 * sxh + D, dtype=torch.float16)   # 4 GiB of address space, three rows touched
+    except RuntimeError as exc:
+        raise SystemExit(f"skip: no 4 GiB of address space ({exc})")
+    q = buf.as_strided((1, 3, 1, D), (2 * sxh + D, sxh, D, 1))
     q.copy_(torch.randn(1, 3, 1, D).half())
     k = torch.randn(1, 1, 1, D).half()
     cos, sin = torch.randn(1, D).half(), torch.randn(1, D).half()
@@ -104,6 +107,8 @@ def test_head_offsets_past_int32_are_computed_in_int64():
         pytest.skip("the interpreter path; on a GPU the strided CPU buffer would need a 4 GiB device copy")
     done = subprocess.run([sys.executable, "-c", _HEAD_OFFSET_PAST_INT32], env=env, capture_output=True, text=True,
                           timeout=300)
+    if "skip: " in done.stderr:
+        pytest.skip(done.stderr.strip().splitlines()[-1])
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
