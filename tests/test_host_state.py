@@ -28,6 +28,7 @@ def test_buffers_live_in_the_arena_and_return_on_close():
     before = arena.stats().requested_bytes
     assert before == params_bytes   # fp32 upload copies, nothing rounded up
     model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+    model.wait_calls()   # every landing done
     assert arena.stats().num_allocations > 2 * len(list(model.parameters()))   # + landing and staging
     model.synchronize()
     assert all(arena.owns(p.grad) for p in model.parameters())   # the landing buffers became p.grad
