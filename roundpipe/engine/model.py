@@ -419,7 +419,10 @@ class RoundPipe:
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Device bytes per worker (current and peak per category, roundpipe/workers/ledger.py) and host
         bytes of the training state; with `optimizer`, its state's bytes too.  Peaks since the last
-        `reset_peak_memory()`.  On CUDA each worker also reports torch.cuda.memory_allocated."""
+        `reset_peak_memory()`.  On CUDA each worker also reports torch.cuda.memory_allocated.
+        Waits for the calls still draining (`wait_calls`), so the figures are not caught mid-call."""
+        if not self._closed:
+            self.wait_calls()
         workers = {}
         for w in self.workers:
             stats = w.ledger.stats()
