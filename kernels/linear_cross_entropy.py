@@ -230,8 +230,10 @@ def _chunked(hidden, weight, labels, ignore_index, scale, *, per_row, need_dh, n
             torch.mm(logits, weight, out=dh[start:end])
         if need_dw and (wide or start == 0):
             torch.mm(logits.t(), h, out=dw)
-            if wide:
-                acc.copy_(dw) if start == 0 else acc.add_(dw)
+            if wide and start == 0:
+                acc.copy_(dw)
+            elif wide:
+                acc.add_(dw)
         elif need_dw:
             dw.addmm_(logits.t(), h)
     if wide:

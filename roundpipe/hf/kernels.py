@@ -93,9 +93,9 @@ def _is_rms_norm(module: nn.Module) -> bool:
     if eps is None:
         return False
     gen = torch.Generator().manual_seed(0)
-    w, x = torch.randn(8, generator=gen), torch.randn(3, 8, generator=gen)
-    probe = _probe_copy(module, weight=nn.Parameter(w, requires_grad=False))
+    w, x = torch.randn(8, generator=gen, dtype=torch.float32), torch.randn(3, 8, generator=gen, dtype=torch.float32)
     try:
+        probe = _probe_copy(module, weight=nn.Parameter(w, requires_grad=False))
         with torch.no_grad():
             return _same(type(module).forward(probe, x), rms_norm_ref(x, w, eps))
     except Exception as exc:  # a forward that needs more than (x,) is not the RMSNorm we replace
@@ -122,18 +122,19 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
     if not all(isinstance(p, nn.Module) for p in parts) or not _is_silu(getattr(module, "act_fn", None)):
         return False
     gen = torch.Generator().manual_seed(0)
+    f32 = dict(generator=gen, dtype=torch.float32)
     stand_ins = {}
     for name, part, (n_in, n_out) in zip(("gate_proj", "up_proj", "down_proj"), parts, ((4, 6), (4, 6), (6, 4))):
         has_bias = isinstance(getattr(part, "bias", None), torch.Tensor)
-        lin = nn.Linear(n_in, n_out, bias=has_bias)
+        lin = nn.Linear(n_in, n_out, bias=has_bias, dtype=torch.float32)
         with torch.no_grad():
-            lin.weight.copy_(torch.randn(n_out, n_in, generator=gen))
+            lin.weight.copy_(torch.randn(n_out, n_in, **f32))
             if has_bias:
-                lin.bias.copy_(torch.randn(n_out, generator=gen))
+                lin.bias.copy_(torch.randn(n_out, **f32))
         stand_ins[name] = lin
-    probe = _probe_copy(module, **stand_ins)
-    x = torch.randn(2, 4, generator=gen)
+    x = torch.randn(2, 4, **f32)
     try:
+        probe = _probe_copy(module, **stand_ins)
         with torch.no_grad():
             expect = stand_ins["down_proj"](F.silu(stand_ins["gate_proj"](x)) * stand_ins["up_proj"](x))
             return _same(type(module).forward(probe, x), expect)
@@ -157,8 +158,9 @@ def _swiglu_forward(self, x, *args, **kwargs):
 def _rope_replacement(original: Callable) -> Callable | None:
     """Our rotation with HF's apply_rotary_pos_emb signature, falling back to `original`; None if it differs."""
     gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 2, 3, 8, generator=gen)
-    cos, sin = torch.randn(1, 3, 8, generator=gen), torch.randn(1, 3, 8, generator=gen)
+    f32 = dict(generator=gen, dtype=torch.float32)
+    q, k = torch.randn(1, 2, 3, 8, **f32), torch.randn(1, 2, 3, 8, **f32)
+    cos, sin = torch.randn(1, 3, 8, **f32), torch.randn(1, 3, 8, **f32)
     try:
         with torch.no_grad():
             got, expect = original(q, k, cos, sin), apply_rope_ref(q, k, cos, sin)
