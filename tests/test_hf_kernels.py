@@ -197,15 +197,19 @@ def test_patched_model_through_rp_hf_wrap_on_cpu_workers(monkeypatch):
 
 @pytest.mark.cuda
 def test_cuda_patch_without_force_runs_compiled_kernels_close_to_hf():
-    """On a GPU patch_kernels needs no force; bf16 logits and gradients stay close to HF's own bf16 model."""
-    model = _model("qwen3").cuda().bfloat16()
-    reference = copy.deepcopy(model)
-    assert patch_kernels(model) == sum(EXPECTED["qwen3"].values())
+    """On a GPU patch_kernels needs no force; in bf16 the patched model's logits and gradients are at most ~2x as
+    far from the fp32 model as HF's own bf16 model (STYLE.md point 4)."""
+    from _kernel_util import assert_within_torch_error
+
+    fp32 = _model("qwen3").cuda()
+    hf_bf16, ours = copy.deepcopy(fp32).bfloat16(), copy.deepcopy(fp32).bfloat16()
+    assert patch_kernels(ours) == sum(EXPECTED["qwen3"].values())
     batch = {k: v.cuda() for k, v in _batch().items()}
-    out, ref = model(**batch), reference(**batch)
-    torch.testing.assert_close(out.logits.float(), ref.logits.float(), rtol=5e-2, atol=5e-2)
-    out.loss.backward()
-    ref.loss.backward()
-    grads = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.float(), grads[name].grad.float(), rtol=1e-1, atol=2e-2, msg=name)
+    outs = {name: m(**batch) for name, m in (("fp32", fp32), ("hf", hf_bf16), ("ours", ours))}
+    for out in outs.values():
+        out.loss.backward()
+    assert_within_torch_error("logits", outs["ours"].logits.float(), outs["hf"].logits.float(), outs["fp32"].logits,
+                              atol=1e-2)
+    hf_grads, our_grads = dict(hf_bf16.named_parameters()), dict(ours.named_parameters())
+    for name, p in fp32.named_parameters():
+        assert_within_torch_error(name, our_grads[name].grad.float(), hf_grads[name].grad.float(), p.grad, atol=1e-3)
