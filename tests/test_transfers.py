@@ -102,3 +102,31 @@ def test_without_native_core_copies_are_synchronous(monkeypatch):
     assert b.fences == [None] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     x = torch.empty(3)
     assert tr.act("act_up", [x], [torch.ones(3)]) is None and torch.equal(x, torch.ones(3))
+
+
+def test_activation_uploads_read_only_staging_blocks():
+    """Call inputs, labels (non-contiguous ones too) and stage outputs reach the act_up queue only as
+    contiguous blocks of the model's arena: on a GPU a copy from pageable memory is synchronous, and
+    a temporary made under the queues' lock stalls every copy (before: labels went as they were
+    and non-contiguous inputs were copied inside Transfers.act)."""
+    import torch.nn.functional as F
+
+    import roundpipe as rp
+    from rp_models import mlp
+
+    with rp.RoundPipe(mlp(4), devices=["cpu"] * 2, num_microbatches=2) as model:
+        seen = []
+        for w in model.workers:
+            act = w.copies.act
+
+            def record(queue, dsts, srcs, after=(), act=act):
+                if queue == "act_up":
+                    seen.extend(srcs)
+                return act(queue, dsts, srcs, after)
+            w.copies.act = record
+        x = torch.randn(8, 4).t()            # [4, 8], non-contiguous
+        y = torch.randn(4, 8)[:, ::2].repeat(1, 2)   # contiguous, but the caller's own memory
+        assert not x.is_contiguous()
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        assert seen and all(t.is_contiguous() and model.host.arena.owns(t) for t in seen)

@@ -195,6 +195,13 @@ class HostState:
             return self.arena.empty(shape, dtype)
         return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
 
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether t is a block of this state's arena (without an arena, pinned memory on CUDA,
+        any memory on CPU: there is no arena to stage through)."""
+        if self.arena is not None:
+            return self.arena.owns(t)
+        return t.is_pinned() if self.pinned else True
+
     def staged(self, t: object) -> object:
         """A copy of a host tensor in this state's (pinned) memory; anything else unchanged."""
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":

@@ -146,7 +146,7 @@ class RoundPipe:
         self.sync = LayerSync(L, self.host.groups())
         self.host_thread = SerialExecutor("roundpipe-step")      # optimizer steps and P-copies
         self.gcopy_thread = SerialExecutor("roundpipe-gcopy")    # G-copies
-        self.workers = make_workers(self.devices, self.compute_dtype, self.host.alloc)
+        self.workers = make_workers(self.devices, self.compute_dtype, self.host.alloc, self.host.owns)
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
                                   for layer, st in zip(layers, self.host.layers)] for w in self.workers}
         self.dispatcher = Dispatcher(self.workers)
@@ -289,11 +289,14 @@ class RoundPipe:
             check_schedule(sched.tasks, self.device_memory, self.host)
             sched.fits_checked = True
         key = self.sync.iteration + 1   # the call about to begin
+        # Inputs and labels are staged into the (pinned) arena here, on the caller's thread, made
+        # contiguous on the way: workers then copy from staging blocks only (Worker._staged).
+        pin = self.host.staged
         ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, draw_base(),
-                          labels=mb.labels, weights=mb.weights, loss_fn=loss_fn, trace=self._trace_call(plan),
+                          labels=[tree_map(pin, l) for l in mb.labels], weights=mb.weights, loss_fn=loss_fn,
+                          trace=self._trace_call(plan),
                           on_timing=self.autoplan.recorder(key, training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s)
-        pin = self.host.staged if self._cuda else (lambda t: t)
         ctx.gpu_ready = _gpu_input_events(mb)
         for m in range(len(mb)):
             ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m])),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from roundpipe.workers.base import Alloc, Handoff, Worker
+from roundpipe.workers.base import Alloc, Handoff, Owns, Worker
 from roundpipe.workers.cpu import CpuWorker
 
 __all__ = ["Handoff", "Worker", "CpuWorker", "parse_devices", "make_workers", "default_compute_dtype"]
@@ -55,18 +55,20 @@ def default_compute_dtype(devices: list[torch.device]) -> torch.dtype:
     return torch.bfloat16 if devices[0].type == "cuda" else torch.float32
 
 
-def make_workers(devices: list[torch.device], compute_dtype: torch.dtype, alloc: Alloc | None = None) -> list[Worker]:
+def make_workers(devices: list[torch.device], compute_dtype: torch.dtype, alloc: Alloc | None = None,
+                 owns: Owns | None = None) -> list[Worker]:
     """One worker per entry; the same device listed twice gives two workers on it.
 
-    alloc(shape, dtype) gives host staging buffers (the model's HostState.alloc: its arena).
+    alloc(shape, dtype) gives host staging buffers (the model's HostState.alloc: its arena);
+    owns(t) says whether a host tensor is one of them (HostState.owns).
     """
     workers: list[Worker] = []
     for dev, name in zip(devices, worker_names(devices)):
         if dev.type == "cpu":
-            workers.append(CpuWorker(dev, name, compute_dtype, alloc))
+            workers.append(CpuWorker(dev, name, compute_dtype, alloc, owns))
         else:
             from roundpipe.workers.cuda import CudaWorker  # touches CUDA only when asked for
-            workers.append(CudaWorker(dev, name, compute_dtype, alloc))
+            workers.append(CudaWorker(dev, name, compute_dtype, alloc, owns))
     return workers
 
 

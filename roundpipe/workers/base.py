@@ -44,6 +44,7 @@ from roundpipe.workers.ledger import DeviceLedger
 from roundpipe.workers.transfers import Bulk, Transfers
 
 Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
+Owns = Callable[[torch.Tensor], bool]
 
 # Layers of a stage-microbatch that took longer than this last time are real compute: they
 # run outside the worker's turn, beside another worker's (see roundpipe/workers/cpu.py).
@@ -87,12 +88,14 @@ class Upload:
 class Worker(ABC):
     """A device plus the thread that drives it."""
 
-    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None):
+    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None,
+                 owns: Owns | None = None):
         self.device = device
         self.name = name
         self.compute_dtype = compute_dtype
         self.rng = WorkerRng(device)   # its own generator: layers draw without a lock
         self.host_alloc = alloc or _plain_alloc
+        self.host_owns = owns or (lambda t: alloc is None)   # without an allocator: plain memory is all there is
         self.copies = Transfers(device)
         self.ledger = DeviceLedger()   # device bytes this worker holds (roundpipe/workers/ledger.py)
         self._thread = SerialExecutor(f"roundpipe-{name}")
@@ -257,11 +260,22 @@ class Worker(ABC):
                 else:
                     d = self._device_empty(t.shape, t.dtype, "act_up")
                     dsts.append(d)
-                    srcs.append(t.contiguous())
+                    srcs.append(self._staged(t))
                     t = d
             value.append(t)
         fence = self.copies.act("act_up", dsts, srcs, [handoff.host_ready]) if dsts else None
         return Arrival(tree_unflatten(handoff.host, value), [fence])
+
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """t itself when it is a contiguous staging block (pinned on CUDA), else a copy made into one
+        here, on the worker's thread: an asynchronous copy never reads pageable memory, and no
+        temporary is made under the copy queues' lock.  The model stages call inputs and labels
+        on the caller's thread (roundpipe/engine/model.py), so this is the exception."""
+        if t.is_contiguous() and self.host_owns(t):
+            return t
+        out = self.host_alloc(t.shape, t.dtype)
+        out.copy_(t)
+        return out
 
     def _from_gpu(self, t: torch.Tensor, ready: Any) -> torch.Tensor:
         """A call input that is already on a GPU, here, once the caller's stream has produced it.

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from roundpipe.workers.base import Alloc, Worker
+from roundpipe.workers.base import Alloc, Owns, Worker
 
 
 class Turn:
@@ -80,8 +80,9 @@ class CpuWorker(Worker):
     def yielded(self) -> contextlib.AbstractContextManager:
         return self._turn.yielded()
 
-    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None):
-        super().__init__(device, name, compute_dtype, alloc)
+    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None,
+                 owns: Owns | None = None):
+        super().__init__(device, name, compute_dtype, alloc, owns)
         self.copies.inline_bytes = self.inline_copy_bytes
 
     def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:

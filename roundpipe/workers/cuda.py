@@ -29,14 +29,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from roundpipe.workers.base import Alloc, Worker
+from roundpipe.workers.base import Alloc, Owns, Worker
 
 
 HIGH_PRIORITY = -100   # below the device's range: mapped to its highest priority
 
 
 class CudaWorker(Worker):
-    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None):
+    def __init__(self, device: torch.device, name: str, compute_dtype: torch.dtype, alloc: Alloc | None = None,
+                 owns: Owns | None = None):
         with torch.cuda.device(device):
             # The critical path (compute and activation copies) at the device's highest stream
             # priority (torch maps -100 to it), bulk copies at the default: the kernels of those
@@ -46,7 +47,7 @@ class CudaWorker(Worker):
             self.s_act_down = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
             self.s_param_up = torch.cuda.Stream(device)
             self.s_grad_down = torch.cuda.Stream(device)
-        super().__init__(device, name, compute_dtype, alloc)
+        super().__init__(device, name, compute_dtype, alloc, owns)
         # Needs the native core and the CUDA runtime it loads; its RuntimeError says what is missing.
         self.copies.attach_streams(device, [self.s_act_up, self.s_act_down, self.s_param_up, self.s_grad_down])
         self._streams = {"act_up": self.s_act_up, "act_down": self.s_act_down,
