@@ -272,8 +272,8 @@ def test_cuda_engine_round_trip_and_stream_wait():
         doubled = dev * 2
     done = compute.record_event()
     back = arena.empty(1 << 20)
-    from roundpipe.offload.fences import record_stream
-    down = engine.copy("grad_down", back, doubled, after=[record_stream(compute)])
+    from roundpipe.offload.fences import stream_fence
+    down = engine.copy("grad_down", back, doubled, after=[stream_fence(compute)])
     down.wait()
     done.synchronize()
     assert torch.equal(back, host * 2)

@@ -22,16 +22,32 @@ def test_windows_go_out_behind_activation_copies():
     dsts, srcs = bulk_tensors([3000, 1000, 700, 5])
     b = tr.bulk("param_up", dsts, srcs, 3)
     assert b.fences == [] and not b.sent.is_set()
-    tr.act("act_down", [torch.empty(4)], [torch.ones(4)])   # other direction: releases nothing
+    tr.activation("act_down", [torch.empty(4)], [torch.ones(4)])   # other direction: releases nothing
     assert b.fences == []
     for k in range(1, 3):
         x = torch.empty(16)
-        tr.act("act_up", [x], [torch.full((16,), float(k))])
+        tr.activation("act_up", [x], [torch.full((16,), float(k))])
         assert len(b.fences) == k
     tr.flush()
     assert len(b.fences) == 3 and b.sent.is_set()
     tr.wait(b)
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_a_wait_sends_one_window_per_direction():
+    """Before a worker blocks, the next held-back window of each direction goes, not every window
+    (before: all of them, in front of the activation copy that would end the wait)."""
+    tr = Transfers(torch.device("cpu"))
+    up = tr.bulk("param_up", *bulk_tensors([300, 200, 100, 50]), 4)
+    down = tr.bulk("grad_down", *bulk_tensors([64, 64, 64]), 3)
+    tr.send_next()
+    assert len(up.fences) == 1 and len(down.fences) == 1
+    tr.send_next()
+    assert len(up.fences) == 2 and len(down.fences) == 2
+    tr.activation("act_up", [torch.empty(4)], [torch.ones(4)])   # the wait ended: the next one rides behind it
+    assert len(up.fences) == 3 and len(down.fences) == 2
+    tr.synchronize()
+    assert up.sent.is_set() and down.sent.is_set()
 
 
 def test_window_order_in_the_engine():
@@ -41,7 +57,7 @@ def test_window_order_in_the_engine():
     dsts, srcs = bulk_tensors([4096, 4096, 2048, 2048])
     b = tr.bulk("grad_down", dsts, srcs, 3)
     for _ in range(3):
-        tr.act("act_down", [torch.empty(8)], [torch.zeros(8)])
+        tr.activation("act_down", [torch.empty(8)], [torch.zeros(8)])
     tr.engine.resume()
     tr.wait(b)
     order = [q for q, _ in tr.engine.history()]
@@ -72,8 +88,8 @@ def test_wait_sent_blocks_until_an_activation_releases_the_windows():
     waiter.start()
     waiter.join(0.05)
     assert waiter.is_alive()
-    tr.act("act_down", [torch.empty(2)], [torch.ones(2)])
-    tr.act("act_down", [torch.empty(2)], [torch.ones(2)])
+    tr.activation("act_down", [torch.empty(2)], [torch.ones(2)])
+    tr.activation("act_down", [torch.empty(2)], [torch.ones(2)])
     waiter.join(2)
     assert got == [2]
     tr.synchronize()
@@ -86,7 +102,7 @@ def test_delay_hook_holds_copies_back():
     tr = Transfers(torch.device("cpu"))
     dst, src = torch.zeros(1000), torch.arange(1000.0)
     with testing.inject_delays(lambda kind: release.wait(5)):
-        fence = tr.act("act_up", [dst], [src])
+        fence = tr.activation("act_up", [dst], [src])
         assert fence.state == "pending" and not torch.equal(dst, src)
         release.set()
         fence.wait()
@@ -101,7 +117,7 @@ def test_without_native_core_copies_are_synchronous(monkeypatch):
     b = tr.bulk("param_up", dsts, srcs, 3)
     assert b.fences == [None] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     x = torch.empty(3)
-    assert tr.act("act_up", [x], [torch.ones(3)]) is None and torch.equal(x, torch.ones(3))
+    assert tr.activation("act_up", [x], [torch.ones(3)]) is None and torch.equal(x, torch.ones(3))
 
 
 def test_activation_uploads_read_only_staging_blocks():
@@ -117,13 +133,13 @@ def test_activation_uploads_read_only_staging_blocks():
     with rp.RoundPipe(mlp(4), devices=["cpu"] * 2, num_microbatches=2) as model:
         seen = []
         for w in model.workers:
-            act = w.copies.act
+            act = w.copies.activation
 
             def record(queue, dsts, srcs, after=(), act=act):
                 if queue == "act_up":
                     seen.extend(srcs)
                 return act(queue, dsts, srcs, after)
-            w.copies.act = record
+            w.copies.activation = record
         x = torch.randn(8, 4).t()            # [4, 8], non-contiguous
         y = torch.randn(4, 8)[:, ::2].repeat(1, 2)   # contiguous, but the caller's own memory
         assert not x.is_contiguous()

@@ -98,14 +98,15 @@ def test_param_windows_ride_behind_input_uploads(worker):
 
 @native
 def test_gradients_land_after_the_held_back_windows_are_sent(worker):
-    """A windowed gradient download lands on the completion thread once activation downloads or idle() send it."""
+    """A windowed gradient download lands on the completion thread once activation downloads, waits
+    (one window each) and the drain send it."""
     grads = [torch.randn(100), None, torch.randn(7, 3)]
     landed = []
     worker.download_grads(grads, 2, landed.append)
     worker.send(torch.randn(5), need_host=True, keep_device=False)   # releases window 0
     time.sleep(0.05)
     assert landed == []
-    worker.idle()
+    worker.before_wait()   # window 1 of 2: all sent
     worker.drain()
     (host,) = landed
     assert host[1] is None and torch.equal(host[0], grads[0]) and torch.equal(host[2], grads[2])

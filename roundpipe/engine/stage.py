@@ -102,7 +102,7 @@ class StageRun:
         found, value = self.ctx.board.poll(key)
         if found:
             return value
-        self.w.idle()
+        self.w.before_wait()
         with self.w.yielded():   # another worker may need the turn to produce it
             return self.ctx.board.get(key)
 
@@ -132,7 +132,7 @@ class StageRun:
         if prefetched is None:
             for l in task.layers:
                 if not ctx.sync.upload_ready(ctx.call, l):
-                    w.idle()
+                    w.before_wait()
                     with w.yielded():
                         ctx.sync.wait_upload(ctx.call, l, ctx.abort_requested)
             prefetched = upload_stage(ctx, w, task.layers, windows=1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from roundpipe import _native
 from roundpipe.offload.arena import ArenaConfig, ArenaStats, HostArena
 from roundpipe.offload.copy_engine import CopyEngine, Queue, pack_lpt
-from roundpipe.offload.fences import make_stream_wait, record_stream, wait_all
+from roundpipe.offload.fences import make_stream_wait, stream_fence, wait_all
 
 
 def cuda_status() -> str:
@@ -30,6 +30,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'roundpipe.offload' has no attribute {name!r}")
 
 
-__all__ = ["ArenaConfig", "ArenaStats", "HostArena", "CopyEngine", "Queue", "pack_lpt", "record_stream",
+__all__ = ["ArenaConfig", "ArenaStats", "HostArena", "CopyEngine", "Queue", "pack_lpt", "stream_fence",
            "make_stream_wait", "wait_all", "cuda_status", "ArenaExhaustedError", "Fence", "HostFence",
            "CudaEventFence"]

@@ -29,7 +29,7 @@ from typing import Literal, Sequence
 import torch
 
 from roundpipe import _native
-from roundpipe.offload.fences import _check_fence, record_stream as _record_stream
+from roundpipe.offload.fences import _check_fence, stream_fence
 
 
 def _c():
@@ -175,7 +175,7 @@ class HostArena:
 
     def record_stream(self, t: torch.Tensor, stream: "torch.cuda.Stream | None" = None):
         """Records an event on `stream` (default: current) against t's block; returns that fence."""
-        fence = _record_stream(stream)
+        fence = stream_fence(stream)
         self.record(t, fence)
         return fence
 

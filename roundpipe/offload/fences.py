@@ -28,10 +28,10 @@ def _c():
 def _check_fence(name: str, fence: object) -> None:
     if not isinstance(fence, _c().Fence):
         raise TypeError(f"{name} must be a roundpipe fence (from the copy engine, HostFence or "
-                        f"record_stream), got {type(fence).__name__}")
+                        f"stream_fence), got {type(fence).__name__}")
 
 
-def record_stream(stream: "torch.cuda.Stream | None" = None):
+def stream_fence(stream: "torch.cuda.Stream | None" = None):
     """A fence that completes when the work queued on `stream` so far (default: current) is done."""
     if stream is None:
         stream = torch.cuda.current_stream()

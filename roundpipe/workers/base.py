@@ -245,7 +245,7 @@ class Worker(ABC):
             if pairs:
                 dsts, srcs = [d for d, _ in pairs], [t for _, t in pairs]
                 self._read_by_copy(srcs, "act_down")
-                h.host_ready = self.copies.act("act_down", dsts, srcs, [compute])
+                h.host_ready = self.copies.activation("act_down", dsts, srcs, [compute])
         return h
 
     def receive(self, handoff: Handoff) -> Arrival:
@@ -263,7 +263,7 @@ class Worker(ABC):
                     srcs.append(self._staged(t))
                     t = d
             value.append(t)
-        fence = self.copies.act("act_up", dsts, srcs, [handoff.host_ready]) if dsts else None
+        fence = self.copies.activation("act_up", dsts, srcs, [handoff.host_ready]) if dsts else None
         return Arrival(tree_unflatten(handoff.host, value), [fence])
 
     def _staged(self, t: torch.Tensor) -> torch.Tensor:
@@ -338,9 +338,11 @@ class Worker(ABC):
         """A 0-dim fp32 host copy of a device scalar (the loss) and the fence it is readable after
         (None: readable now); the caller reads it while the worker goes on."""
 
-    def idle(self) -> None:
-        """The worker is about to wait: send every held-back bulk window now."""
-        self.copies.flush()
+    def before_wait(self) -> None:
+        """The worker is about to wait for another worker: the copy queues would idle meanwhile, so
+        the next held-back window of each bulk direction goes now (one, not all: a window sent now
+        is one more in front of the activation copy that ends the wait)."""
+        self.copies.send_next()
 
     def drain(self) -> None:
         """Waits until every copy and callback issued ran; re-raises the first callback error."""

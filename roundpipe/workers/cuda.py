@@ -79,8 +79,8 @@ class CudaWorker(Worker):
         return t
 
     def _compute_fence(self) -> Any:
-        from roundpipe.offload import record_stream
-        return record_stream(self.s_compute)
+        from roundpipe.offload import stream_fence
+        return stream_fence(self.s_compute)
 
     def _compute_waits(self, fences: Sequence) -> None:
         from roundpipe.offload import make_stream_wait

@@ -12,9 +12,11 @@ copy's fence (docs/transfers.md):
     grad_down :     | G0 chunk 0   | G0 chunk 1   | G0 chunk 2  ...  previous stage's grads
 
 so bulk bytes never delay an activation.  Windows still unsent are submitted
-by `flush`: when the bulk is needed (weights about to be used, a P-copy
-waiting for the upload) and whenever the worker is about to block, so a
-worker never sits idle on bytes it is holding back.
+by `flush` when the bulk is needed (weights about to be used, a P-copy
+waiting for the upload, the end of the worker's part of a call); when the
+worker is about to block on another worker, `send_next` lets one window of
+each direction go, so the queues work during the wait without piling every
+held-back byte in front of the activation copy that ends it.
 
 Without the native core the copies are done synchronously with torch (no
 windows, no fences: every fence is None, meaning "done").  A host engine may
@@ -113,7 +115,7 @@ class Transfers:
                 return False
         return True
 
-    def act(self, queue: str, dsts: list, srcs: list, after: Sequence = ()) -> Any:
+    def activation(self, queue: str, dsts: list, srcs: list, after: Sequence = ()) -> Any:
         """An activation copy now; the oldest held-back bulk window of its direction goes right behind it."""
         with self._lock:
             fence = self._submit(queue, dsts, srcs, list(after))
@@ -154,6 +156,15 @@ class Transfers:
         self._send_locked(b, extra)
         if not b.unsent:
             waiting.popleft()
+
+    def send_next(self) -> None:
+        """Sends the oldest held-back window of each direction (its queue would idle otherwise)."""
+        if not (self._waiting["param_up"] or self._waiting["grad_down"]):
+            return
+        with self._lock:
+            for waiting in self._waiting.values():
+                if waiting:
+                    self._send_one(waiting, [])
 
     def flush(self, only: Bulk | None = None) -> None:
         """Sends the held-back windows now: of `only`, or of every bulk (the worker is about to wait)."""
