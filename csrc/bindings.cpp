@@ -261,14 +261,6 @@ void bind_copy_engine(py::module_& m) {
         return e.submit(q, std::move(parsed), std::move(after), tag);
       }, py::arg("queue"), py::arg("ops"), py::arg("after"), py::arg("tag") = -1,
          "Queues (dst, src, nbytes) copies behind the fences in `after`; returns a Fence.")
-      .def("submit_windows", [](rp::CopyEngine& e, rp::CopyQueue q, const Ops& ops,
-                                std::vector<rp::FencePtr> window_after, size_t align, int64_t tag) {
-        checked(q);
-        auto parsed = parse_ops(ops);
-        py::gil_scoped_release release;
-        return e.submit_windows(q, parsed, window_after, align, tag);
-      }, py::arg("queue"), py::arg("ops"), py::arg("window_after"), py::arg("align"), py::arg("tag") = -1,
-         "LPT-packs the copies into len(window_after) windows, window w behind window_after[w] (None: none).")
       .def("synchronize", &rp::CopyEngine::synchronize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("backend", &rp::CopyEngine::backend);
   py::class_<rp::HostCopyEngine, rp::CopyEngine>(m, "HostCopyEngine")

@@ -9,8 +9,8 @@
 // Copies in one queue run in submission order (a queue is a stream); a copy
 // may also wait for fences ("after"), which is how priority is enforced in
 // software: CUDA stream priorities do not reorder copies, so a stage's bulk
-// bytes are packed into M windows (window_pack.h) and window w is submitted
-// after window w's activation fence.  Parameters then never get ahead of the
+// bytes are packed into M windows (window_pack.h) and the caller submits
+// window w after window w's activation fence (roundpipe/workers/transfers.py).  Parameters then never get ahead of the
 // activation they would delay.  Every submission returns a fence that Python
 // can wait on, record against arena blocks, or (CUDA) make a stream wait on.
 //
@@ -50,12 +50,6 @@ class CopyEngine {
   // Blocks until everything submitted so far has completed.
   virtual void synchronize() = 0;
   virtual std::string backend() const = 0;
-
-  // A stage's bulk transfer: packs `tensors` (dst/src/nbytes each) into
-  // window_after.size() windows by LPT and submits window w behind
-  // window_after[w] (a null fence: no dependency).  One fence per window.
-  std::vector<FencePtr> submit_windows(CopyQueue q, const std::vector<CopyOp>& tensors,
-                                       const std::vector<FencePtr>& window_after, size_t align, int64_t tag);
 };
 
 }  // namespace rp

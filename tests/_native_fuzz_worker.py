@@ -8,8 +8,8 @@ resumes engines, drops the batch's objects and restores the SIMD level and threa
 count.  Arguments reference worker objects by marker: {"$buf": k, "off": o} an
 address in pool buffer k, {"$high": d} the address 2**64 - d, {"$res": j} call
 j's result, {"$fence": "set"|"failed"|"pending"}, {"$q": name} / {"$qint": v} a
-CopyQueue, {"$t": spec} a tensor view of the batch's byte stores, {"$nones": n},
-{"$junk": 1} an object().  Imported, it gives the parent side: `Worker`.
+CopyQueue, {"$t": spec} a tensor view of the batch's byte stores, {"$junk": 1}
+an object().  Imported, it gives the parent side: `Worker`.
 """
 from __future__ import annotations
 
@@ -65,8 +65,6 @@ class _Batch:
             return tuple(self.resolve(v) for v in x["$tuple"])
         if "$junk" in x:
             return object()
-        if "$nones" in x:
-            return [None] * x["$nones"]
         if "$addr_of" in x:  # an arena block's address (+ offset); looked up by the arena, never dereferenced
             block = self.results[x["$addr_of"]] if x["$addr_of"] < len(self.results) else None
             return (block.address if isinstance(block, self.C.ArenaBlock) else 0) + x["plus"]
@@ -278,7 +276,7 @@ def _wrapper_ops():
     }
     for name in ("copy_of", "owns", "record", "reserve", "synchronize", "stats"):
         ops[f"wrap.HostArena.{name}"] = method(HostArena, name)
-    for name in ("copy", "copy_many", "stage", "synchronize"):
+    for name in ("copy", "copy_many", "synchronize"):
         ops[f"wrap.CopyEngine.{name}"] = method(CopyEngine, name)
     return ops
 

@@ -49,44 +49,6 @@ def test_activation_queue_goes_first():
     assert down == [30, 20]
 
 
-def test_windows_wait_for_their_activation_fence():
-    """Window w's chunk starts only after window w's activation fence, in queue order."""
-    engine = CopyEngine("cpu")
-    srcs = [random_bytes(n) for n in (5000, 3000, 1200, 800, 40)]
-    dsts = [torch.zeros_like(s) for s in srcs]
-    acts = [C.HostFence() for _ in range(3)]
-    windows = engine.stage("param_up", dsts, srcs, acts, align=8)
-    time.sleep(0.02)
-    assert [w.state for w in windows] == ["pending"] * 3
-    acts[0].set()
-    windows[0].wait()
-    acts[2].set()  # window 2 still sits behind window 1 in the queue
-    time.sleep(0.02)
-    assert windows[1].state == "pending" and windows[2].state == "pending"
-    acts[1].set()
-    for w in windows:
-        w.wait()
-    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
-
-
-def test_stage_behind_activation_copies():
-    """With activation copies as window fences, each window starts after its activation copy."""
-    engine = CopyEngine("cpu")
-    act_src = [random_bytes(256 * 1024) for _ in range(4)]
-    act_dst = [torch.zeros_like(a) for a in act_src]
-    p_src = [random_bytes(n) for n in (700_000, 300_000, 123_457, 50_000)]
-    p_dst = [torch.zeros_like(p) for p in p_src]
-    engine.pause()
-    acts = [engine.copy("act_up", d, s, tag=w) for w, (d, s) in enumerate(zip(act_dst, act_src))]
-    engine.stage("param_up", p_dst, p_src, acts, tag=100)
-    engine.resume()
-    engine.synchronize()
-    hist = [(q, t) for q, t in engine.history() if q in ("act_up", "param_up")]
-    assert [t for q, t in hist if q == "act_up"] == [0, 1, 2, 3]
-    assert hist.index(("param_up", 100)) > hist.index(("act_up", 0))
-    assert all(torch.equal(d, s) for d, s in zip(p_dst + act_dst, p_src + act_src))
-
-
 def test_concurrent_submitters_get_exact_bytes():
     """Four Python threads submitting to one engine at once each get their exact bytes back."""
     import threading
@@ -203,8 +165,6 @@ def test_bad_arguments():
         engine.copy("act_up", a, [0.0] * 8)
     with pytest.raises(TypeError, match="after\\[0\\]"):
         engine.copy("act_up", a, a.clone(), after=[object()])
-    with pytest.raises(ValueError, match="windows is empty"):
-        engine.stage("param_up", [a], [a.clone()], [])
     with pytest.raises(ValueError, match="dsts has 1 tensors but srcs has 2"):
         engine.copy_many("param_up", [a], [a, a])
     with pytest.raises(ValueError, match="windows=0"):
@@ -280,8 +240,7 @@ def test_cuda_engine_round_trip_and_stream_wait():
     params = [arena.copy_of(torch.randn(n)) for n in (300_000, 70_001, 5)]
     gpu = [torch.empty(p.shape, device="cuda") for p in params]
     acts = [engine.copy("act_up", dev, host) for _ in range(3)]
-    for f in engine.stage("param_up", gpu, params, acts):
-        f.wait()
+    engine.copy_many("param_up", gpu, params, after=acts).wait()
     assert all(torch.equal(g.cpu(), p) for g, p in zip(gpu, params))
     assert engine.stream("param_up").cuda_stream != engine.stream("act_up").cuda_stream
 

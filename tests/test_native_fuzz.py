@@ -328,18 +328,13 @@ def gen_engine(draw, outcomes):
     fence = st.one_of(fence_ref, st.sampled_from(made)) if made else fence_ref
     queue_arg = mostly(draw, st.sampled_from([{"$q": q} for q in QUEUES]), st.one_of(
         st.sampled_from([{"$qint": v} for v in (-1, 4, 7, 2**31 - 1)]), junk), 1)
-    op = draw(st.sampled_from(["CopyEngine.submit"] * 4 + ["CopyEngine.submit_windows"] * 3 + [
+    op = draw(st.sampled_from(["CopyEngine.submit"] * 4 + [
         "CopyEngine.synchronize", "CopyEngine.backend", "HostCopyEngine.pause", "HostCopyEngine.resume",
         "HostCopyEngine.history", "CudaCopyEngine.device", "CudaCopyEngine.stream", "CopyEngine", "Fence.wait"]))
     tag = mostly(draw, st.integers(-5, 5), st.one_of(st.sampled_from([2**63 - 1, -2**63, 2**63, -2**63 - 1]), junk), 1)
     if op == "CopyEngine.submit":
         after = mostly(draw, st.lists(st.one_of(fence, st.just(None)), max_size=3), junk, 1)
         return op, [engine, queue_arg, copy_ops(draw), after, tag], {}
-    if op == "CopyEngine.submit_windows":
-        windows = mostly(draw, st.lists(st.one_of(fence, st.just(None)), max_size=5), st.one_of(
-            st.just({"$nones": 65537}), junk))
-        align = mostly(draw, st.sampled_from([1, 64, 256]), st.one_of(size_extreme, junk))
-        return op, [engine, queue_arg, copy_ops(draw), windows, align, tag], {}
     if op == "CudaCopyEngine.stream":
         return op, [engine, queue_arg], {}
     if op == "CopyEngine":
@@ -418,7 +413,7 @@ def gen_wrap_offload(draw, outcomes):
 
     op = draw(st.sampled_from(["wrap.HostArena.empty"] * 2 + ["wrap.CopyEngine.copy"] * 2 + [
         "wrap.HostArena.copy_of", "wrap.HostArena.owns", "wrap.HostArena.record", "wrap.HostArena.reserve",
-        "wrap.HostArena.synchronize", "wrap.HostArena.stats", "wrap.CopyEngine.copy_many", "wrap.CopyEngine.stage",
+        "wrap.HostArena.synchronize", "wrap.HostArena.stats", "wrap.CopyEngine.copy_many",
         "wrap.CopyEngine.synchronize", "wrap.pack_lpt", "wrap.wait_all"]))
     queue_name = mostly(draw, st.sampled_from(QUEUES), st.one_of(st.just("sideways"), junk), 1)
     tag = mostly(draw, st.integers(-3, 3), st.one_of(st.sampled_from([2**63, -2**63 - 1]), junk), 1)
@@ -455,12 +450,7 @@ def gen_wrap_offload(draw, outcomes):
     after = mostly(draw, st.one_of(st.none(), st.lists(fence, max_size=2)), junk, 1)
     if op == "wrap.CopyEngine.copy":
         return op, [engine, queue_name, dsts[0], srcs[0] if srcs else None], {"after": after, "tag": tag}
-    if op == "wrap.CopyEngine.copy_many":
-        return op, [engine, queue_name, dsts, srcs], {"after": after, "tag": tag}
-    windows = mostly(draw, st.lists(st.one_of(st.none(), fence), min_size=1, max_size=4), st.one_of(
-        st.just([]), st.just({"$nones": 65537}), junk), 1)
-    align = mostly(draw, st.sampled_from([1, 256]), st.one_of(size_extreme, st.just(0), junk), 1)
-    return op, [engine, queue_name, dsts, srcs, windows], {"align": align, "tag": tag}
+    return op, [engine, queue_name, dsts, srcs], {"after": after, "tag": tag}   # copy_many
 
 
 # Every public name of roundpipe._C (functions, constructors, methods, properties), by the
@@ -476,7 +466,7 @@ SURFACE = {
               "HostArena.reserve", "HostArena.release_unused", "HostArena.block_of", "HostArena.pinned",
               "HostArena.backend", "HostArena.stats", "ArenaBlock", "ArenaBlock.address", "ArenaBlock.nbytes"],
     "pack_lpt": ["pack_lpt"],
-    "copy_engine": ["CopyEngine", "CopyEngine.submit", "CopyEngine.submit_windows", "CopyEngine.synchronize",
+    "copy_engine": ["CopyEngine", "CopyEngine.submit", "CopyEngine.synchronize",
                     "CopyEngine.backend", "HostCopyEngine", "HostCopyEngine.pause", "HostCopyEngine.resume",
                     "HostCopyEngine.history", "CudaCopyEngine", "CudaCopyEngine.device", "CudaCopyEngine.stream"],
 }

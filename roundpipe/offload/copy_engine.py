@@ -8,10 +8,10 @@
     param_up    host->dev    a stage's parameters       split over M windows
     grad_down   dev->host    a stage's gradients        split over M windows
 
-`copy()` queues one tensor copy, `copy_many()` several under one fence, and
-`stage()` a stage's bulk tensors packed into M windows by LPT, window w issued
-behind window w's activation fence so that bulk bytes never delay an activation.
-Each returns fences (roundpipe.offload.fences) to wait on, to make a compute
+`copy()` queues one tensor copy, `copy_many()` several under one fence, each
+behind the fences it is given.  A stage's bulk traffic is packed into M windows
+by `pack_lpt` and windowed behind activation copies by the one transfer path,
+roundpipe/workers/transfers.py (docs/transfers.md).  Each returns fences (roundpipe.offload.fences) to wait on, to make a compute
 stream wait on (`make_stream_wait`), or to record against arena blocks.
 
 On a CUDA device the queues are four streams and copies are cudaMemcpyAsync;
@@ -188,30 +188,6 @@ class CopyEngine:
                                     self._fences("after", after), tag)
         self._keep([fence], (dsts, srcs))
         return fence
-
-    def stage(self, queue: "Queue | str", dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
-              windows: Sequence, *, align: int = 256, tag: int = -1) -> list:
-        """A stage's bulk copy split into len(windows) LPT windows; window w waits for windows[w].
-
-        `windows[w]` is window w's activation fence (or None); returns one fence per window.
-        """
-        q = _queue(queue)
-        _check_tag(tag)
-        dsts, srcs, windows = list(dsts), list(srcs), list(windows)
-        if len(dsts) != len(srcs):
-            raise ValueError(f"dsts has {len(dsts)} tensors but srcs has {len(srcs)}; they must pair up")
-        if not windows:
-            raise ValueError("windows is empty; pass one activation fence (or None) per microbatch window")
-        for i, f in enumerate(windows):
-            if f is not None:
-                _check_fence(f"windows[{i}]", f)
-        if isinstance(align, bool) or not isinstance(align, int) or align < 1:
-            raise ValueError(f"align={align!r} must be an int >= 1")
-        ops = [self._check_pair(q, i, d, s) for i, (d, s) in enumerate(zip(dsts, srcs))]
-        fences = self._engine.submit_windows(_native_queue(q), ops, windows,
-                                             align, tag)
-        self._keep(fences, (dsts, srcs))
-        return fences
 
     def synchronize(self) -> None:
         """Blocks until everything submitted has completed."""
