@@ -48,6 +48,8 @@ from roundpipe.trace import Trace  # noqa: E402
 def iteration_ends(trace: Trace) -> list[float]:
     ends: dict[int, float] = {}
     for e in trace.events:
+        if e.cat == "copy":
+            continue
         i = e.args["iteration"]
         ends[i] = max(ends.get(i, e.end), e.end)
     return [ends[i] for i in sorted(ends)]

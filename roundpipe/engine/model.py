@@ -447,17 +447,25 @@ class RoundPipe:
     def record_trace(self) -> Iterator[Trace]:
         """Records the compute of every stage-microbatch of the calls begun in the block into a Trace.
 
-        One event per compute span (a forward, a recompute, a loss, a backward), waits left out;
-        leaving the block waits for the calls begun in it to end, so the trace is complete."""
+        One event per compute span (a forward, a recompute, a loss, a backward), waits left out,
+        and one per copy (issued to completed, on a row per worker queue, cat "copy"); leaving
+        the block waits for the calls begun in it to end, so the trace is complete."""
         trace = Trace(metadata={"devices": [str(d) for d in self.devices], "plan": repr(self.plan)})
         self._trace = trace
+        for w in self.workers:   # every copy too, one row per queue ("cpu:0 param_up"), cat "copy"
+            w.copies.record_copies(lambda q, n, t0, t1, w=w: trace.add(
+                f"{w.name} {q}", f"{q} {n} B", t0, t1, cat="copy", bytes=n))
         try:
             yield trace
         finally:
             self._trace = None
-            with self._api:
-                if not self._closed:
-                    self._retire(block=True)
+            try:
+                with self._api:
+                    if not self._closed:
+                        self._retire(block=True)
+            finally:
+                for w in self.workers:
+                    w.copies.record_copies(None)
 
     def _trace_call(self, plan: Plan):
         """This call's view of the recording trace (events stamped with the iteration), or None."""

@@ -62,9 +62,11 @@ def _clip(a: float, b: float, lo: float, hi: float) -> float:
 
 
 def bubbles(trace: Trace, window: tuple[float, float] | None = None, workers: list[str] | None = None) -> Bubbles:
-    """Idle time of each worker in `window` (default: first start to last end), by kind."""
-    workers = workers if workers is not None else trace.workers()
-    events = list(trace.events)
+    """Idle time of each worker in `window` (default: first start to last end), by kind.
+
+    Compute only: copy events (cat "copy", the queues of a recorded engine trace) are left out."""
+    events = [e for e in trace.events if e.cat != "copy"]
+    workers = workers if workers is not None else list(dict.fromkeys(e.worker for e in events))
     if not events:
         raise ValueError("trace has no events: nothing to measure")
     lo, hi = window if window is not None else (min(e.start for e in events), max(e.end for e in events))

@@ -31,8 +31,9 @@ issuer goes on, and a missing wait gives a wrong number.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -73,6 +74,20 @@ class Transfers:
             self.engine = CopyEngine(device) if device.type == "cpu" else None  # CUDA: attach_streams()
         self._lock = threading.Lock()
         self._waiting: dict[str, deque[Bulk]] = {"param_up": deque(), "grad_down": deque()}
+        self._clocks: dict[str, _CopyClock] = {}
+        self.on_copy: Callable[[str, int, float, float], None] | None = None   # see record_copies
+
+    def record_copies(self, on_copy: Callable[[str, int, float, float], None] | None) -> None:
+        """Reports every copy from now on as on_copy(queue, bytes, issued, completed) (None: stop).
+
+        Completion times come from one thread per queue waiting for the copies' fences in
+        order (a queue completes in submission order); they exist only while recording."""
+        with self._lock:
+            self.on_copy = on_copy
+            if on_copy is None:
+                for clock in self._clocks.values():
+                    clock.stop()
+                self._clocks.clear()
 
     def attach_streams(self, device: torch.device, streams: Sequence["torch.cuda.Stream"]) -> None:
         """CUDA: the engine issues on the worker's own four copy streams (act_up, act_down, param_up, grad_down)."""
@@ -81,6 +96,20 @@ class Transfers:
 
     # ---- submission
     def _submit(self, queue: str, dsts: list, srcs: list, after: list) -> Any:
+        issued = time.perf_counter()
+        fence = self._issue(queue, dsts, srcs, after)
+        if self.on_copy is not None:
+            nbytes = sum(s.nbytes for s in srcs)
+            if fence is None:   # done on this thread
+                self.on_copy(queue, nbytes, issued, time.perf_counter())
+            else:
+                clock = self._clocks.get(queue)
+                if clock is None:
+                    clock = self._clocks[queue] = _CopyClock(queue, self.on_copy)
+                clock.add(fence, nbytes, issued)
+        return fence
+
+    def _issue(self, queue: str, dsts: list, srcs: list, after: list) -> Any:
         if not self.native:
             testing.delay_point(queue)
             for d, s in zip(dsts, srcs):
@@ -201,3 +230,42 @@ class Transfers:
         self.flush()
         if self.native and self.engine is not None:
             self.engine.synchronize()
+
+
+class _CopyClock:
+    """Completion times of one queue's copies while they are recorded: a thread waits for each
+    fence in submission order and reports (queue, bytes, issued, completed)."""
+
+    def __init__(self, queue: str, report: Callable[[str, int, float, float], None]):
+        self.queue, self.report = queue, report
+        self.cv = threading.Condition()
+        self.pending: deque = deque()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name=f"roundpipe-copy-clock-{queue}", daemon=True)
+        self.thread.start()
+
+    def add(self, fence: Any, nbytes: int, issued: float) -> None:
+        with self.cv:
+            self.pending.append((fence, nbytes, issued))
+            self.cv.notify()
+
+    def stop(self) -> None:
+        """Reports what is pending (copies of ended calls have completed), then the thread ends."""
+        with self.cv:
+            self.stopped = True
+            self.cv.notify()
+        self.thread.join(10.0)
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.pending and not self.stopped:
+                    self.cv.wait()
+                if not self.pending:
+                    return
+                fence, nbytes, issued = self.pending.popleft()
+            try:
+                fence.wait()
+            except Exception:  # noqa: BLE001 - a failed copy is reported by its waiter, not the clock
+                continue
+            self.report(self.queue, nbytes, issued, time.perf_counter())
