@@ -140,7 +140,10 @@ void bind_fence(py::module_& m) {
                   py::arg("event"), "Wraps a raw cudaEvent_t; the caller keeps the event alive.")
       .def_static("record", [](std::uintptr_t stream, int device) {
         return rp::CudaEventFence::record(reinterpret_cast<void*>(stream), device);
-      }, py::arg("stream"), py::arg("device"), "Records a new event (owned) on a raw cudaStream_t of `device`.")
+      }, py::arg("stream"), py::arg("device"),
+         "Records a pooled event (owned; back to the pool when the fence dies) on a raw cudaStream_t of `device`.")
+      .def_static("pool_stats", &rp::CudaEventFence::pool_stats,
+                  "(events created, records served by a pooled event) since start.")
       .def("make_stream_wait", [](const rp::CudaEventFence& f, std::uintptr_t stream) {
         f.make_stream_wait(reinterpret_cast<void*>(stream));
       }, py::arg("stream"), "Makes a raw cudaStream_t wait for this event on the GPU.");

@@ -1,7 +1,9 @@
 #include "fence.h"
 
 #include <chrono>
+#include <mutex>
 #include <stdexcept>
+#include <vector>
 
 #include "checks.h"
 
@@ -68,22 +70,74 @@ std::shared_ptr<CudaEventFence> CudaEventFence::borrow(cuda::Event event) {
   return std::shared_ptr<CudaEventFence>(new CudaEventFence(*api, event, false));
 }
 
+namespace {
+
+// Free events per device.  Every fence used to create and destroy its own event (two driver
+// calls per copy and per compute fence); the pool keeps up to kKeep per device for reuse.
+// Never destroyed: fences may die during static destruction, after a pool object would have.
+struct EventPool {
+  static constexpr size_t kKeep = 4096;
+  std::mutex mu;
+  std::vector<std::vector<cuda::Event>> free;
+  int64_t created = 0;
+  int64_t reused = 0;
+};
+
+EventPool& event_pool() {
+  static EventPool* pool = new EventPool();
+  return *pool;
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> CudaEventFence::pool_stats() {
+  EventPool& pool = event_pool();
+  std::lock_guard<std::mutex> lock(pool.mu);
+  return {pool.created, pool.reused};
+}
+
 std::shared_ptr<CudaEventFence> CudaEventFence::record(cuda::Stream stream, int device) {
   const cuda::Api& api = cuda::require_runtime("recording a CUDA event");
   if (device < 0 || device >= api.device_count)
     throw std::invalid_argument("device=" + std::to_string(device) + " is out of range; " +
                                 std::to_string(api.device_count) + " CUDA devices are visible");
-  cuda::DeviceGuard guard(api, device);
   cuda::Event event = nullptr;
-  constexpr unsigned kDisableTiming = 2;  // cudaEventDisableTiming: cheaper record and query
-  api.check(api.cudaEventCreateWithFlags(&event, kDisableTiming), "cudaEventCreateWithFlags");
-  auto fence = std::shared_ptr<CudaEventFence>(new CudaEventFence(api, event, true));
+  EventPool& pool = event_pool();
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    if (pool.free.size() <= static_cast<size_t>(device)) pool.free.resize(device + 1);
+    auto& mine = pool.free[device];
+    if (!mine.empty()) {
+      event = mine.back();
+      mine.pop_back();
+      ++pool.reused;
+    }
+  }
+  if (!event) {
+    cuda::DeviceGuard guard(api, device);
+    constexpr unsigned kDisableTiming = 2;  // cudaEventDisableTiming: cheaper record and query
+    api.check(api.cudaEventCreateWithFlags(&event, kDisableTiming), "cudaEventCreateWithFlags");
+    std::lock_guard<std::mutex> lock(pool.mu);
+    ++pool.created;
+  }
+  // Owned from here on: an error below gives the event back to the pool through the fence.
+  auto fence = std::shared_ptr<CudaEventFence>(new CudaEventFence(api, event, true, device));
   api.check(api.cudaEventRecord(event, stream), "cudaEventRecord");
   return fence;
 }
 
 CudaEventFence::~CudaEventFence() {
-  if (owned_ && api_.cudaEventDestroy) api_.cudaEventDestroy(event_);
+  if (!owned_) return;
+  EventPool& pool = event_pool();
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    if (device_ >= 0 && static_cast<size_t>(device_) < pool.free.size() &&
+        pool.free[device_].size() < EventPool::kKeep) {
+      pool.free[device_].push_back(event_);
+      return;
+    }
+  }
+  if (api_.cudaEventDestroy) api_.cudaEventDestroy(event_);
 }
 
 FenceState CudaEventFence::from_code(int code) {

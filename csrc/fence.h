@@ -68,8 +68,12 @@ class CudaEventFence : public Fence {
  public:
   // Borrows an existing event (not destroyed here).
   static std::shared_ptr<CudaEventFence> borrow(cuda::Event event);
-  // Creates an event on `device`, records it on `stream`, and owns it.
+  // Takes an event of `device` from the pool (creating one only when the pool is empty),
+  // records it on `stream`, and gives it back to the pool when the fence dies.  Re-recording
+  // a pooled event is safe: a stream that waited on it captured the earlier record.
   static std::shared_ptr<CudaEventFence> record(cuda::Stream stream, int device);
+  // Events created and records served from the pool since start (for tests and stats).
+  static std::pair<int64_t, int64_t> pool_stats();
   ~CudaEventFence() override;
   FenceState poll() override;
   FenceState block() override;
@@ -80,11 +84,13 @@ class CudaEventFence : public Fence {
   void make_stream_wait(cuda::Stream stream) const;
 
  private:
-  CudaEventFence(const cuda::Api& api, cuda::Event event, bool owned) : api_(api), event_(event), owned_(owned) {}
+  CudaEventFence(const cuda::Api& api, cuda::Event event, bool owned, int device = -1)
+      : api_(api), event_(event), owned_(owned), device_(device) {}
   FenceState from_code(int code);
   const cuda::Api& api_;
   cuda::Event event_;
   bool owned_;
+  int device_;                       // the pool the event goes back to (owned events)
   std::atomic<int> last_error_{0};  // poll() may run on several threads
 };
 

@@ -174,7 +174,7 @@ def _run(batch, call, extra):
         return getattr(C, name)(*args, **kwargs)
     cls_name, attr = name.split(".")
     cls = getattr(C, cls_name)
-    if attr in ("borrow", "record") and cls_name == "CudaEventFence":
+    if attr in ("borrow", "record", "pool_stats") and cls_name == "CudaEventFence":
         return getattr(cls, attr)(*args, **kwargs)
     target = args[0]
     if not isinstance(target, cls):

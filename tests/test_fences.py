@@ -2,6 +2,7 @@
 import threading
 
 import pytest
+import torch
 
 from roundpipe import _native
 from roundpipe.offload import cuda_status, make_stream_wait, wait_all
@@ -52,3 +53,32 @@ def test_cuda_status_is_a_reason_without_gpu():
         assert "libcudart" in status or "libcuda" in status
     else:
         assert status.startswith(("runtime", "driver"))
+
+
+def test_event_pool_stats_start_empty_without_cuda():
+    """Without a GPU no CUDA event was ever created or reused (the pool's counters exist everywhere)."""
+    created, reused = C.CudaEventFence.pool_stats()
+    if not torch.cuda.is_available():
+        assert (created, reused) == (0, 0)
+    assert created >= 0 and reused >= 0
+
+
+@pytest.mark.cuda
+def test_fences_reuse_pooled_events():
+    """A thousand fences recorded one after another create a handful of CUDA events, not a thousand
+    (each fence used to create and destroy its own); a reused event still orders the work."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from roundpipe.offload import make_stream_wait, stream_fence
+    s = torch.cuda.Stream()
+    before, _ = C.CudaEventFence.pool_stats()
+    for _ in range(1000):
+        stream_fence(s).wait()
+    after, reused = C.CudaEventFence.pool_stats()
+    assert after - before <= 4 and reused >= 996
+    x = torch.ones(1 << 20, device="cuda")
+    with torch.cuda.stream(s):
+        y = x * 2
+    f = stream_fence(s)
+    make_stream_wait(f)
+    assert torch.equal(y * 1, torch.full_like(x, 2.0))

@@ -228,7 +228,8 @@ def gen_fences(draw, outcomes):
     op = draw(st.sampled_from(["HostFence", "Fence", "Fence.done", "Fence.wait", "Fence.state", "Fence.error",
                                "Fence.kind", "Fence.cuda_event", "HostFence.set", "HostFence.fail",
                                "HostFence.wait_for", "CudaEventFence", "CudaEventFence.borrow",
-                               "CudaEventFence.record", "CudaEventFence.make_stream_wait"]))
+                               "CudaEventFence.record", "CudaEventFence.make_stream_wait",
+                               "CudaEventFence.pool_stats"]))
     if op == "HostFence":
         return op, [mostly(draw, st.booleans(), junk)], {}
     if op in ("Fence", "CudaEventFence"):
@@ -246,6 +247,8 @@ def gen_fences(draw, outcomes):
             st.integers(-2**31, 2**31 - 1), size_extreme, junk), 5)], {}
     if op == "CudaEventFence.make_stream_wait":
         return op, [target, mostly(draw, st.just(0), junk)], {}
+    if op == "CudaEventFence.pool_stats":
+        return op, draw(st.lists(junk, max_size=1)), {}
     return op, [target], {}
 
 
@@ -461,7 +464,8 @@ SURFACE = {
     "kernels": ["convert", "accumulate", "grad_sumsq", "adam_step"],
     "fences": ["Fence", "Fence.done", "Fence.wait", "Fence.state", "Fence.error", "Fence.kind", "Fence.cuda_event",
                "HostFence", "HostFence.set", "HostFence.fail", "HostFence.wait_for", "CudaEventFence",
-               "CudaEventFence.borrow", "CudaEventFence.record", "CudaEventFence.make_stream_wait"],
+               "CudaEventFence.borrow", "CudaEventFence.record", "CudaEventFence.make_stream_wait",
+               "CudaEventFence.pool_stats"],
     "arena": ["HostArena", "HostArena.allocate", "HostArena.record", "HostArena.collect", "HostArena.synchronize",
               "HostArena.reserve", "HostArena.release_unused", "HostArena.block_of", "HostArena.pinned",
               "HostArena.backend", "HostArena.stats", "ArenaBlock", "ArenaBlock.address", "ArenaBlock.nbytes"],

@@ -9,6 +9,9 @@ arena waits for before reusing a freed block.  The native types are used as is:
   the host copy backend returns these, and tests use them as fake events.
 - `CudaEventFence`: a cudaEvent_t queried through the CUDA runtime roundpipe loads
   at run time; `make_stream_wait(stream)` makes a stream wait for it on the GPU.
+  Recorded fences take their event from a per-device pool and give it back when they
+  die (`CudaEventFence.pool_stats()`: created, reused), so a raw `cuda_event` handle
+  is valid only while its fence lives.
 
 The helpers below bridge to torch's stream objects.
 """
