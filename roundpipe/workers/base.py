@@ -339,10 +339,10 @@ class Worker(ABC):
         (None: readable now); the caller reads it while the worker goes on."""
 
     def before_wait(self) -> None:
-        """The worker is about to wait for another worker: the copy queues would idle meanwhile, so
-        the next held-back window of each bulk direction goes now (one, not all: a window sent now
-        is one more in front of the activation copy that ends the wait)."""
-        self.copies.send_next()
+        """The worker is about to wait: held-back downloads go (the wait may be for their landing)
+        and the next upload window (one, not all: a window sent now is one more in front of the
+        activation copy that ends the wait)."""
+        self.copies.before_wait()
 
     def drain(self) -> None:
         """Waits until every copy and callback issued ran; re-raises the first callback error."""

@@ -14,9 +14,10 @@ copy's fence (docs/transfers.md):
 so bulk bytes never delay an activation.  Windows still unsent are submitted
 by `flush` when the bulk is needed (weights about to be used, a P-copy
 waiting for the upload, the end of the worker's part of a call); when the
-worker is about to block on another worker, `send_next` lets one window of
-each direction go, so the queues work during the wait without piling every
-held-back byte in front of the activation copy that ends it.
+worker is about to block, `before_wait` sends every held-back download (the
+wait may be for one of their landings) and one upload window, so the queues
+work during the wait without piling every upload byte in front of the
+activation copy that ends it.
 
 Without the native core the copies are done synchronously with torch (no
 windows, no fences: every fence is None, meaning "done").  A host engine may
@@ -186,14 +187,19 @@ class Transfers:
         if not b.unsent:
             waiting.popleft()
 
-    def send_next(self) -> None:
-        """Sends the oldest held-back window of each direction (its queue would idle otherwise)."""
+    def before_wait(self) -> None:
+        """The issuer is about to block: every held-back download goes (what it waits for may be
+        one of their landings, e.g. a layer's buffers from its previous round), and the next
+        upload window (uploads are waited for only by their own issuer, who flushes them)."""
         if not (self._waiting["param_up"] or self._waiting["grad_down"]):
             return
         with self._lock:
-            for waiting in self._waiting.values():
-                if waiting:
-                    self._send_one(waiting, [])
+            downs = self._waiting["grad_down"]
+            while downs:
+                self._send_one(downs, [])
+            ups = self._waiting["param_up"]
+            if ups:
+                self._send_one(ups, [])
 
     def flush(self, only: Bulk | None = None) -> None:
         """Sends the held-back windows now: of `only`, or of every bulk (the worker is about to wait)."""
