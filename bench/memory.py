@@ -1,4 +1,4 @@
-"""Memory: device bytes per worker against the plan's floor, and host bytes per parameter.
+"""Memory: host bytes per parameter by peak RSS, split into worker-held and host, and device bytes per worker.
 
 For the `roundpipe train` default model and a ~200M-parameter decoder ("base"),
 each provider runs a few training steps in a fresh subprocess (so peak RSS is its
@@ -7,15 +7,32 @@ own):
     torch             plain PyTorch: fp32 model, torch.optim.AdamW, one device
     roundpipe sync    2 CPU workers, bf16 compute, roundpipe.optim.AdamW, synchronous step
     roundpipe async   the same with the asynchronous step
+    ... mmap 1 MiB    (base only) the same with glibc's mmap threshold fixed at 1 MiB
+                      (MALLOC_MMAP_THRESHOLD_): freed buffers of 1 MiB and more go back
+                      to the system at once instead of staying in the threads' malloc heaps
 
-and reports host bytes per parameter from peak RSS over the process before the
-model was built (the model's own fp32 weights are added back: they are the
-masters), beside DeepSpeed ZeRO-Offload's documented 16-18 bytes per parameter
-and the engine's own accounting (`RoundPipe.memory_stats`).  Device rows give each
-worker's peak ledger bytes (weights, activations, gradients) against the floor the
-pre-call check uses (a stage's weights, the prefetched next stage's, its
-gradients; roundpipe/engine/device_memory.py): on CPU workers the "device" is host memory,
-so those bytes are inside the RSS too.
+Columns, all per parameter:
+
+    RSS          peak RSS over the process before the model was built (the model's
+                 fp32 weights are added back: they are the masters)
+    worker-held  the sum of the CPU workers' ledger peaks (weights, activations,
+                 gradients): on CPU workers the "device" is host memory inside the
+                 RSS; on GPUs it would not be (the sum of peaks is an upper bound of
+                 what the workers held at any one moment)
+    host         RSS minus worker-held: what the host side costs
+    accounted    the engine's own count (`RoundPipe.memory_stats`) when the last
+                 call's gradients have landed: fp32 masters, optimizer state, the
+                 host arena's reserve (upload copies, gradient landings, staging, and
+                 the unused rest of its chunks) and any gradient outside it
+    malloc free  bytes glibc keeps free in its heaps at the end (mallinfo2 fordblks
+                 growth): mostly CPU workers' released "device" buffers, reused by
+                 the next stage run, counted by nobody
+    code pages   file-backed RSS growth (library code paged in by the first call)
+
+beside plain PyTorch and DeepSpeed ZeRO-Offload's documented 16-18 bytes per
+parameter.  Device rows give each worker's peak ledger bytes against the floor the
+pre-call check predicts (a stage's weights, the prefetched next stage's, its
+gradients; roundpipe/engine/device_memory.py); activations come on top of it.
 
     python bench/memory.py [--quick] [--out DIR_OR_FILE] [--no-save]
 """
@@ -23,26 +40,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
 from roundpipe.bench.runner import Report, add_common_args
 
-DEEPSPEED_DOCUMENTED = "16-18"   # ZeRO-Offload paper / docs: fp32 master + Adam states + fp16 params/grads
+DEEPSPEED_DOCUMENTED = (16, 18)   # ZeRO-Offload paper / docs: fp32 master + Adam states + fp16 params/grads
+MMAP_THRESHOLD = 1 << 20
 
 _CHILD = r'''
-import json, os, resource, sys
+import ctypes, json, os, resource, sys
 import torch, torch.nn.functional as F
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
 from roundpipe.commands.train import TrainConfig
 size, provider, steps, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-def rss():
+def peak_rss():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def rss_file():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    return 0
+def malloc_free():
+    try:
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
+                                                      "fordblks keepcost".split()]
+        f = ctypes.CDLL("libc.so.6").mallinfo2
+        f.restype = MallInfo2
+        return f().fordblks
+    except (OSError, AttributeError):   # not glibc, or glibc < 2.33
+        return None
 cfg = TrainConfig(size=size, devices=["cpu"], seq_len=seq, batch_size=batch).resolved()
 mcfg = cfg.model_config()
 torch.manual_seed(0)
 x = torch.randint(0, 256, (batch, seq)); y = torch.randint(0, 256, (batch, seq))
-base = rss()
+base, base_file, base_free = peak_rss(), rss_file(), malloc_free()
 layers = build_layers(mcfg, seed=0)
 params = sum(p.numel() for l in layers for p in l.parameters())
 out = {"params": params}
@@ -55,9 +89,11 @@ else:
     import roundpipe as rp
     with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=torch.bfloat16) as model:
         opt = rp.optim.AdamW(model.parameters(), lr=1e-4)
-        for _ in range(steps):
+        for i in range(steps):
             model.forward_backward(x, labels=y, loss_fn=loss_fn)
-            model.step(opt, asynchronous=provider.endswith("async"))
+            if i == steps - 1:   # the last call's gradients landed, the optimizer state exists: the most the host holds
+                host = model.memory_stats(opt)["host"]
+            model.step(opt, asynchronous="async" in provider)
         model.synchronize()
         stats = model.memory_stats(opt)
         from roundpipe.engine.device_memory import layer_bytes
@@ -70,19 +106,35 @@ else:
                      for ts in tasks.values() for i, t in enumerate(ts)), default=0)
         out["workers"] = {n: {"peak": s["peak"], "peak_total": s["peak_total"], "floor": floor}
                           for n, s in stats["workers"].items()}
-        out["accounted"] = {k: v / params for k, v in stats["host"].items()}
-out["host_bytes_per_param"] = (rss() - base) / params
+        out["host"] = host
+out["rss"] = peak_rss() - base
+out["code_pages"] = rss_file() - base_file
+free = malloc_free()
+out["malloc_free"] = free - base_free if free is not None and base_free is not None else None
 print("RESULT " + json.dumps(out))
 '''
 
 
 def run_child(size: str, provider: str, steps: int, batch: int, seq: int) -> dict:
+    env = dict(os.environ)
+    if "mmap" in provider:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     proc = subprocess.run([sys.executable, "-c", _CHILD, size, provider, str(steps), str(batch), str(seq)],
-                          capture_output=True, text=True, timeout=3000)
+                          capture_output=True, text=True, timeout=3000, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     raise RuntimeError(f"{provider} on {size} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+
+
+def accounted_bytes(host: dict) -> int:
+    """The engine's count: masters, optimizer state, buffers, the arena's whole reserve, and any upload copy or
+    gradient outside the arena (without one)."""
+    state = sum(host.get(k, 0) for k in ("masters", "optimizer_state", "buffers"))
+    copies = sum(host.get(k, 0) for k in ("upload_copies", "grad_landing", "grads_held", "grads"))
+    if "arena_reserved" not in host:
+        return state + copies
+    return state + host["arena_reserved"] + max(0, copies - host["arena_in_use"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,25 +142,38 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser)
     args = parser.parse_args(argv)
     sizes = [("tiny", 3, 16, 128)] + ([] if args.quick else [("base", 2, 2, 64)])
-    report = Report("memory", columns=["model", "provider", "params", "host B/param", "vs torch",
-                                       "engine-accounted B/param", "worker", "device peak", "floor",
-                                       "peak / floor"], device="cpu")
+    ds_lo, ds_hi = DEEPSPEED_DOCUMENTED
+    report = Report("memory", columns=["model", "provider", "params", "RSS B/param", "worker-held B/param",
+                                       "host B/param", "accounted B/param", "malloc free B/param",
+                                       "code pages B/param", "host vs torch", f"host vs DS {ds_hi}",
+                                       "worker", "device peak", "floor", "peak / floor"], device="cpu")
     for size, steps, batch, seq in sizes:
-        results = {p: run_child(size, p, steps, batch, seq) for p in ("torch", "roundpipe sync", "roundpipe async")}
-        ref = results["torch"]["host_bytes_per_param"]
+        providers = ["torch", "roundpipe sync", "roundpipe async"]
+        if size != "tiny":
+            providers += ["roundpipe sync, mmap 1 MiB", "roundpipe async, mmap 1 MiB"]
+        results = {p: run_child(size, p, steps, batch, seq) for p in providers}
+        ref = results["torch"]["rss"] / results["torch"]["params"]
         for provider, r in results.items():
-            per_param = r["host_bytes_per_param"]
-            accounted = sum(v for k, v in r.get("accounted", {}).items() if not k.startswith("arena"))
-            report.add(model=size, provider=provider, params=r["params"], **{
-                "host B/param": per_param, "vs torch": per_param / ref,
-                "engine-accounted B/param": accounted if "accounted" in r else None})
+            n = r["params"]
+            rss = r["rss"] / n
+            held = sum(w["peak_total"] for w in r.get("workers", {}).values()) / n
+            host = rss - held
+            report.add(model=size, provider=provider, params=n, **{
+                "RSS B/param": rss, "worker-held B/param": held if "workers" in r else None,
+                "host B/param": host, "accounted B/param": accounted_bytes(r["host"]) / n if "host" in r else None,
+                "malloc free B/param": r["malloc_free"] / n if r["malloc_free"] is not None else None,
+                "code pages B/param": r["code_pages"] / n, "host vs torch": host / ref,
+                f"host vs DS {ds_hi}": host / ds_hi})
             for name, w in r.get("workers", {}).items():
                 report.add(model=size, provider=provider, worker=name, **{
                     "device peak": w["peak_total"], "floor": w["floor"],
                     "peak / floor": w["peak_total"] / w["floor"] if w["floor"] else None})
-    report.note(f"DeepSpeed ZeRO-Offload documents {DEEPSPEED_DOCUMENTED} host bytes per parameter; host B/param "
-                "is peak RSS over the process before the model, per parameter (the fp32 model itself included); "
-                "on CPU workers the device peak is host memory inside that RSS")
+    report.note(f"DeepSpeed ZeRO-Offload documents {ds_lo}-{ds_hi} host bytes per parameter.  RSS: peak RSS over "
+                "the process before the model, per parameter (the fp32 model itself included); worker-held: the sum "
+                "of the CPU workers' ledger peaks, host memory here, device memory on GPUs; host = RSS - worker-held; "
+                "accounted: memory_stats()['host'] once the last call's gradients landed (masters, optimizer state, "
+                "arena reserve); 'mmap 1 MiB': glibc's MALLOC_MMAP_THRESHOLD_ fixed at 1 MiB; floor: the pre-call "
+                "check's stage + prefetched weights + gradients")
     report.finish(args.out, save=not args.no_save)
     return 0
 
