@@ -196,3 +196,14 @@ def test_import_is_lazy():
     code = ("import sys, roundpipe as rp; rp.hf.wrap; rp.hf.from_pretrained; "
             "assert 'transformers' not in sys.modules and 'peft' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_generic_path_refuses_a_forward_it_cannot_reproduce():
+    """A model without a preset whose forward does more than embed, decode, norm and project (Gemma-2's logit
+    soft-capping) is a ValueError."""
+    rp.hf.wrap(tiny("phi3"), devices=["cpu"]).close()   # no preset, a plain decoder: accepted
+    gemma2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gemma2", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=V, final_logit_softcapping=0.5))
+    with pytest.raises(ValueError, match="logits differ"):
+        rp.hf.wrap(gemma2, devices=["cpu"])

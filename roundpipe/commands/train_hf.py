@@ -92,6 +92,7 @@ def train_hf(cfg, save: str | None = None) -> dict:
     next(corpus.batches(cfg.batch_size, cfg.seq_len, cfg.seed, "val" if cfg.eval_batches else "train"))
     with rp.hf.from_pretrained(cfg.hf, devices=cfg.devices, num_microbatches=cfg.microbatches,
                                compute_dtype=DTYPES[cfg.dtype] if cfg.dtype else None) as model:
+        model.train()   # from_pretrained leaves a model in eval mode, as transformers does
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {cfg.hf} ({model.config.model_type}, {n_params / 1e6:.2f}M parameters)\n"
               f"data:  {corpus.source}\n"

@@ -23,7 +23,7 @@ from torch import nn
 from roundpipe.engine.model import RoundPipe
 from roundpipe.hf.layers import Decoder, Embed, Head
 from roundpipe.hf.loss import TokenLoss, count_items, shift_labels
-from roundpipe.hf.presets import causal_lm, find_parts
+from roundpipe.hf.presets import PRESETS, causal_lm, find_parts
 from roundpipe.workers import parse_devices
 
 
@@ -37,7 +37,37 @@ def _layers(hf_model: nn.Module) -> list[nn.Module]:
         if id(p) not in covered:
             raise ValueError(f"{type(hf_model).__name__}: parameter {name!r} is outside the embedding, the decoder "
                              "layers, the final norm and the LM head, so no roundpipe layer would train it")
+    if not parts.preset:
+        _check_generic(hf_model, layers)
     return layers
+
+
+@torch.no_grad()
+def _check_generic(hf_model: nn.Module, layers: list[nn.Module]) -> None:
+    """A model cut by the generic search must give its own logits through our layers (one short forward in
+    eval mode): a forward that does more than embed, decode, norm and project (embedding scales, logit
+    soft-capping) is a ValueError here rather than wrong training later."""
+    lm = causal_lm(hf_model)
+    modes = [(m, m.training) for m in hf_model.modules()]
+    hf_model.eval()
+    try:
+        vocab = layers[-1].lm_head.weight.shape[0] if hasattr(layers[-1].lm_head, "weight") else 2
+        ids = torch.arange(1, 6).remainder(vocab).unsqueeze(0)
+        expected = lm(input_ids=ids).logits.float()
+        x = layers[0](input_ids=ids)
+        for layer in layers[1:]:
+            x = layer(x)
+        got = x.float()
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    err = ((got - expected).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
+    tol = 1e-4 if got.dtype == expected.dtype and next(hf_model.parameters()).dtype == torch.float32 else 2e-2
+    if got.shape != expected.shape or not err <= tol:
+        raise ValueError(f"{type(lm).__name__} (model_type {getattr(lm.config, 'model_type', None)!r}) has no roundpipe "
+                         f"preset, and cut generically (embedding, decoder layers, final norm, LM head) its logits differ "
+                         f"from its own forward's (max relative error {err:.2e}): its forward does something more; "
+                         f"presets: {sorted(PRESETS)}")
 
 
 def _patch_kernels(hf_model: nn.Module, devices) -> int:

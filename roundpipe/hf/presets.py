@@ -42,6 +42,7 @@ class Parts:
     lm_head: nn.Module
     rotary_emb: nn.Module | None
     attention_types: list[str]   # per decoder layer: "full_attention" or "sliding_attention"
+    preset: bool = False         # found by a preset (else by the generic search, checked by a forward)
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -102,4 +103,4 @@ def find_parts(model: nn.Module) -> Parts:
     types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
     layer_list = list(layers)[:n]
     return Parts(config, embed, layer_list, norm, head, rotary if isinstance(rotary, nn.Module) else None,
-                 types[:len(layer_list)])
+                 types[:len(layer_list)], preset is not None)
