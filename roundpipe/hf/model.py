@@ -71,14 +71,16 @@ def _check_generic(hf_model: nn.Module, layers: list[nn.Module]) -> None:
 
 
 def _patch_kernels(hf_model: nn.Module, devices) -> int:
-    """Our Triton kernels into the HF modules when a worker is a GPU (roundpipe/hf/kernels.py), else 0."""
+    """Our Triton kernels into the HF modules when a worker is a GPU (roundpipe/hf/kernels.py), else 0.
+
+    Patched before the workers' replicas are made, so that every replica runs them."""
     if not any(d.type == "cuda" for d in parse_devices(devices)):
         return 0
     try:
         from roundpipe.hf.kernels import patch_kernels
     except ImportError:
         return 0
-    return patch_kernels(hf_model)
+    return patch_kernels(hf_model, devices)
 
 
 class HFRoundPipe(RoundPipe):
