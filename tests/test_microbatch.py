@@ -31,7 +31,6 @@ def test_default_count_is_clamped_to_the_batch():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(args=(3, "x"), num=1), "nothing to split"),
-    (dict(args=(torch.zeros(4, 2),), num=5), "num_microbatches=5"),
     (dict(args=(torch.zeros(4, 2),), num=0), "num_microbatches=0"),
     (dict(args=(torch.zeros(4, 2),), num=2, labels=torch.zeros(3)), "labels have batch size 3"),
 ])
@@ -55,3 +54,16 @@ def test_merge_concatenates_nests():
     outs = [{"h": torch.ones(2, 3), "s": torch.tensor(1.0), "n": 4}, {"h": torch.zeros(1, 3), "s": torch.tensor(2.0), "n": 5}]
     m = merge(outs)
     assert m["h"].shape == (3, 3) and torch.equal(m["s"], torch.tensor([1.0, 2.0])) and m["n"] == [4, 5]
+
+
+def test_batch_smaller_than_the_microbatch_count_gets_one_sample_each():
+    """A DataLoader's last batch (2 samples, 3 microbatches asked for) splits into 2 microbatches of one;
+    an empty batch and a bad count stay errors."""
+    x = torch.arange(4.0).reshape(2, 2)
+    mb = split((x,), {}, x[:, :1], 3, 3)
+    assert len(mb) == 2 and mb.sizes == [1, 1] and mb.weights == [0.5, 0.5]
+    assert torch.equal(mb.args[1][0], x[1:]) and torch.equal(mb.labels[0], x[:1, :1])
+    with pytest.raises(ValueError, match="batch is empty"):
+        split((torch.zeros(0, 2),), {}, None, 3, 3)
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        split((x,), {}, None, 0, 3)

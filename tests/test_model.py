@@ -216,8 +216,9 @@ def test_bad_calls_and_closed_model():
     """Bad call arguments raise ValueError/TypeError; any call after close() raises ValueError."""
     model = rp.RoundPipe(mlp(2), devices=["cpu"], num_microbatches=4)
     x = torch.randn(3, 8)
-    with pytest.raises(ValueError, match="num_microbatches=4"):
-        model.forward_backward(x, labels=x, loss_fn=F.mse_loss)
+    model.forward_backward(x, labels=x, loss_fn=F.mse_loss)   # fewer samples than microbatches: one each
+    with pytest.raises(ValueError, match="batch is empty"):
+        model.forward_backward(torch.randn(0, 8), labels=torch.randn(0, 8), loss_fn=F.mse_loss)
     with pytest.raises(ValueError, match="labels have batch size 2"):
         model.forward_backward(torch.randn(4, 8), labels=torch.randn(2, 8), loss_fn=F.mse_loss)
     with pytest.raises(ValueError, match="nothing to split"):
@@ -544,3 +545,26 @@ def test_ctrl_c_between_registering_and_queuing_a_step_never_hangs(monkeypatch):
         run_with_watchdog(lambda: (model.forward_backward(x, labels=y, loss_fn=F.mse_loss), model.synchronize()),
                           timeout_s=30)
         assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_partial_last_batch_trains_like_pytorch():
+    """Batches of 6, 6 and 2 samples with 3 microbatches (the last batch of a DataLoader with
+    drop_last=False): the last runs as 2 microbatches, and synchronous training equals PyTorch."""
+    torch.manual_seed(0)
+    layers = mlp(4)
+    ref = reference(layers)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)) for n in (6, 6, 2)]
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches:
+            loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.step(opt, asynchronous=False)
+            ref_loss = F.mse_loss(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert max_rel_err(loss, ref_loss.detach()) <= 1e-5
+    for p, q in zip(torch.nn.Sequential(*layers).parameters(), ref.parameters()):
+        assert max_rel_err(p.detach(), q.detach()) <= 1e-5

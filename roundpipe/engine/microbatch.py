@@ -141,12 +141,11 @@ def split(args: tuple, kwargs: dict, labels: Any, num_microbatches: int | None, 
             if t.dim() >= 1 and t.shape[0] != batch:
                 raise ValueError(f"labels have batch size {t.shape[0]} but the inputs have batch size {batch}; "
                                  "they must match along dim 0")
-    if num_microbatches is None:
-        num = max(1, min(default, batch))
-    else:
-        num = num_microbatches
-        if not 1 <= num <= batch:
-            raise ValueError(f"num_microbatches={num} must be between 1 and the batch size {batch}")
+    if num_microbatches is not None and not (isinstance(num_microbatches, int) and num_microbatches >= 1):
+        raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
+    # A batch smaller than the microbatch count (a DataLoader's last batch) runs with one sample
+    # per microbatch, its loss weighted as for any other batch.
+    num = max(1, min(default if num_microbatches is None else num_microbatches, batch))
     if split_fn is not None:
         parts = split_fn(args, kwargs, labels, num)
         if not isinstance(parts, (list, tuple)) or not parts:
