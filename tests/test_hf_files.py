@@ -49,3 +49,14 @@ def test_from_pretrained_needs_a_local_folder(tmp_path):
     """A path that is not a folder is a ValueError naming it (the hub is not reached)."""
     with pytest.raises(ValueError, match="not-there"):
         rp.hf.from_pretrained(tmp_path / "not-there")
+
+
+def test_from_pretrained_bf16_checkpoint_trains_fp32_masters(tmp_path):
+    """A bf16 checkpoint loads as stored and its trainable parameters become fp32 masters of the same values."""
+    tiny("llama", False).to(torch.bfloat16).save_pretrained(tmp_path)
+    stored = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    with rp.hf.from_pretrained(tmp_path, devices=["cpu"]) as model:
+        for (name, p), q in zip(model.named_parameters(), stored.parameters()):
+            assert p.dtype == torch.float32 and torch.equal(p, q.float()), name
+    with pytest.raises(ValueError, match="dtype="):
+        rp.hf.from_pretrained(tmp_path, dtype="half")

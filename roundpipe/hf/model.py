@@ -191,11 +191,17 @@ def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
     return HFRoundPipe(hf_model, devices, num_microbatches, compute_dtype, plan, **roundpipe_kwargs)
 
 
-def from_pretrained(path: str | os.PathLike, **wrap_kwargs: Any) -> HFRoundPipe:
-    """Loads a local checkpoint (safetensors) into host memory in fp32 and wraps it."""
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", **wrap_kwargs: Any) -> HFRoundPipe:
+    """Loads a local checkpoint (safetensors) into host memory and wraps it.
+
+    dtype "auto" keeps the checkpoint's dtype while loading: the wrap then turns every trainable
+    parameter into its fp32 master in place, and parameters frozen before wrapping (see docs/hf.md)
+    stay as stored; torch.float32 loads everything in fp32."""
     from transformers import AutoModelForCausalLM
     if not os.path.isdir(path):
         raise ValueError(f"path={str(path)!r} is not a directory; give a folder written by save_pretrained "
                          "(config.json and *.safetensors); the hub is not reached from here")
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r} must be 'auto' or a floating torch.dtype")
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return wrap(hf_model, **wrap_kwargs)
