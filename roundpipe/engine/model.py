@@ -30,6 +30,7 @@ from torch import nn
 from roundpipe.engine.async_step import LayerSync, run_gcopy, run_step
 from roundpipe.engine.optimizer_step import check_step_args, make_step
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
+from roundpipe.engine import batchnorm as batchnorm_stats
 from roundpipe.engine.board import Board
 from roundpipe.engine.device_memory import check_schedule, resolve_caps
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
@@ -107,7 +108,7 @@ class RoundPipe:
                  compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
                  planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
-                 loss_reduction: str = "mean"):
+                 loss_reduction: str = "mean", batchnorm: str = "per-microbatch"):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
@@ -120,6 +121,11 @@ class RoundPipe:
             raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' (microbatch losses weighted by "
                              "their share of the samples) or 'sum' (added as loss_fn returns them)")
         self.loss_reduction = loss_reduction
+        if batchnorm not in batchnorm_stats.MODES:
+            raise ValueError(f"batchnorm={batchnorm!r} must be 'per-microbatch' (running statistics updated by every "
+                             "microbatch, as PyTorch does per forward) or 'whole-batch' (updated once per call from "
+                             "the whole batch's statistics, equal to PyTorch on the full batch)")
+        self.batchnorm = batchnorm
         if split_fn is not None and not callable(split_fn):
             raise TypeError(f"split_fn must be callable, got {type(split_fn).__name__}")
         L = len(self.module)
@@ -149,6 +155,13 @@ class RoundPipe:
         self.workers = make_workers(self.devices, self.compute_dtype, self.host.alloc, self.host.owns)
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
                                   for layer, st in zip(layers, self.host.layers)] for w in self.workers}
+        # Whole-batch BatchNorm statistics (roundpipe/engine/batchnorm.py): masters updated at call ends.
+        self._bn = batchnorm_stats.tracked(layers) if batchnorm == "whole-batch" else {}
+        self._bn_skip = {l: batchnorm_stats.stats_buffer_indices(layer, st.buffer_names)
+                         for l, (layer, st) in enumerate(zip(layers, self.host.layers)) if self._bn} if self._bn else {}
+        for reps in self.replicas.values() if self._bn else ():
+            for l, rep in enumerate(reps):
+                batchnorm_stats.patch_replica(rep.module, l)
         self.dispatcher = Dispatcher(self.workers)
         self.stage_timing: TimingFn | None = None   # profiler seam: (worker, kind, first_layer, mb, t0, t1)
         self._trace: Trace | None = None
@@ -246,6 +259,8 @@ class RoundPipe:
         with self._api:
             self._check_open()
             self.sync.flush()   # a sync point: a forward after step() sees the updated weights
+            if self._bn:
+                self._retire()   # whole-batch BatchNorm statistics land at call ends: eval sees them
             mb = split(args, kwargs, None, self.num_microbatches, self.round_size, self.split_fn)
             ctx = self._run(mb, training=False, loss_fn=None)
             outs = []
@@ -296,17 +311,20 @@ class RoundPipe:
                           labels=[tree_map(pin, l) for l in mb.labels], weights=mb.weights, loss_fn=loss_fn,
                           trace=self._trace_call(plan),
                           on_timing=self.autoplan.recorder(key, training, self.stage_timing),
-                          check_recompute={} if self._check_recompute else None, compute_s=self._compute_s)
+                          check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
+                          bn_stats=batchnorm_stats.BatchStats() if self._bn else None, bn_skip=self._bn_skip)
         ctx.gpu_ready = _gpu_input_events(mb)
         for m in range(len(mb)):
             ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m])),
                                                  gpu_ready=ctx.gpu_ready), sched.input_consumers)
         ctx.call = self.sync.begin_call(training, sched.uploads)
-        host, sync = self.host, self.sync   # the end runs on a worker thread: no reference to the model
+        host, sync, bn = self.host, self.sync, self._bn   # the end runs on a worker thread: no reference to the model
 
         def on_end(run: CallRun) -> None:
             try:
                 host.end_call(run.ok)   # keeps or takes back the gradients the call landed
+                if run.ok and run.ctx.bn_stats is not None:
+                    run.ctx.bn_stats.apply(bn)   # whole-batch BatchNorm statistics, once per call
             finally:
                 sync.end_call(run.ctx.call)
         run = self.dispatcher.start(ctx, sched, on_end)

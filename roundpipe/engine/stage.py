@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from roundpipe.engine.async_step import CallState, LayerSync
+from roundpipe.engine.batchnorm import BatchStats, recording
 from roundpipe.engine.board import Board
 from roundpipe.engine.compute import autograd_backward, float_leaves, run_layers, tag
 from roundpipe.engine.host_state import HostState
@@ -81,6 +82,8 @@ class CallContext:
     call: CallState | None = None         # this call in the per-layer protocol (set when it begins)
     losses_known: threading.Event = field(default_factory=threading.Event)   # every microbatch's loss is in
     on_losses: Callable[[], None] | None = None   # called once losses_known is set (wakes the caller)
+    bn_stats: BatchStats | None = None    # whole-batch BatchNorm sums of this call (engine/batchnorm.py)
+    bn_skip: dict[int, frozenset[int]] = field(default_factory=dict)   # layer -> buffers never landed
 
     def abort_requested(self) -> bool:
         return self.board.aborted
@@ -189,7 +192,7 @@ class StageRun:
 
     def forward(self, m: int) -> None:
         x = self._input(m)
-        with torch.no_grad():
+        with torch.no_grad(), recording(self.ctx.bn_stats):
             run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m), self._report(m, "forward"))
 
     def _input_with_grad(self, m: int) -> Any:
@@ -229,7 +232,8 @@ class StageRun:
         ctx = self.ctx
         x = self._input_with_grad(m)
         with torch.enable_grad():
-            out = run_layers(ctx, self.w, self.task.layers, x, m, report=self._report(m, "forward"))
+            with recording(ctx.bn_stats):   # the first forward of the fused layers (never recomputed)
+                out = run_layers(ctx, self.w, self.task.layers, x, m, report=self._report(m, "forward"))
             labels = (self.w.use(self.w.receive(Handoff(host=ctx.labels[m], gpu_ready=ctx.gpu_ready)))
                       if ctx.labels[m] is not None else None)
             try:
@@ -292,9 +296,12 @@ class StageRun:
             self.w.download_grads([g for gs in per_layer for g in gs], len(task.mbs), self._land_grads(sizes))
 
     def _land_buffers(self, l: int) -> Callable[[list], None]:
+        skip = self.ctx.bn_skip.get(l, ())
+
         def land(host_bufs: list) -> None:
-            for dst, src in zip(self.ctx.host.layers[l].buffers, host_bufs):
-                dst.copy_(src)
+            for i, (dst, src) in enumerate(zip(self.ctx.host.layers[l].buffers, host_bufs)):
+                if i not in skip:   # whole-batch BatchNorm statistics: the call's end updates them
+                    dst.copy_(src)
             self.ctx.board.put(("buf", l, self.task.round), True, 0 if self.task.last_round else 1)
         return land
 
