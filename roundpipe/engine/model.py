@@ -124,7 +124,7 @@ class RoundPipe:
         if batchnorm not in batchnorm_stats.MODES:
             raise ValueError(f"batchnorm={batchnorm!r} must be 'per-microbatch' (running statistics updated by every "
                              "microbatch, as PyTorch does per forward) or 'whole-batch' (updated once per call from "
-                             "the whole batch's statistics, equal to PyTorch on the full batch)")
+                             "the statistics of all the inputs each BatchNorm saw in the call)")
         self.batchnorm = batchnorm
         if split_fn is not None and not callable(split_fn):
             raise TypeError(f"split_fn must be callable, got {type(split_fn).__name__}")
@@ -158,7 +158,7 @@ class RoundPipe:
         # Whole-batch BatchNorm statistics (roundpipe/engine/batchnorm.py): masters updated at call ends.
         self._bn = batchnorm_stats.tracked(layers) if batchnorm == "whole-batch" else {}
         self._bn_skip = {l: batchnorm_stats.stats_buffer_indices(layer, st.buffer_names)
-                         for l, (layer, st) in enumerate(zip(layers, self.host.layers)) if self._bn} if self._bn else {}
+                         for l, (layer, st) in enumerate(zip(layers, self.host.layers))} if self._bn else {}
         for reps in self.replicas.values() if self._bn else ():
             for l, rep in enumerate(reps):
                 batchnorm_stats.patch_replica(rep.module, l)
