@@ -102,3 +102,19 @@ def reference(layers):
 
 def max_rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def sync_steps_match(model, opt, ref, ref_opt, batches, loss_fn=None, tol=1e-5):
+    """Trains `model` with synchronous steps and `ref` (plain PyTorch) on the same batches; every
+    loss must agree within `tol` (relative)."""
+    import torch.nn.functional as F
+
+    loss_fn = loss_fn or F.mse_loss
+    for x, y in batches:
+        loss = model.forward_backward(x, labels=y, loss_fn=loss_fn)
+        model.step(opt, asynchronous=False)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert max_rel_err(loss, ref_loss.detach()) <= tol

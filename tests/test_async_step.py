@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import roundpipe as rp
-from rp_models import MODELS, Slow, max_rel_err, reference
+from rp_models import MODELS, Slow, max_rel_err, reference, sync_steps_match
 from roundpipe.engine.async_step import LayerSync
 from roundpipe.testing import inject_delays, random_sleeps
 
@@ -33,14 +33,7 @@ def test_synchronous_adamw_matches_pytorch(fused):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     with rp.RoundPipe(layers, devices=["cpu"] * 3, num_microbatches=5) as model:
         opt = (rp.optim.AdamW if fused else torch.optim.AdamW)(model.parameters(), lr=1e-2)
-        for x, y in batches(20):
-            loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-            model.step(opt, asynchronous=False)
-            ref_loss = F.mse_loss(ref(x), y)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            assert max_rel_err(loss, ref_loss.detach()) <= 1e-5
+        sync_steps_match(model, opt, ref, ref_opt, batches(20))
         assert_params_close(model, ref)
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import roundpipe as rp
-from rp_models import MODELS, Mlp, RunningMean, Slow, max_rel_err, mlp, reference
+from rp_models import MODELS, Mlp, RunningMean, Slow, max_rel_err, mlp, reference, sync_steps_match
 from roundpipe.testing import inject_delays, random_sleeps
 
 
@@ -557,14 +557,6 @@ def test_partial_last_batch_trains_like_pytorch():
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)) for n in (6, 6, 2)]
     with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for x, y in batches:
-            loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-            model.step(opt, asynchronous=False)
-            ref_loss = F.mse_loss(ref(x), y)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            assert max_rel_err(loss, ref_loss.detach()) <= 1e-5
+        sync_steps_match(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ref, ref_opt, batches)
     for p, q in zip(torch.nn.Sequential(*layers).parameters(), ref.parameters()):
         assert max_rel_err(p.detach(), q.detach()) <= 1e-5

@@ -10,6 +10,7 @@ import roundpipe as rp
 from roundpipe.models.sleep import sleep_layers
 
 FWD_S, BWD_S = 0.01, 0.02
+PLAN = rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])   # 4 layers: F, fused, B
 
 
 def calls_of(trace):
@@ -29,9 +30,8 @@ def test_next_call_forwards_run_while_the_last_backward_drains(asynchronous):
     """Call t returns before its last backward ends, and call t+1's first forward starts before
     it ends: on two workers the second worker is free once call t's fused stage is done."""
     layers = sleep_layers(4, fwd_s=FWD_S, bwd_s=BWD_S)
-    plan = rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, plan=plan, num_microbatches=2) as model:
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, plan=PLAN, num_microbatches=2) as model:
         opt = rp.optim.Adam(model.parameters(), lr=1e-3)
         returned = []
         with model.record_trace() as trace:
@@ -55,9 +55,8 @@ def test_state_reads_wait_for_calls_in_flight():
     """A sync point after a call that returned early sees all of its gradients."""
     layers = sleep_layers(4, fwd_s=0.0, bwd_s=0.02)
     ref = sleep_layers(4, fwd_s=0.0, bwd_s=0.0)
-    plan = rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, plan=plan, num_microbatches=2) as model:
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, plan=PLAN, num_microbatches=2) as model:
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
         model.synchronize()
         grads = [p.grad.clone() for p in model.parameters()]
@@ -91,9 +90,8 @@ def test_error_after_return_reaches_the_next_call():
 
     torch.manual_seed(0)
     layers = [First(8, 8)] + [torch.nn.Linear(8, 8) for _ in range(3)]
-    plan = rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, plan=plan, num_microbatches=2) as model:
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, plan=PLAN, num_microbatches=2) as model:
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
         model.synchronize()
         clean = [p.grad.clone() for p in model.parameters()]
