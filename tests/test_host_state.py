@@ -4,9 +4,10 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import roundpipe as rp
-from roundpipe import _native
+from roundpipe import _native, testing
 from roundpipe.engine.host_state import HostState
 from rp_models import MODELS, max_rel_err, reference
 
@@ -80,3 +81,24 @@ def test_without_native_core_the_engine_still_matches_autograd(monkeypatch):
         model.synchronize()
         for p, q in zip(model.parameters(), ref.parameters()):
             assert max_rel_err(p.grad, q.grad) <= 1e-5
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_arena_grows_for_gradients_before_training_not_during_it(dtype):
+    """The first training call reserves room for the gradients before any work, so no chunk is added
+    while layers compute and gradients land (before: the first gradient downloads added a 64 MiB
+    chunk under the arena's lock on the copy threads, mid-iteration)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(2048, 2048) for _ in range(6)]   # 16 MiB of fp32 gradient per layer
+    model = rp.RoundPipe(layers, devices=["cpu", "cpu"], num_microbatches=3, compute_dtype=dtype)
+    arena = model.host.arena
+    seen = []   # the arena's chunk count whenever a layer starts computing
+    with model, testing.inject_delays(lambda kind: kind == "compute" and seen.append(arena.stats().num_chunks)):
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(6, 2048)
+        for _ in range(4):
+            model.forward_backward(x, labels=x, loss_fn=F.mse_loss)
+            model.step(opt)
+        model.synchronize()
+        assert seen and set(seen) == {arena.stats().num_chunks}, seen

@@ -195,6 +195,24 @@ class HostState:
             return self.arena.empty(shape, dtype)
         return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
 
+    def reserve_gradients(self, sets: int = 2) -> int:
+        """Grows the arena once, before training, by room for `sets` gradient buffers of every
+        trainable parameter in the compute dtype (the landing set and the set a pending
+        asynchronous step holds), so that landings on the copy threads are carved from it instead
+        of growing the arena mid-iteration.  Returns the bytes added (0: no arena, or its free
+        space already covers them)."""
+        if self.arena is None:
+            return 0
+        align = self.arena.config.alignment
+        item = torch.empty((), dtype=self.upload_dtype).element_size()   # gradients travel in it
+        need = sets * sum(-(-st.params[j].numel() * item // align) * align
+                          for st in self.layers for j in st.trainable)
+        need -= self.arena.stats().free_bytes
+        if need <= 0:
+            return 0
+        self.arena.reserve(need)
+        return need
+
     def owns(self, t: torch.Tensor) -> bool:
         """Whether t is a block of this state's arena (without an arena, pinned memory on CUDA,
         any memory on CPU: there is no arena to stage through)."""

@@ -171,6 +171,7 @@ class RoundPipe:
         self._closed = False
         self._grads_pending = False   # a training call landed gradients that no G-copy has been issued for
         self._inflight: list[_InFlight] = []   # training calls that returned and may still be running
+        self._grads_reserved = False   # the arena has grown for gradients (the first training call)
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit, and
         # none outlives the interpreter's exit (roundpipe/engine/executor.py); flush lets a pending step run.
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
@@ -303,6 +304,9 @@ class RoundPipe:
         if not sched.fits_checked:   # before any work, once per schedule: a stage that cannot fit
             check_schedule(sched.tasks, self.device_memory, self.host)
             sched.fits_checked = True
+        if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
+            self._grads_reserved = True
+            self.host.reserve_gradients()
         key = self.sync.iteration + 1   # the call about to begin
         # Inputs and labels are staged into the (pinned) arena here, on the caller's thread, made
         # contiguous on the way: workers then copy from staging blocks only (Worker._staged).
