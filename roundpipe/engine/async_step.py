@@ -79,6 +79,7 @@ class StepRecord:
     index: int          # s: this step produces W_s
     readers_left: int   # training calls still to start that read W_(s-1); 0 once the window closed
     gcopies: int        # G-copy epochs issued before this step (it consumes their gradients)
+    whole: bool = False  # its update is one pass over every layer before the gates (a torch optimizer)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class LayerSync:
         self.consumed = [0] * L             # steps that have read and cleared p.grad of l
         self.gcopies_issued = 0
         self.gcopied = [0] * L              # G-copy epochs done, per layer
+        self.steps_done = 0                 # steps whose job finished (lr scheduler stepped or error raised)
         self.active: list[CallState] = []   # calls begun and not ended, oldest first
 
     def _wait(self, ready: Callable[[], bool], abort: Callable[[], bool] | None) -> None:
@@ -219,15 +221,17 @@ class LayerSync:
             self.cv.notify_all()
 
     # ---- steps (caller issues, host thread completes)
-    def new_step(self, asynchronous: bool) -> StepRecord:
-        """Registers a step after its G-copy; a synchronous step opens no stale window."""
+    def new_step(self, asynchronous: bool, whole: bool = False, window: int | None = None) -> StepRecord:
+        """Registers a step after its G-copy; a synchronous step opens no stale window.  `window`
+        overrides the number of calls that still read the old weights (a step restored from a
+        checkpoint, roundpipe/engine/checkpoint.py)."""
         with self.cv:
             if self.latest is not None:
                 self.latest.readers_left = 0
-            k = max(1, self.calls_since_step) if asynchronous else 0
+            k = (max(1, self.calls_since_step) if window is None else window) if asynchronous else 0
             self.calls_since_step = 0
             self.steps_issued += 1
-            rec = self.latest = StepRecord(self.steps_issued, k, self.gcopies_issued)
+            rec = self.latest = StepRecord(self.steps_issued, k, self.gcopies_issued, whole)
             self.cv.notify_all()
             return rec
 
@@ -260,6 +264,31 @@ class LayerSync:
         with self.cv:
             self.pcopied[layer] += 1
             self.cv.notify_all()
+
+    def step_finished(self) -> None:
+        with self.cv:
+            self.steps_done += 1
+            self.cv.notify_all()
+
+    # ---- checkpoints (caller thread, no call active)
+    def wait_settled(self) -> StepRecord | None:
+        """Waits until every issued G-copy and step is done, except a step whose stale window is
+        still open: it cannot update a layer before the calls that read the old weights have
+        begun.  Returns that step (None if there is none); if it is a whole-model update, its
+        one pass (which runs before the gates) is done too.  Nothing is issued or closed, so
+        waiting here does not change what later calls compute."""
+        with self.cv:
+            def settled() -> bool:
+                s = self.latest
+                open_window = s is not None and s.readers_left > 0 and self.steps_done < s.index
+                if self.steps_done < self.steps_issued - open_window:
+                    return False
+                if any(g < self.gcopies_issued for g in self.gcopied):
+                    return False
+                return not (open_window and s.whole and any(c < s.index for c in self.consumed))
+            self._wait(settled, None)
+            s = self.latest
+            return s if s is not None and s.readers_left > 0 and self.steps_done < s.index else None
 
 
 def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Callable[[int], None]) -> None:
@@ -304,6 +333,13 @@ def run_step(sync: LayerSync, rec: StepRecord, fns: StepFns) -> None:
     gate, gets its upload copy rewritten from its masters, has its gradients cleared and is
     counted, so the protocol goes on; the error is raised at the end.
     """
+    try:
+        _run_step(sync, rec, fns)
+    finally:
+        sync.step_finished()
+
+
+def _run_step(sync: LayerSync, rec: StepRecord, fns: StepFns) -> None:
     error: BaseException | None = None
     cleared = False
     try:

@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from roundpipe.engine.async_step import LayerSync, run_gcopy, run_step
-from roundpipe.engine.optimizer_step import check_step_args, make_step
+from roundpipe.engine.optimizer_step import check_step_args, copy_step, make_step
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine import batchnorm as batchnorm_stats
+from roundpipe.engine import checkpoint
 from roundpipe.engine.board import Board
 from roundpipe.engine.device_memory import check_schedule, resolve_caps
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
@@ -172,6 +173,8 @@ class RoundPipe:
         self._grads_pending = False   # a training call landed gradients that no G-copy has been issued for
         self._inflight: list[_InFlight] = []   # training calls that returned and may still be running
         self._grads_reserved = False   # the arena has grown for gradients (the first training call)
+        # what the last step() was given: a checkpoint saved while it is pending records and re-issues it
+        self._step_info: dict[str, Any] = {"optimizer": None, "lr_scheduler": None, "max_grad_norm": None}
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit, and
         # none outlives the interpreter's exit (roundpipe/engine/executor.py); flush lets a pending step run.
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
@@ -403,13 +406,17 @@ class RoundPipe:
             self._check_open()
             max_norm = check_step_args(asynchronous, lr_scheduler, max_grad_norm, optimizer)
             fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm)
-            self._refresh_edited()   # calls in this step's stale window read the masters as they are now
-            self._issue_gcopy()
-            sync = self.sync   # a queued job must not keep the model alive
-            _register_then_queue(lambda: sync.new_step(asynchronous),
-                                 lambda rec: self.host_thread.submit(lambda: run_step(sync, rec, fns)))
-            if not asynchronous:
-                self._drain()
+            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm}
+            self._issue_step(fns, asynchronous)
+
+    def _issue_step(self, fns, asynchronous: bool, window: int | None = None) -> None:
+        self._refresh_edited()   # calls in this step's stale window read the masters as they are now
+        self._issue_gcopy()
+        sync = self.sync   # a queued job must not keep the model alive
+        _register_then_queue(lambda: sync.new_step(asynchronous, fns.whole, window),
+                             lambda rec: self.host_thread.submit(lambda: run_step(sync, rec, fns)))
+        if not asynchronous:
+            self._drain()
 
     def _drain(self) -> None:
         """A sync point: every call ended, every landed gradient in p.grad, every issued step applied;
@@ -432,6 +439,49 @@ class RoundPipe:
             self._drain()
             for l in range(len(self.host)):   # low-precision gradients held for the fused step
                 self.host.materialize(l)
+
+    # ---- checkpoints (roundpipe/engine/checkpoint.py)
+    def save_checkpoint(self, path, optimizer=None, lr_scheduler=None) -> None:
+        """Writes a checkpoint directory that `load_checkpoint` resumes from bit for bit.
+
+        Not a sync point: an asynchronous step still pending (its stale window open) is saved as
+        pending, with what it will read, and the run goes on exactly as without the save.  Pass
+        the optimizer and lr_scheduler given to step() (required while a step is pending)."""
+        with self._api:
+            self._check_open()
+            self._retire(block=True)   # calls in flight end; nothing is issued or closed
+            pending = self.sync.wait_settled()
+            for t in self._host_threads():
+                t.raise_error()
+            checkpoint.save(self, path, pending, optimizer, lr_scheduler)
+
+    def load_checkpoint(self, path, optimizer=None, lr_scheduler=None) -> None:
+        """Restores a checkpoint of this model (masters, buffers, pending gradients and step, loss
+        scale, the CPU RNG state) and, if given, the optimizer's and lr scheduler's state; build
+        them over this model's parameters first.  Everything is checked before anything changes."""
+        with self._api:
+            self._check_open()
+            self._drain()
+            checkpoint.load(self, path, optimizer, lr_scheduler)
+
+    def _reissue_step(self, step: dict, optimizer, lr_scheduler) -> None:
+        """A checkpoint's pending step, issued again with its stale window (checkpoint.load)."""
+        if step["kind"] == "update":
+            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler,
+                               "max_grad_norm": step["max_grad_norm"]}
+            fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler,
+                            step["max_grad_norm"])
+        else:
+            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": None}
+            fns = copy_step(optimizer, self.host, lr_scheduler)
+        self._issue_step(fns, True, window=step["window"])
+        self.sync.wait_settled()   # a restored whole update clears p.grad before the gradients return
+
+    def _scaler_state(self) -> dict | None:
+        return None
+
+    def _set_scaler_state(self, state: dict | None) -> None:
+        pass
 
     def wait_calls(self) -> None:
         """Waits until the training calls still running after they returned (their last backward

@@ -163,3 +163,15 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         with torch.no_grad():
             fn()
     return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after)
+
+
+def copy_step(optimizer: Any, host: HostState, lr_scheduler: Any = None) -> StepFns:
+    """A step whose whole-model update already happened (restored from a checkpoint saved while its
+    stale window was open): each layer's upload copy is rewritten as its gate opens, then the lr
+    scheduler steps, as the original step would have done."""
+    def after() -> None:
+        if optimizer is not None:
+            optimizer._opt_called = True   # the scheduler's own check that the optimizer stepped first
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+    return StepFns(lambda: None, True, host.pcopy, host.pcopy, host.clear_grads, after)

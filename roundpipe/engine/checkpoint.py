@@ -1,0 +1,338 @@
+"""Checkpoints that resume bit for bit, in synchronous and asynchronous mode.
+
+    model.save_checkpoint("ckpt/step-1000", optimizer, lr_scheduler)
+    ...                                             # a new process, a fresh model
+    model.load_checkpoint("ckpt/step-1000", optimizer, lr_scheduler)
+
+A checkpoint is a directory:
+
+    checkpoint.json       format and version, every file's size, the engine's counters, the
+                          pending step, the loss scaler, the plan (for inspection)
+    model.safetensors     the masters and buffers under the model's own names (state_dict);
+                          a tensor shared by several names is stored once (metadata `aliases`)
+    engine.safetensors    gradients not yet applied: what the next step reads (`p.grad`, or a
+                          held low-precision one, in its dtype) and the landing sums not yet
+                          moved into it; the caller's CPU (and CUDA) RNG state
+    upload.safetensors    only when a step's whole-model update already ran but the calls of its
+                          stale window still read the old weights: those, in the compute dtype
+    optimizer.pt, lr_scheduler.pt   their state_dict()s (torch.save)
+
+What the asynchronous step leaves open (docs/async_step.md).  After `step(opt)`
+with `asynchronous=True` the next calls still read the weights before that step,
+and the step updates each layer only once they have begun.  Saving then waits
+for everything that can finish (calls in flight, G-copies, earlier steps) but
+neither closes the window nor issues anything, so the trajectory of the run
+that saved is unchanged; the step stays pending and the checkpoint records it
+with the state it will read: the masters and optimizer state before it, its
+gradients, its `max_grad_norm` and how many calls still read the old weights.
+Loading re-issues it with the optimizer and scheduler given, so the resumed
+run goes on exactly as the saving one did.  With a torch optimizer (one pass
+over every layer, run as soon as the gradients are in) the update may already
+have happened: the masters and optimizer state are then after it, and the old
+weights the window's calls read are saved beside them (upload.safetensors).
+
+The RNG: each call draws its dropout seed from the caller's CPU generator
+(roundpipe/engine/recompute.py), and the workers' generators are reseeded per
+layer from it, so the caller's generator state is the only random state the
+engine depends on; it is saved and restored (loading sets it).
+
+Files are written to a temporary directory beside the target and renamed into
+place; loading checks every file's size against the manifest, every tensor's
+name, shape and dtype against the model, and the format version before it
+changes anything, with a ValueError naming the file and the mismatch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from roundpipe.engine import tensor_file
+from roundpipe.engine.tensor_file import TensorFile
+
+if TYPE_CHECKING:
+    from roundpipe.engine.async_step import StepRecord
+    from roundpipe.engine.model import RoundPipe
+
+FORMAT = "roundpipe-checkpoint"
+VERSION = 1
+MANIFEST = "checkpoint.json"
+
+
+def _unique_state(model: "RoundPipe") -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """The module's state_dict with each shared tensor once: (name, tensor) pairs and alias -> name."""
+    first: dict[tuple, str] = {}
+    items, aliases = [], {}
+    for name, t in model.module.state_dict(keep_vars=True).items():
+        t = t.detach()
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if t.numel() and key in first:
+            aliases[name] = first[key]
+            continue
+        first[key] = name
+        items.append((name, t))
+    return items, aliases
+
+
+def _save_obj(obj: Any, path: str) -> int:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return os.path.getsize(path)
+
+
+def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer: Any, lr_scheduler: Any) -> None:
+    """Writes the checkpoint of a settled model (LayerSync.wait_settled); `pending` is its open step."""
+    path = os.fspath(path)
+    info = model._step_info
+    step = None
+    if pending is not None:
+        if optimizer is None:
+            raise ValueError("save_checkpoint: a step is pending (asynchronous, its stale window still open) and "
+                             "optimizer is None; pass the optimizer given to step(), so that the checkpoint holds "
+                             "its state, or call synchronize() before saving")
+        if optimizer is not info["optimizer"]:
+            raise ValueError("save_checkpoint: optimizer is not the one the pending step uses; pass the optimizer "
+                             "given to the last step()")
+        if info["lr_scheduler"] is not None and lr_scheduler is not info["lr_scheduler"]:
+            raise ValueError("save_checkpoint: the pending step steps an lr_scheduler that was not passed; pass the "
+                             "lr_scheduler given to the last step()")
+        step = {"kind": "copy" if pending.whole else "update", "window": pending.readers_left,
+                "max_grad_norm": info["max_grad_norm"]}
+    for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
+        if obj is not None and not callable(getattr(obj, "state_dict", None)):
+            raise TypeError(f"save_checkpoint: {name} has no state_dict() (a {type(obj).__name__}); pass a torch "
+                            f"optimizer / lr scheduler or a roundpipe.optim one, or None")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        sizes = _write_files(model, tmp, step, optimizer, lr_scheduler)
+        manifest = {"format": FORMAT, "version": VERSION, "files": sizes,
+                    "num_layers": len(model.host), "compute_dtype": str(model.compute_dtype),
+                    "calls": model.sync.iteration, "steps": model.sync.steps_issued,
+                    "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
+                    "pending_step": step, "loss_scale": model._scaler_state(),
+                    "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
+                             "backward": [[r.start, r.stop] for r in model.plan.backward]}}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        old = None
+        if os.path.exists(path):
+            old = os.path.join(parent, f".{os.path.basename(path)}.old-{os.getpid()}")
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _grad_entries(model: "RoundPipe") -> list[tuple[str, torch.Tensor]]:
+    """The gradients not yet applied, named `step.<param>` (what the next step reads) and
+    `landed.<param>` (landing sums not yet moved there)."""
+    out = []
+    for l, st in enumerate(model.host.layers):
+        for j in st.owned:
+            g = st.params[j].grad if st.params[j].grad is not None else st.held[j]
+            if g is not None:
+                out.append((f"step.{l}.{st.param_names[j]}", g))
+        for j in st.trainable:
+            if st.ghas[j]:
+                out.append((f"landed.{l}.{st.param_names[j]}", st.gbuf[j]))
+    return out
+
+
+def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any, lr_scheduler: Any) -> dict[str, int]:
+    sizes = {}
+    items, aliases = _unique_state(model)
+    sizes["model.safetensors"] = tensor_file.write(os.path.join(tmp, "model.safetensors"), items,
+                                                   {"format": "pt", "aliases": json.dumps(aliases)})
+    engine = _grad_entries(model)
+    engine.append(("rng.cpu", torch.get_rng_state()))
+    if model._cuda and torch.cuda.is_available():
+        engine += [(f"rng.cuda.{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+    sizes["engine.safetensors"] = tensor_file.write(os.path.join(tmp, "engine.safetensors"), engine)
+    if step is not None and step["kind"] == "copy":   # the old weights the window's calls still read
+        uploads = [(f"{l}.{st.param_names[j]}", st.upload[j]) for l, st in enumerate(model.host.layers)
+                   for j in st.owned if st.params[j].requires_grad]
+        sizes["upload.safetensors"] = tensor_file.write(os.path.join(tmp, "upload.safetensors"), uploads)
+    if optimizer is not None:
+        sizes["optimizer.pt"] = _save_obj(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    if lr_scheduler is not None:
+        sizes["lr_scheduler.pt"] = _save_obj(lr_scheduler.state_dict(), os.path.join(tmp, "lr_scheduler.pt"))
+    return sizes
+
+
+def read_manifest(path: str) -> dict:
+    """The checked manifest: format, version and every file present with its recorded size."""
+    path = os.fspath(path)
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise ValueError(f"load_checkpoint: {path!r} is not a directory (a checkpoint is one, written by "
+                         "save_checkpoint)")
+    if not os.path.exists(mpath):
+        raise ValueError(f"load_checkpoint: {mpath} is missing; {path!r} is not a roundpipe checkpoint or was "
+                         "not completely written")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"load_checkpoint: {mpath} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"load_checkpoint: {mpath} is not a roundpipe checkpoint manifest (format "
+                         f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    if manifest.get("version") != VERSION:
+        raise ValueError(f"load_checkpoint: {mpath} has format version {manifest.get('version')!r}; this roundpipe "
+                         f"reads version {VERSION}")
+    for name, size in manifest["files"].items():
+        fpath = os.path.join(path, name)
+        if not os.path.exists(fpath):
+            raise ValueError(f"load_checkpoint: {fpath} is missing (the manifest lists it)")
+        got = os.path.getsize(fpath)
+        if got != size:
+            raise ValueError(f"load_checkpoint: {fpath} has {got} bytes but the manifest says {size} (truncated or "
+                             "from another checkpoint)")
+    return manifest
+
+
+def _load_obj(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:   # noqa: BLE001 - any unpickling failure: name the file
+        raise ValueError(f"load_checkpoint: {path} could not be read ({type(e).__name__}: {e})") from None
+
+
+def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> None:
+    """Restores a checkpoint into a drained model (every check before any change)."""
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    for name, obj, fname in (("optimizer", optimizer, "optimizer.pt"), ("lr_scheduler", lr_scheduler,
+                                                                        "lr_scheduler.pt")):
+        if obj is not None and fname not in files:
+            raise ValueError(f"load_checkpoint: {name} was given but {os.path.join(path, fname)} does not exist "
+                             f"(saved without one)")
+        if obj is not None and not callable(getattr(obj, "load_state_dict", None)):
+            raise TypeError(f"load_checkpoint: {name} has no load_state_dict() (a {type(obj).__name__})")
+    step = manifest["pending_step"]
+    if step is not None and step["kind"] == "update" and optimizer is None:
+        raise ValueError(f"load_checkpoint: {path} holds a pending step (saved with its stale window open); pass "
+                         "the optimizer (and lr_scheduler) to re-issue it")
+    if manifest["num_layers"] != len(model.host):
+        raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)} is of a model with {manifest['num_layers']} "
+                         f"layers; this one has {len(model.host)}")
+    opt_state = _load_obj(os.path.join(path, "optimizer.pt")) if optimizer is not None else None
+    sched_state = _load_obj(os.path.join(path, "lr_scheduler.pt")) if lr_scheduler is not None else None
+    with TensorFile(os.path.join(path, "model.safetensors")) as mf, \
+            TensorFile(os.path.join(path, "engine.safetensors")) as ef:
+        aliases = json.loads(mf.metadata.get("aliases", "{}"))
+        state = {n: t for n, t in model.module.state_dict(keep_vars=True).items() if n not in aliases}
+        for name, t in state.items():
+            mf.check(name, t.dtype, tuple(t.shape))
+        extra = sorted(set(mf.entries) - set(state))
+        if extra:
+            raise ValueError(f"{mf.path}: tensors {extra[:5]} are not in the model (a checkpoint of another model?)")
+        grads = _check_grads(model, ef)
+        if opt_state is not None:
+            _check_optimizer(optimizer, opt_state, os.path.join(path, "optimizer.pt"))
+        # ---- every check passed: restore
+        with torch.no_grad():
+            for name, t in state.items():
+                mf.read_into(name, t.data if isinstance(t, torch.nn.Parameter) else t)
+        host = model.host
+        for l in range(len(host)):
+            host.clear_grads(l)
+            st = host.layers[l]
+            for j in st.trainable:
+                st.gbuf[j], st.ghas[j] = None, False
+            host.refresh(l)
+        if opt_state is not None:
+            optimizer.load_state_dict(opt_state)
+        if sched_state is not None:
+            lr_scheduler.load_state_dict(sched_state)
+        torch.set_rng_state(ef.read("rng.cpu"))
+        cuda = sorted(n for n in ef.entries if n.startswith("rng.cuda."))
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([ef.read(n) for n in cuda])
+        model._set_scaler_state(manifest.get("loss_scale"))
+        step_grads = {k: v for k, v in grads.items() if k[0] == "step"}
+        if step is None or step["kind"] == "update":
+            _restore_step_grads(model, ef, step_grads)
+        if step is not None:
+            model._reissue_step(step, optimizer, lr_scheduler)
+        if step is not None and step["kind"] == "copy":
+            with TensorFile(os.path.join(path, "upload.safetensors")) as uf:
+                for l, st in enumerate(host.layers):
+                    for j in st.owned:
+                        if st.params[j].requires_grad:
+                            uf.read_into(f"{l}.{st.param_names[j]}", st.upload[j])
+            _restore_step_grads(model, ef, step_grads)
+        for (kind, l, j), name in grads.items():
+            if kind == "landed":
+                st = host.layers[l]
+                st.gbuf[j], st.ghas[j] = ef.read(name), True
+    model.sync.calls_since_step = manifest["calls_since_step"]
+    model._grads_pending = manifest["grads_pending"]
+
+
+def _check_grads(model: "RoundPipe", ef: TensorFile) -> dict[tuple[str, int, int], str]:
+    """(kind, layer, index) -> name of every gradient in engine.safetensors, checked against the model."""
+    names = {}
+    for l, st in enumerate(model.host.layers):
+        for j in st.trainable:
+            for kind in ("step", "landed"):
+                names[f"{kind}.{l}.{st.param_names[j]}"] = (kind, l, j)
+    out = {}
+    for name, (dtype, shape, _, _) in ef.entries.items():
+        if name.startswith("rng."):
+            continue
+        if name not in names:
+            raise ValueError(f"{ef.path}: gradient {name!r} is not of a trainable parameter of this model (a "
+                             "checkpoint of another model, or parameters frozen differently?)")
+        kind, l, j = names[name]
+        p = model.host.layers[l].params[j]
+        if shape != tuple(p.shape) or not dtype.is_floating_point:
+            raise ValueError(f"{ef.path}: gradient {name!r} is {dtype} {list(shape)}; the parameter is {list(p.shape)}")
+        out[(kind, l, j)] = name
+    return out
+
+
+def _check_optimizer(optimizer: Any, state: Any, fpath: str) -> None:
+    """The saved optimizer state has the optimizer's group layout and parameter shapes."""
+    if not isinstance(state, dict) or "param_groups" not in state:
+        return   # not a torch-style state_dict: its own load_state_dict judges it
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return
+    saved = [len(g["params"]) for g in state["param_groups"]]
+    mine = [len(g["params"]) for g in groups]
+    if saved != mine:
+        raise ValueError(f"load_checkpoint: {fpath} has parameter groups of sizes {saved}; the optimizer's are {mine}")
+    params = [p for g in groups for p in g["params"]]
+    for i, s in state.get("state", {}).items():
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(i, int) and i < len(params) \
+                    and v.shape != params[i].shape:
+                raise ValueError(f"load_checkpoint: {fpath}: state {k!r} of parameter {i} has shape {list(v.shape)} "
+                                 f"but the parameter is {list(params[i].shape)}")
+
+
+def _restore_step_grads(model: "RoundPipe", ef: TensorFile, names: dict[tuple[str, int, int], str]) -> None:
+    """The gradients the next step reads: fp32 ones as p.grad, low-precision ones held."""
+    for (_, l, j), name in names.items():
+        st = model.host.layers[l]
+        g = ef.read(name)
+        if g.dtype == torch.float32:
+            st.params[j].grad = g
+        else:
+            st.held[j] = g

@@ -1,0 +1,207 @@
+"""Checkpoints: resume bit for bit in both step modes, atomic files, clear errors (roundpipe/engine/checkpoint.py)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import roundpipe as rp
+from roundpipe.engine import tensor_file
+
+sys.path.insert(0, os.path.dirname(__file__))
+import checkpoint_run as run  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS, SAVE_AT = 6, 3
+
+
+def uninterrupted(cfg):
+    torch.manual_seed(5)
+    model, opt, sched = run.build(cfg)
+    with model:
+        losses = run.train(cfg, model, opt, sched, 0, STEPS)
+        return run.masters(model), losses, sched.get_last_lr()
+
+
+CASES = [
+    dict(asynchronous=False),
+    dict(asynchronous=True),
+    dict(asynchronous=True, accum=2, dtype="bfloat16"),     # held bf16 gradients, a window of two calls
+    dict(asynchronous=False, dtype="bfloat16"),
+    dict(asynchronous=True, optimizer="torch"),              # whole-model update done before the window closed
+    dict(asynchronous=True, optimizer="torch", accum=2, dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_save_resume_and_never_save_end_bitwise_equal(tmp_path, case):
+    """(A) saves after step 3 and goes on, (B) a new process loads that checkpoint and goes on, (C) never saves:
+    equal masters, losses and learning rate, with dropout, clipping, LambdaLR and rp or torch AdamW."""
+    cfg = dict(case, path=str(tmp_path / "ckpt"), save_at=SAVE_AT, steps=STEPS, out=str(tmp_path / "b.pt"),
+               load=str(tmp_path / "ckpt"))
+    c_masters, c_losses, c_lr = uninterrupted({k: v for k, v in cfg.items() if k != "save_at"})
+    a_masters, a_losses, a_lr = uninterrupted(cfg)
+    assert os.path.exists(cfg["path"])
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint_run.py"), json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    b = torch.load(cfg["out"])
+    per_step = case.get("accum", 1)
+    assert a_losses == c_losses
+    assert b["losses"] == c_losses[SAVE_AT * per_step:]
+    assert a_lr == c_lr == b["lr"]
+    for name, t in c_masters.items():
+        assert torch.equal(a_masters[name], t), name
+        assert torch.equal(b["masters"][name], t), name
+    manifest = json.load(open(os.path.join(cfg["path"], "checkpoint.json")))
+    pending = manifest["pending_step"]
+    if case["asynchronous"]:   # saved right after an asynchronous step: still pending, window open
+        assert pending["window"] == per_step and pending["kind"] == ("copy" if case.get("optimizer") else "update")
+    else:
+        assert pending is None
+
+
+def small_model(**kw):
+    torch.manual_seed(0)
+    return rp.RoundPipe([torch.nn.Linear(4, 4) for _ in range(3)], devices=["cpu"] * 2, **kw)
+
+
+def test_files_are_safetensors_with_the_models_names(tmp_path):
+    safetensors = pytest.importorskip("safetensors")
+    with small_model() as model:
+        opt = rp.optim.AdamW(model.parameters())
+        model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
+        model.step(opt, asynchronous=False)
+        model.save_checkpoint(tmp_path / "c", opt)
+        with safetensors.safe_open(str(tmp_path / "c" / "model.safetensors"), framework="pt") as f:
+            assert sorted(f.keys()) == sorted(model.state_dict())
+            for k in f.keys():
+                assert torch.equal(f.get_tensor(k), model.state_dict()[k])
+
+
+def test_an_rp_adamw_checkpoint_loads_into_torch_adamw_and_back(tmp_path):
+    with small_model() as model:
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
+            model.step(opt, asynchronous=False)
+        model.save_checkpoint(tmp_path / "rp", opt)
+        expected = opt.state_dict()
+    with small_model() as model:
+        topt = torch.optim.AdamW(model.parameters(), lr=1.0)
+        model.load_checkpoint(tmp_path / "rp", topt)
+        got = topt.state_dict()
+        assert got["param_groups"][0]["lr"] == 1e-2
+        for i, s in expected["state"].items():
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(got["state"][i][k], s[k])
+        model.save_checkpoint(tmp_path / "torch", topt)
+    with small_model() as model:
+        opt = rp.optim.AdamW(model.parameters())
+        model.load_checkpoint(tmp_path / "torch", opt)
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], expected["state"][0]["exp_avg"])
+
+
+def saved(tmp_path, **kw):
+    with small_model(**kw) as model:
+        opt = rp.optim.AdamW(model.parameters())
+        model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
+        model.step(opt)
+        model.save_checkpoint(tmp_path / "c", opt)
+    return tmp_path / "c"
+
+
+def test_a_truncated_file_is_named(tmp_path):
+    path = saved(tmp_path)
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    with small_model() as model:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match=r"model\.safetensors has \d+ bytes but the manifest says"):
+            model.load_checkpoint(path, rp.optim.AdamW(model.parameters()))
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())   # nothing lost
+
+
+def test_a_truncated_file_without_its_manifest_entry_is_caught_by_the_reader(tmp_path):
+    path = saved(tmp_path)
+    f = path / "engine.safetensors"
+    f.write_bytes(f.read_bytes()[:20])
+    with pytest.raises(ValueError, match="engine.safetensors"):
+        tensor_file.TensorFile(str(f))
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
+    path = saved(tmp_path)
+    torch.manual_seed(0)
+    with rp.RoundPipe([torch.nn.Linear(4, 4), torch.nn.Linear(4, 5), torch.nn.Linear(5, 4)],
+                      devices=["cpu"] * 2) as model:
+        with pytest.raises(ValueError, match=r"model\.safetensors: tensor '1\.weight' has shape \[4, 4\] but the "
+                                             r"model's is \[5, 4\]"):
+            model.load_checkpoint(path, rp.optim.AdamW(model.parameters()))
+
+
+def test_a_wrong_format_version_is_refused(tmp_path):
+    path = saved(tmp_path)
+    manifest = json.load(open(path / "checkpoint.json"))
+    manifest["version"] = 99
+    json.dump(manifest, open(path / "checkpoint.json", "w"))
+    with small_model() as model:
+        with pytest.raises(ValueError, match="format version 99; this roundpipe reads version 1"):
+            model.load_checkpoint(path, rp.optim.AdamW(model.parameters()))
+
+
+def test_a_pending_step_needs_the_optimizer(tmp_path):
+    path = saved(tmp_path)
+    with small_model() as model:
+        with pytest.raises(ValueError, match="holds a pending step"):
+            model.load_checkpoint(path)
+        opt = rp.optim.AdamW(model.parameters())
+        model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
+        model.step(opt)
+        with pytest.raises(ValueError, match="a step is pending"):
+            model.save_checkpoint(tmp_path / "d")
+        with pytest.raises(ValueError, match="not the one the pending step uses"):
+            model.save_checkpoint(tmp_path / "d", rp.optim.AdamW(model.parameters()))
+        assert not (tmp_path / "d").exists()
+
+
+def test_saving_is_atomic_and_replaces_an_older_checkpoint(tmp_path, monkeypatch):
+    path = saved(tmp_path)
+    before = (path / "checkpoint.json").read_text()
+    with small_model() as model:
+        opt = rp.optim.AdamW(model.parameters())
+        from roundpipe.engine import checkpoint
+
+        def boom(*a, **k):
+            raise OSError("disk full")
+        monkeypatch.setattr(checkpoint, "_save_obj", boom)
+        with pytest.raises(OSError, match="disk full"):
+            model.save_checkpoint(path, opt)
+        assert (path / "checkpoint.json").read_text() == before   # the old one is untouched
+        assert [p.name for p in tmp_path.iterdir()] == ["c"]        # no temporary left behind
+        monkeypatch.undo()
+        model.save_checkpoint(path, opt)
+        assert json.load(open(path / "checkpoint.json"))["pending_step"] is None
+
+
+def test_tied_weights_are_stored_once(tmp_path):
+    emb = torch.nn.Linear(4, 4, bias=False)
+    head = torch.nn.Linear(4, 4, bias=False)
+    head.weight = emb.weight
+    with rp.RoundPipe([emb, torch.nn.Tanh(), head], devices=["cpu"] * 2) as model:
+        opt = rp.optim.AdamW(model.parameters())
+        model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
+        model.step(opt, asynchronous=False)
+        model.save_checkpoint(tmp_path / "c", opt)
+        w = model.module[0].weight.detach().clone()
+    with tensor_file.TensorFile(str(tmp_path / "c" / "model.safetensors")) as f:
+        assert list(f.entries) == ["0.weight"]
+        assert json.loads(f.metadata["aliases"]) == {"2.weight": "0.weight"}
+    emb, head = torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False)
+    head.weight = emb.weight
+    with rp.RoundPipe([emb, torch.nn.Tanh(), head], devices=["cpu"] * 2) as model:
+        model.load_checkpoint(tmp_path / "c", rp.optim.AdamW(model.parameters()))
+        assert torch.equal(model.module[2].weight, w)
