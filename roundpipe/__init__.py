@@ -26,6 +26,8 @@ _LAZY = {
     "planner": "roundpipe.planner",
     "offload": "roundpipe.offload",
     "PlanningConfig": "roundpipe.engine.autoplan",
+    "Precision": "roundpipe.engine.precision",
+    "LossScale": "roundpipe.engine.loss_scale",
     "hf": "roundpipe.hf",
 }
 

@@ -33,8 +33,10 @@ def batch(i: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(cfg: dict):
+    dtype = DTYPES[cfg.get("dtype", "float32")]
+    scaling = rp.LossScale(init_scale=2.0 ** 10, growth_interval=2) if dtype == torch.float16 else None
     model = rp.RoundPipe(layers(), devices=["cpu"] * 2, num_microbatches=3,
-                         compute_dtype=DTYPES[cfg.get("dtype", "float32")])
+                         precision=rp.Precision(dtype, loss_scale=scaling))
     params = list(model.parameters())
     if cfg.get("optimizer", "rp") == "rp":
         opt = rp.optim.AdamW(params, lr=3e-3, weight_decay=0.05)
@@ -68,7 +70,8 @@ def main(cfg: dict) -> None:
     with model:
         model.load_checkpoint(cfg["load"], opt, sched)
         losses = train(cfg, model, opt, sched, cfg["save_at"], cfg["steps"])
-        torch.save({"masters": masters(model), "losses": losses, "lr": sched.get_last_lr()}, cfg["out"])
+        torch.save({"masters": masters(model), "losses": losses, "lr": sched.get_last_lr(),
+                    "scale": model.loss_scale}, cfg["out"])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def uninterrupted(cfg):
     model, opt, sched = run.build(cfg)
     with model:
         losses = run.train(cfg, model, opt, sched, 0, STEPS)
-        return run.masters(model), losses, sched.get_last_lr()
+        return run.masters(model), losses, sched.get_last_lr(), model.loss_scale
 
 
 CASES = [
@@ -33,6 +33,8 @@ CASES = [
     dict(asynchronous=False, dtype="bfloat16"),
     dict(asynchronous=True, optimizer="torch"),              # whole-model update done before the window closed
     dict(asynchronous=True, optimizer="torch", accum=2, dtype="bfloat16"),
+    dict(asynchronous=True, dtype="float16"),                # the loss scale grows across the checkpoint
+    dict(asynchronous=True, optimizer="torch", dtype="float16"),
 ]
 
 
@@ -42,8 +44,8 @@ def test_save_resume_and_never_save_end_bitwise_equal(tmp_path, case):
     equal masters, losses and learning rate, with dropout, clipping, LambdaLR and rp or torch AdamW."""
     cfg = dict(case, path=str(tmp_path / "ckpt"), save_at=SAVE_AT, steps=STEPS, out=str(tmp_path / "b.pt"),
                load=str(tmp_path / "ckpt"))
-    c_masters, c_losses, c_lr = uninterrupted({k: v for k, v in cfg.items() if k != "save_at"})
-    a_masters, a_losses, a_lr = uninterrupted(cfg)
+    c_masters, c_losses, c_lr, c_scale = uninterrupted({k: v for k, v in cfg.items() if k != "save_at"})
+    a_masters, a_losses, a_lr, a_scale = uninterrupted(cfg)
     assert os.path.exists(cfg["path"])
     proc = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint_run.py"), json.dumps(cfg)],
                           capture_output=True, text=True, timeout=240)
@@ -53,6 +55,9 @@ def test_save_resume_and_never_save_end_bitwise_equal(tmp_path, case):
     assert a_losses == c_losses
     assert b["losses"] == c_losses[SAVE_AT * per_step:]
     assert a_lr == c_lr == b["lr"]
+    assert a_scale == c_scale == b["scale"]
+    if case.get("dtype") == "float16":
+        assert c_scale == 2.0 ** 13   # grown at steps 2, 4 and 6 (growth_interval 2)
     for name, t in c_masters.items():
         assert torch.equal(a_masters[name], t), name
         assert torch.equal(b["masters"][name], t), name

@@ -102,7 +102,8 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
             raise ValueError("save_checkpoint: the pending step steps an lr_scheduler that was not passed; pass the "
                              "lr_scheduler given to the last step()")
         step = {"kind": "copy" if pending.whole else "update", "window": pending.readers_left,
-                "max_grad_norm": info["max_grad_norm"]}
+                "max_grad_norm": info["max_grad_norm"], "scale_used": info["scale_used"] - pending.index,
+                "skipped": model.scaler is not None and pending.index in model.scaler.skipped}
     for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
         if obj is not None and not callable(getattr(obj, "state_dict", None)):
             raise TypeError(f"save_checkpoint: {name} has no state_dict() (a {type(obj).__name__}); pass a torch "
@@ -118,7 +119,8 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
                     "num_layers": len(model.host), "compute_dtype": str(model.compute_dtype),
                     "calls": model.sync.iteration, "steps": model.sync.steps_issued,
                     "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
-                    "pending_step": step, "loss_scale": model._scaler_state(),
+                    "pending_step": step, "loss_scale": model._scaler_state(pending),
+                    "latest_asynchronous": model._latest_async,
                     "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
                              "backward": [[r.start, r.stop] for r in model.plan.backward]}}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -245,7 +247,9 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> No
         grads = _check_grads(model, ef)
         if opt_state is not None:
             _check_optimizer(optimizer, opt_state, os.path.join(path, "optimizer.pt"))
+        model._set_scaler_state(manifest["loss_scale"], step is not None)   # the last check
         # ---- every check passed: restore
+        model._latest_async = manifest["latest_asynchronous"]
         with torch.no_grad():
             for name, t in state.items():
                 mf.read_into(name, t.data if isinstance(t, torch.nn.Parameter) else t)
@@ -264,7 +268,6 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> No
         cuda = sorted(n for n in ef.entries if n.startswith("rng.cuda."))
         if cuda and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([ef.read(n) for n in cuda])
-        model._set_scaler_state(manifest.get("loss_scale"))
         step_grads = {k: v for k, v in grads.items() if k[0] == "step"}
         if step is None or step["kind"] == "update":
             _restore_step_grads(model, ef, step_grads)

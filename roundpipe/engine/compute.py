@@ -11,6 +11,7 @@ import torch
 
 from roundpipe.engine.async_step import Aborted
 from roundpipe.engine.microbatch import tree_leaves
+from roundpipe.engine.precision import dtype_mismatch_note
 from roundpipe.engine.recompute import layer_seed
 from roundpipe.workers.base import Worker
 
@@ -60,7 +61,8 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
     Random draws go to the worker's own generator, so workers run layers side by side; long
     compute runs outside the worker's turn (Worker.compute_span)."""
     reps = ctx.replicas[w.name]
-    with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop), report), w.rng.stream():
+    with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop), report), w.rng.stream(), \
+            ctx.precision.autocast_on(w.device.type):
         for l in layers:
             if ctx.abort_requested():
                 raise Aborted()
@@ -68,6 +70,7 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
             try:
                 x = reps[l].module(*x[0], **x[1]) if l == 0 else reps[l].module(x)
             except Exception as e:
+                dtype_mismatch_note(e)
                 raise tag(e, f"layer {l}")
             if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
                 publish(l + 1, x)

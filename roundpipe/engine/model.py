@@ -31,7 +31,7 @@ from roundpipe.engine.async_step import LayerSync, run_gcopy, run_step
 from roundpipe.engine.optimizer_step import check_step_args, copy_step, make_step
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine import batchnorm as batchnorm_stats
-from roundpipe.engine import checkpoint
+from roundpipe.engine import checkpoint, loss_scale
 from roundpipe.engine.board import Board
 from roundpipe.engine.device_memory import check_schedule, resolve_caps
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
@@ -39,11 +39,12 @@ from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_c
 from roundpipe.engine.host_state import HostState
 from roundpipe.engine.microbatch import SplitFn, merge, split, tensors, tree_map
 from roundpipe.engine.plan import Plan
+from roundpipe.engine.precision import Precision, resolve as resolve_precision
 from roundpipe.engine.recompute import draw_base
 from roundpipe.engine.replica import Replica
 from roundpipe.engine.stage import CallContext
 from roundpipe.trace import Trace
-from roundpipe.workers import COMPUTE_DTYPES, default_compute_dtype, make_workers, parse_devices
+from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
 from roundpipe.workers.base import Handoff
 
 TimingFn = Callable[[str, str, int, int, float, float], None]
@@ -109,15 +110,13 @@ class RoundPipe:
                  compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
                  planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
-                 loss_reduction: str = "mean", batchnorm: str = "per-microbatch"):
+                 loss_reduction: str = "mean", batchnorm: str = "per-microbatch", precision: Precision | None = None):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
         for name, v in (("num_microbatches", num_microbatches), ("microbatches_per_round", microbatches_per_round)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name}={v!r} must be None or an int >= 1")
-        if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype={compute_dtype!r} must be one of {COMPUTE_DTYPES} or None")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' (microbatch losses weighted by "
                              "their share of the samples) or 'sum' (added as loss_fn returns them)")
@@ -137,7 +136,11 @@ class RoundPipe:
         self.num_microbatches = num_microbatches
         self.round_size = microbatches_per_round or n + 1
         self.split_fn = split_fn
-        self.compute_dtype = compute_dtype or default_compute_dtype(self.devices)
+        self.precision = resolve_precision(precision, compute_dtype, default_compute_dtype(self.devices))
+        self.compute_dtype = self.precision.compute_dtype
+        scaling = loss_scale.resolve(self.precision.loss_scale, self.compute_dtype)
+        self.scaler = loss_scale.LossScaler(scaling) if scaling is not None else None
+        self._latest_async = False   # the last step was asynchronous (which scale calls use: loss_scale.py)
         # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/engine/autoplan.py).
         self.planning = planning or PlanningConfig()
         self.device_memory = resolve_caps(device_memory, self.devices)   # worker name -> bytes or None
@@ -319,8 +322,12 @@ class RoundPipe:
                           trace=self._trace_call(plan),
                           on_timing=self.autoplan.recorder(key, training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
-                          bn_stats=batchnorm_stats.BatchStats() if self._bn else None, bn_skip=self._bn_skip)
+                          bn_stats=batchnorm_stats.BatchStats() if self._bn else None, bn_skip=self._bn_skip,
+                          precision=self.precision)
         ctx.gpu_ready = _gpu_input_events(mb)
+        if training and self.scaler is not None:
+            scaler, index = self.scaler, self._scale_index()
+            ctx.loss_scale = lambda: scaler.scale_of(index, ctx.abort_requested)
         for m in range(len(mb)):
             ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m])),
                                                  gpu_ready=ctx.gpu_ready), sched.input_consumers)
@@ -405,9 +412,21 @@ class RoundPipe:
         with self._api:
             self._check_open()
             max_norm = check_step_args(asynchronous, lr_scheduler, max_grad_norm, optimizer)
-            fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm)
-            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm}
+            used = self._scale_index()
+            fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
+                            self.scaler, self.sync.steps_issued + 1, used)
+            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
+                               "scale_used": used}
             self._issue_step(fns, asynchronous)
+
+    def _scale_index(self) -> int:
+        """The loss-scale history entry of the calls issued now and of the step after them."""
+        return loss_scale.LossScaler.group_index(self.sync.steps_issued, self._latest_async)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (after the last step that checked its gradients), or None."""
+        return self.scaler.scale if self.scaler is not None else None
 
     def _issue_step(self, fns, asynchronous: bool, window: int | None = None) -> None:
         self._refresh_edited()   # calls in this step's stale window read the masters as they are now
@@ -415,6 +434,7 @@ class RoundPipe:
         sync = self.sync   # a queued job must not keep the model alive
         _register_then_queue(lambda: sync.new_step(asynchronous, fns.whole, window),
                              lambda rec: self.host_thread.submit(lambda: run_step(sync, rec, fns)))
+        self._latest_async = asynchronous
         if not asynchronous:
             self._drain()
 
@@ -466,22 +486,35 @@ class RoundPipe:
 
     def _reissue_step(self, step: dict, optimizer, lr_scheduler) -> None:
         """A checkpoint's pending step, issued again with its stale window (checkpoint.load)."""
+        index = self.sync.steps_issued + 1
+        used = step["scale_used"] + index   # saved relative to the step's own index
+        self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler,
+                           "max_grad_norm": step["max_grad_norm"], "scale_used": used}
         if step["kind"] == "update":
-            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler,
-                               "max_grad_norm": step["max_grad_norm"]}
             fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler,
-                            step["max_grad_norm"])
+                            step["max_grad_norm"], self.scaler, index, used)
         else:
-            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": None}
-            fns = copy_step(optimizer, self.host, lr_scheduler)
+            fns = copy_step(optimizer, self.host, lr_scheduler, step["skipped"])
         self._issue_step(fns, True, window=step["window"])
         self.sync.wait_settled()   # a restored whole update clears p.grad before the gradients return
 
-    def _scaler_state(self) -> dict | None:
-        return None
+    def _scaler_state(self, pending) -> dict | None:
+        """The loss scaler's history relative to the last issued step, without the entry of a
+        pending step that loading re-issues (it checks its gradients again)."""
+        if self.scaler is None:
+            return None
+        state = self.scaler.state(self.sync.steps_issued)
+        if pending is not None and not pending.whole:
+            state["history"].pop("0", None)
+        return state
 
-    def _set_scaler_state(self, state: dict | None) -> None:
-        pass
+    def _set_scaler_state(self, state: dict | None, pending: bool) -> None:
+        if (state is None) != (self.scaler is None):
+            raise ValueError(f"load_checkpoint: the checkpoint {'has no' if state is None else 'has'} loss-scaling "
+                             f"state but this model {'scales' if self.scaler else 'does not scale'} its loss "
+                             f"(compute_dtype={self.compute_dtype}); build it with the same precision policy")
+        if state is not None:
+            self.scaler.load(state, 1 if pending else 0)
 
     def wait_calls(self) -> None:
         """Waits until the training calls still running after they returned (their last backward

@@ -97,24 +97,53 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
-def clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> float:
-    """clip_grad_norm_'s factor: min(1, max_norm / (total_norm + 1e-6)), computed in fp32 as torch does.
+def clip_coefficient(grads: list[torch.Tensor], max_norm: float, scale: float = 1.0) -> float:
+    """clip_grad_norm_'s factor: min(1, max_norm / (total_norm + 1e-6)), computed in fp32 as torch does,
+    of the gradients divided by `scale` (a loss scale; a power of two, so the division is exact).
 
     Not roundpipe.optim.grad_norm + clip_coef: those work in float64, so the factor could differ
     from torch's in its last bit, and step(max_grad_norm=) promises clip_grad_norm_'s numbers."""
     if not grads:
         return 1.0
-    coef = max_norm / (_total_norm(grads) + 1e-6)
+    coef = max_norm / (_total_norm(grads) / scale + 1e-6)
     return float(torch.clamp(coef, max=1.0))
 
 
+class _Scaling:
+    """One step's side of loss scaling (roundpipe/engine/loss_scale.py): which scale its gradients
+    carry, the overflow check over every layer before any update, and whether it was skipped."""
+
+    def __init__(self, scaler: Any, step_index: int, used: int):
+        self.scaler, self.step_index, self.used = scaler, step_index, used
+        self.scale, self.skipped = 1.0, False
+
+    def check(self, grads: list[torch.Tensor]) -> bool:
+        """Records the step's result; True if it must be skipped (a gradient is inf or NaN)."""
+        if self.scaler is None:
+            return False
+        from roundpipe.optim.gradients import grad_sumsq
+        self.scale = self.scaler.scale_of(self.used)
+        self.skipped = bool(grads) and not math.isfinite(grad_sumsq(grads))
+        self.scaler.record(self.step_index, self.used, self.skipped)
+        return self.skipped
+
+
 def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, torch.nn.Parameter]],
-              lr_scheduler: Any = None, max_grad_norm: float | None = None) -> StepFns:
-    """The protocol's view of one step with this optimizer (TypeError/ValueError before anything runs)."""
+              lr_scheduler: Any = None, max_grad_norm: float | None = None, scaler: Any = None,
+              step_index: int = 0, scale_used: int = 0) -> StepFns:
+    """The protocol's view of one step with this optimizer (TypeError/ValueError before anything runs).
+
+    With a loss scaler, step `step_index`'s gradients carry the scale of its history entry
+    `scale_used`: they are checked for inf/NaN over every layer before any layer is updated,
+    an overflowed step updates nothing (the lr scheduler is not stepped), a good one reads
+    them divided by the scale."""
     from roundpipe.optim.adam import Adam
 
     params = [p for _, p in named_params]
-    after = lr_scheduler.step if lr_scheduler is not None else None
+    scaling = _Scaling(scaler, step_index, scale_used)
+
+    def all_grads() -> list[torch.Tensor]:
+        return [g for l in range(len(host)) for g in host.step_grads(l) if g is not None]
     if callable(getattr(optimizer, "step_layer", None)):
         if isinstance(optimizer, torch.optim.Optimizer):
             check_optimizer_params(optimizer, named_params)
@@ -122,30 +151,36 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         clip = [1.0]
 
         def finish() -> None:
+            if scaling.skipped:
+                return
             # step() never ran, so tell an lr scheduler the update happened (its own wrapper's flag)
             optimizer._opt_called = True
             if lr_scheduler is not None:
                 lr_scheduler.step()
 
         def measure() -> None:
-            clip[0] = clip_coefficient([g for l in range(len(host)) for g in host.step_grads(l) if g is not None],
-                                       max_grad_norm)
+            grads = all_grads()
+            if not scaling.check(grads) and max_grad_norm is not None:
+                clip[0] = clip_coefficient(grads, max_grad_norm, scaling.scale)
 
         def update(l: int) -> None:
+            if scaling.skipped:
+                return
             params, upload = host.step_params(l)   # a shared master once, with its first layer
+            mul = clip[0] / scaling.scale
             with torch.no_grad():
                 if native_clip:   # reads held low-precision gradients as they are
-                    optimizer.step_layer(params, upload, clip_coef=clip[0], grads=host.step_grads(l))
+                    optimizer.step_layer(params, upload, clip_coef=mul, grads=host.step_grads(l))
                 else:
                     host.materialize(l)
-                    if clip[0] != 1.0:
+                    if mul != 1.0:
                         for p in params:
                             if p.grad is not None:
-                                p.grad.mul_(clip[0])
+                                p.grad.mul_(mul)
                     optimizer.step_layer(params, upload)
             host.stamp(l)
-        return StepFns(measure if max_grad_norm is not None else None, False, update, host.pcopy,
-                       host.clear_grads, finish)
+        prepare = measure if max_grad_norm is not None or scaler is not None else None
+        return StepFns(prepare, False, update, host.pcopy, host.clear_grads, finish)
     if isinstance(optimizer, torch.optim.Optimizer):
         check_optimizer_params(optimizer, named_params)
         fn: Callable[[], Any] = optimizer.step
@@ -158,18 +193,30 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
     def whole_step() -> None:
         for l in range(len(host)):
             host.materialize(l)
+        if scaling.check(all_grads()):
+            return
+        if scaling.scale != 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(scaling.scale)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
         with torch.no_grad():
             fn()
+
+    def after() -> None:
+        if lr_scheduler is not None and not scaling.skipped:
+            lr_scheduler.step()
     return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after)
 
 
-def copy_step(optimizer: Any, host: HostState, lr_scheduler: Any = None) -> StepFns:
+def copy_step(optimizer: Any, host: HostState, lr_scheduler: Any = None, skipped: bool = False) -> StepFns:
     """A step whose whole-model update already happened (restored from a checkpoint saved while its
     stale window was open): each layer's upload copy is rewritten as its gate opens, then the lr
-    scheduler steps, as the original step would have done."""
+    scheduler steps, as the original step would have done (not if it was skipped for overflow)."""
     def after() -> None:
+        if skipped:
+            return
         if optimizer is not None:
             optimizer._opt_called = True   # the scheduler's own check that the optimizer stepped first
         if lr_scheduler is not None:

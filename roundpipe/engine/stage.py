@@ -28,6 +28,7 @@ import torch
 from roundpipe.engine.async_step import CallState, LayerSync
 from roundpipe.engine.batchnorm import BatchStats, recording
 from roundpipe.engine.board import Board
+from roundpipe.engine.precision import Precision
 from roundpipe.engine.compute import autograd_backward, float_leaves, run_layers, tag
 from roundpipe.engine.host_state import HostState
 from roundpipe.engine.microbatch import tree_leaves, tree_map
@@ -84,6 +85,8 @@ class CallContext:
     on_losses: Callable[[], None] | None = None   # called once losses_known is set (wakes the caller)
     bn_stats: BatchStats | None = None    # whole-batch BatchNorm sums of this call (engine/batchnorm.py)
     bn_skip: dict[int, frozenset[int]] = field(default_factory=dict)   # layer -> buffers never landed
+    precision: Precision = field(default_factory=Precision)   # dtypes of compute (engine/precision.py)
+    loss_scale: Callable[[], float] | None = None   # the fp16 loss scale of this call (engine/loss_scale.py)
 
     def abort_requested(self) -> bool:
         return self.board.aborted
@@ -110,15 +113,13 @@ class StageRun:
             return self.ctx.board.get(key)
 
     def _use(self, arrival: Arrival) -> Any:
-        """The arrived tensors, floating ones in compute dtype (uploads carry low precision)."""
-        dt = self.w.compute_dtype
-        return tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                        and t.dtype != dt else t, self.w.use(arrival))
+        """The arrived tensors as they were sent (no cast at stage boundaries: precision.py)."""
+        return self.w.use(arrival)
 
     def _input(self, m: int) -> Any:
-        if m in self.early:
-            return self._use(self.early.pop(m))
-        return self._use(self.w.receive(self._get(("act", self.task.layers.start, m))))
+        x = self._use(self.early.pop(m)) if m in self.early else \
+            self._use(self.w.receive(self._get(("act", self.task.layers.start, m))))
+        return self.ctx.precision.cast_call_inputs(x) if self.task.layers.start == 0 else x
 
     def upload_input_early(self, m: int) -> None:
         """Issues microbatch m's input upload now if it has arrived (it then overlaps m-1's compute)."""
@@ -241,7 +242,7 @@ class StageRun:
                     loss = out
                 else:
                     with self.w.compute_span(ctx.compute_s, ("l", self.task.layers.start, self.task.layers.stop),
-                                             self._report(m, "loss")):
+                                             self._report(m, "loss")), ctx.precision.autocast_on(self.w.device.type):
                         loss = ctx.loss_fn(out, labels)
             except Exception as e:
                 raise tag(e, f"loss_fn (microbatch {m})")
@@ -249,7 +250,8 @@ class StageRun:
                 what = f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
                 src = "loss_fn" if ctx.loss_fn is not None else "the last layer (no loss_fn given)"
                 raise tag(TypeError(f"{src} must return a floating scalar loss, got a {what}"), "loss_fn")
-            self._backward([loss.reshape(()) * ctx.weights[m]], None, m)
+            scale = ctx.loss_scale() if ctx.loss_scale is not None else 1.0   # fp16 loss scaling
+            self._backward([loss.reshape(()) * (ctx.weights[m] * scale)], None, m)
         with ctx.lock:
             ctx.losses[m] = self.w.scalar(loss)
             known = len(ctx.losses) == len(ctx.weights)
