@@ -58,15 +58,28 @@ class TrainConfig:
     trace: str | None = None             # write a Chrome trace of the run here
     progress: bool = True
     hf: str | None = None                # fine-tune this local HF checkpoint instead (roundpipe/commands/train_hf.py)
+    max_grad_norm: float | None = None   # clip the global gradient norm (model.step(max_grad_norm=))
+    checkpoint: str | None = None        # save a checkpoint here at the end (and every checkpoint_every steps;
+                                         # "{step}" in it becomes the step number)
+    checkpoint_every: int | None = None
+    resume: str | None = None            # continue from this checkpoint (bitwise as if never stopped)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len", "microbatches", "layers", "hidden", "heads", "warmup"):
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "layers", "hidden", "heads", "warmup",
+                     "checkpoint_every"):
             value = getattr(self, name)
             if value is None and name != "steps":
                 continue
             lowest = 0 if name == "warmup" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 raise ValueError(f"{name}={value!r} must be an int >= {lowest}")
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
+                                                   and math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be None or a finite number > 0")
+        if (self.checkpoint is not None or self.resume is not None) and self.engine != "roundpipe":
+            raise ValueError("checkpoint/resume need engine='roundpipe' (RoundPipe.save_checkpoint/load_checkpoint)")
+        if self.checkpoint_every is not None and self.checkpoint is None:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} needs checkpoint (the directory to write)")
         if not isinstance(self.eval_batches, int) or self.eval_batches < 0:
             raise ValueError(f"eval_batches={self.eval_batches!r} must be an int >= 0")
         if self.size is not None and self.size not in PRESETS:
@@ -141,6 +154,7 @@ class TrainResult:
     seconds: float                       # wall time of the training steps (no evaluation)
     num_parameters: int
     devices: list[str] = field(default_factory=list)
+    loss_scale: float | None = None      # fp16: the dynamic loss scale at the end
 
     @property
     def start_loss(self) -> float:
@@ -201,16 +215,30 @@ def train(cfg: TrainConfig, corpus: ByteCorpus | None = None) -> TrainResult:
     with make_engine(layers, cfg) as model:
         optimizer = make_optimizer(model.named_parameters(), cfg.lr, cfg.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
-        val_start = evaluate(model, corpus, cfg)
+        first = 0
+        if cfg.resume is not None:   # the model, optimizer, schedule and RNG as they were after step `first`
+            first = model.load_checkpoint(cfg.resume, optimizer, schedule)["step"]
+            if first >= cfg.steps:
+                raise ValueError(f"resume={cfg.resume!r} was saved after step {first}; steps={cfg.steps} leaves "
+                                 "nothing to train")
+        val_start = evaluate(model, corpus, cfg) if cfg.resume is None else None
         batches = corpus.batches(cfg.batch_size, cfg.seq_len, seed=cfg.seed, steps=cfg.steps)
-        bar = tqdm(total=cfg.steps, unit="step", disable=not cfg.progress, dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=cfg.steps - first, unit="step", disable=not cfg.progress, dynamic_ncols=True, file=sys.stderr)
         start = time.perf_counter()
         for step, (x, y) in enumerate(batches):
+            if step < first:   # the batches a resumed run already trained on
+                continue
             loss = model.forward_backward(x, labels=y, loss_fn=loss_fn)
-            model.step(optimizer, lr_scheduler=schedule, asynchronous=cfg.asynchronous)
+            model.step(optimizer, lr_scheduler=schedule, asynchronous=cfg.asynchronous,
+                       max_grad_norm=cfg.max_grad_norm)
             losses.append(float(loss))
+            if cfg.checkpoint is not None and (step + 1 == cfg.steps or (
+                    cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)):
+                model.save_checkpoint(cfg.checkpoint.replace("{step}", str(step + 1)), optimizer, schedule,
+                                      extra={"step": step + 1})
             elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{(step + 1) * x.numel() / elapsed:,.0f}", refresh=False)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{(step + 1 - first) * x.numel() / elapsed:,.0f}",
+                            refresh=False)
             bar.update()
         model.synchronize()
         seconds = time.perf_counter() - start
@@ -218,8 +246,8 @@ def train(cfg: TrainConfig, corpus: ByteCorpus | None = None) -> TrainResult:
         val_end = evaluate(model, corpus, cfg)
         model.save_trace(cfg.trace)
         devices = list(model.devices)
-    return TrainResult(losses, val_start, val_end, cfg.steps * cfg.batch_size * cfg.seq_len, seconds,
-                       model_cfg.num_parameters(), devices)
+    return TrainResult(losses, val_start, val_end, (cfg.steps - first) * cfg.batch_size * cfg.seq_len, seconds,
+                       model_cfg.num_parameters(), devices, model.loss_scale)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help="seed of the initial weights and the batches (default 0)")
     t.add_argument("--data-dir", "--data", default=None, help="train on the text files under this folder "
                    "instead of the Python standard library's sources")
+    t.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm to this")
+    t.add_argument("--checkpoint", default=None, metavar="DIR", help="save a checkpoint to DIR at the end "
+                   "({step} in DIR becomes the step number)")
+    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="and every N steps")
+    t.add_argument("--resume", default=None, metavar="DIR", help="continue from the checkpoint in DIR "
+                   "(same flags; the result equals an uninterrupted run bit for bit)")
     t.add_argument("--eval-batches", type=int, default=TrainConfig.eval_batches,
                    help=f"held-out batches evaluated before and after training, 0 for none (default {TrainConfig.eval_batches})")
     e = p.add_argument_group("engine")
@@ -274,7 +308,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        devices=devices, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
                        data_dir=args.data_dir, seed=args.seed, asynchronous=args.asynchronous,
                        engine=args.engine, dtype=args.dtype, eval_batches=args.eval_batches, trace=args.trace,
-                       progress=not args.no_progress, hf=args.hf)
+                       progress=not args.no_progress, hf=args.hf, max_grad_norm=args.max_grad_norm,
+                       checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume)
 
 
 def _describe(cfg: TrainConfig, corpus: ByteCorpus) -> str:

@@ -40,6 +40,12 @@ class TorchReference:
         self.dtype = dtype if dtype is not None else (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.trace = Trace(metadata={"engine": "torch"}) if trace else None
         self._step = 0
+        # fp16: torch's own dynamic loss scaling, as a plain PyTorch loop would use it
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
+
+    @property
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
 
     def _autocast(self):
         if self.dtype == torch.float32:
@@ -54,7 +60,7 @@ class TorchReference:
         start = time.perf_counter()
         with self._autocast():
             loss = loss_fn(self.module(x.to(self.device)), labels.to(self.device))
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         loss = loss.detach().cpu()
         if self.trace is not None:
             self.trace.add(self.devices[0], f"forward_backward {self._step}", start, time.perf_counter(), "fused")
@@ -63,10 +69,19 @@ class TorchReference:
     def step(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None, asynchronous: bool = False,
              max_grad_norm: float | None = None) -> None:
         start = time.perf_counter()
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm)
-        optimizer.step()
-        if lr_scheduler is not None:
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(optimizer)   # skipped when a gradient is inf/NaN
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale
+        else:
+            optimizer.step()
+            stepped = True
+        if lr_scheduler is not None and stepped:
             lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if self.trace is not None:
@@ -119,6 +134,16 @@ class RoundPipeEngine:
 
     def named_parameters(self):
         return self.model.named_parameters()
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.model.loss_scale
+
+    def save_checkpoint(self, path: str, optimizer, lr_scheduler, extra: dict) -> None:
+        self.model.save_checkpoint(path, optimizer, lr_scheduler, extra=extra)
+
+    def load_checkpoint(self, path: str, optimizer, lr_scheduler) -> dict:
+        return self.model.load_checkpoint(path, optimizer, lr_scheduler)
 
     def synchronize(self) -> None:
         self.model.synchronize()

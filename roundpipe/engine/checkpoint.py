@@ -85,9 +85,16 @@ def _save_obj(obj: Any, path: str) -> int:
     return os.path.getsize(path)
 
 
-def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer: Any, lr_scheduler: Any) -> None:
+def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer: Any, lr_scheduler: Any,
+         extra: dict | None = None) -> None:
     """Writes the checkpoint of a settled model (LayerSync.wait_settled); `pending` is its open step."""
     path = os.fspath(path)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"save_checkpoint: extra must be a dict or None, got {type(extra).__name__}")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save_checkpoint: extra must be JSON-serialisable ({e})") from None
     info = model._step_info
     step = None
     if pending is not None:
@@ -117,7 +124,8 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
         sizes = _write_files(model, tmp, step, optimizer, lr_scheduler)
         manifest = {"format": FORMAT, "version": VERSION, "files": sizes,
                     "num_layers": len(model.host), "compute_dtype": str(model.compute_dtype),
-                    "calls": model.sync.iteration, "steps": model.sync.steps_issued,
+                    "calls": model._counted[0] + model.sync.iteration,
+                    "steps": model._counted[1] + model.sync.steps_issued, "extra": extra or {},
                     "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
                     "pending_step": step, "loss_scale": model._scaler_state(pending),
                     "latest_asynchronous": model._latest_async,
@@ -214,7 +222,7 @@ def _load_obj(path: str) -> Any:
         raise ValueError(f"load_checkpoint: {path} could not be read ({type(e).__name__}: {e})") from None
 
 
-def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> None:
+def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> dict:
     """Restores a checkpoint into a drained model (every check before any change)."""
     path = os.fspath(path)
     manifest = read_manifest(path)
@@ -286,6 +294,8 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> No
                 st.gbuf[j], st.ghas[j] = ef.read(name), True
     model.sync.calls_since_step = manifest["calls_since_step"]
     model._grads_pending = manifest["grads_pending"]
+    model._counted = (manifest["calls"] - model.sync.iteration, manifest["steps"] - model.sync.steps_issued)
+    return manifest["extra"]
 
 
 def _check_grads(model: "RoundPipe", ef: TensorFile) -> dict[tuple[str, int, int], str]:

@@ -178,6 +178,7 @@ class RoundPipe:
         self._grads_reserved = False   # the arena has grown for gradients (the first training call)
         # what the last step() was given: a checkpoint saved while it is pending records and re-issues it
         self._step_info: dict[str, Any] = {"optimizer": None, "lr_scheduler": None, "max_grad_norm": None}
+        self._counted = (0, 0)   # calls and steps of the runs this one resumes (checkpoint.load)
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit, and
         # none outlives the interpreter's exit (roundpipe/engine/executor.py); flush lets a pending step run.
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
@@ -461,28 +462,31 @@ class RoundPipe:
                 self.host.materialize(l)
 
     # ---- checkpoints (roundpipe/engine/checkpoint.py)
-    def save_checkpoint(self, path, optimizer=None, lr_scheduler=None) -> None:
+    def save_checkpoint(self, path, optimizer=None, lr_scheduler=None, *, extra: dict | None = None) -> None:
         """Writes a checkpoint directory that `load_checkpoint` resumes from bit for bit.
 
         Not a sync point: an asynchronous step still pending (its stale window open) is saved as
         pending, with what it will read, and the run goes on exactly as without the save.  Pass
-        the optimizer and lr_scheduler given to step() (required while a step is pending)."""
+        the optimizer and lr_scheduler given to step() (required while a step is pending).
+        extra: JSON-serialisable values of the caller's (epoch, data position), returned by
+        load_checkpoint."""
         with self._api:
             self._check_open()
             self._retire(block=True)   # calls in flight end; nothing is issued or closed
             pending = self.sync.wait_settled()
             for t in self._host_threads():
                 t.raise_error()
-            checkpoint.save(self, path, pending, optimizer, lr_scheduler)
+            checkpoint.save(self, path, pending, optimizer, lr_scheduler, extra)
 
-    def load_checkpoint(self, path, optimizer=None, lr_scheduler=None) -> None:
+    def load_checkpoint(self, path, optimizer=None, lr_scheduler=None) -> dict:
         """Restores a checkpoint of this model (masters, buffers, pending gradients and step, loss
         scale, the CPU RNG state) and, if given, the optimizer's and lr scheduler's state; build
-        them over this model's parameters first.  Everything is checked before anything changes."""
+        them over this model's parameters first.  Everything is checked before anything changes.
+        Returns the `extra` dict it was saved with ({} if none)."""
         with self._api:
             self._check_open()
             self._drain()
-            checkpoint.load(self, path, optimizer, lr_scheduler)
+            return checkpoint.load(self, path, optimizer, lr_scheduler)
 
     def _reissue_step(self, step: dict, optimizer, lr_scheduler) -> None:
         """A checkpoint's pending step, issued again with its stale window (checkpoint.load)."""
