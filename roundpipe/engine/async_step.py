@@ -291,19 +291,31 @@ class LayerSync:
             return s if s is not None and s.readers_left > 0 and self.steps_done < s.index else None
 
 
-def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Callable[[int], None]) -> None:
+def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Callable[[int], None],
+              reduce: Callable[[], None] | None = None) -> None:
     """G-copy thread job: once its calls ended, each layer's landed gradients into p.grad as soon
-    as the steps issued before it consumed the layer's."""
+    as the steps issued before it consumed the layer's.  `reduce` (data parallelism) first
+    replaces every layer's landed sums by their average over the ranks; if it fails, nothing is
+    moved, every layer is still counted (so no step waits forever) and its error is raised."""
     after_steps, calls = issued
     sync.wait_calls(calls)
+    error: BaseException | None = None
+    if reduce is not None:
+        try:
+            reduce()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the protocol went on
+            error = e
     pending = set(range(sync.L))
     while pending:
         layer = sync.wait_gcopy_ready(after_steps, pending)
         try:
-            gcopy(layer)
+            if error is None:
+                gcopy(layer)
         finally:
             pending.discard(layer)
             sync.gcopy_done(layer)
+    if error is not None:
+        raise error
 
 
 class StepFns:

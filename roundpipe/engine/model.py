@@ -34,6 +34,7 @@ from roundpipe.engine import batchnorm as batchnorm_stats
 from roundpipe.engine import checkpoint, loss_scale
 from roundpipe.engine.board import Board
 from roundpipe.engine.device_memory import check_schedule, resolve_caps
+from roundpipe.engine.data_parallel import DataParallel, reduction_failed
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_collected
 from roundpipe.engine.host_state import HostState
@@ -110,7 +111,8 @@ class RoundPipe:
                  compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
                  planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
-                 loss_reduction: str = "mean", batchnorm: str = "per-microbatch", precision: Precision | None = None):
+                 loss_reduction: str = "mean", batchnorm: str = "per-microbatch", precision: Precision | None = None,
+                 process_group: Any = None):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
@@ -181,6 +183,8 @@ class RoundPipe:
         self._counted = (0, 0)   # calls and steps of the runs this one resumes (checkpoint.load)
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit, and
         # none outlives the interpreter's exit (roundpipe/engine/executor.py); flush lets a pending step run.
+        # data parallelism over torch.distributed (roundpipe/engine/data_parallel.py), None: this process alone
+        self.dp = DataParallel(process_group, L, loss_reduction) if process_group is not None else None
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
                                               + self._host_threads(), self.sync.flush)
 
@@ -304,6 +308,9 @@ class RoundPipe:
         next call: `_inflight` keeps it until `_retire` sees it ended and raises its error."""
         self._refresh_edited()
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
+        if training and self.dp is not None:
+            plan = self.dp.agree_plan(plan)   # rank 0's
+            self.autoplan._switch(plan)
         if self._inflight and plan != self._inflight[-1].plan:
             self._retire(block=True)   # a new plan starts from an empty pipeline
         self._retire(block=True, keep=1)   # at most one earlier call still draining
@@ -318,7 +325,8 @@ class RoundPipe:
         # Inputs and labels are staged into the (pinned) arena here, on the caller's thread, made
         # contiguous on the way: workers then copy from staging blocks only (Worker._staged).
         pin = self.host.staged
-        ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, draw_base(),
+        base = draw_base() if self.dp is None else self.dp.rank_seed(draw_base())
+        ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, base,
                           labels=[tree_map(pin, l) for l in mb.labels], weights=mb.weights, loss_fn=loss_fn,
                           trace=self._trace_call(plan),
                           on_timing=self.autoplan.recorder(key, training, self.stage_timing),
@@ -361,7 +369,9 @@ class RoundPipe:
             self.autoplan.after_call(key, plan, training, run.ok)
         if training:
             self._grads_pending = True
-            if self.sync.gcopy_free():   # waits for nothing but the call: gradients fill while the caller goes on
+            # waits for nothing but the call: gradients fill while the caller goes on (with data
+            # parallelism only at step and sync points, the same on every rank)
+            if self.dp is None and self.sync.gcopy_free():
                 self._issue_gcopy()
         return ctx
 
@@ -391,9 +401,17 @@ class RoundPipe:
         if not self._grads_pending:
             return
         self._grads_pending = False
-        sync, gcopy = self.sync, self.host.gcopy   # a queued job must not keep the model alive
+        sync, host, dp = self.sync, self.host, self.dp   # a queued job must not keep the model alive
+        reduce = None
+        if dp is not None:
+            def reduce() -> None:
+                try:
+                    dp.reduce_landed(host)
+                except BaseException as e:
+                    dp.drop_landed(host)
+                    raise reduction_failed(e, dp.world)
         _register_then_queue(sync.issue_gcopy, lambda after: self.gcopy_thread.submit(
-            lambda: run_gcopy(sync, after, gcopy)))
+            lambda: run_gcopy(sync, after, host.gcopy, reduce)))
 
     def step(self, optimizer, asynchronous: bool = True, *, lr_scheduler=None,
              max_grad_norm: float | None = None) -> None:

@@ -1,0 +1,172 @@
+"""Data parallelism across processes and nodes on torch.distributed (NCCL between GPUs, gloo on CPU).
+
+    dist.init_process_group()                      # torchrun sets the environment
+    model = rp.RoundPipe(layers, devices=..., process_group=dist.group.WORLD)
+
+Each rank runs its own RoundPipe over its local workers on its share of the
+batch.  What the ranks share, and when:
+
+    gradients   averaged over the group (summed with loss_reduction="sum") per
+                layer, in fp32, on the G-copy thread once the calls a G-copy covers
+                have ended: layers last to first, packed into buckets of about
+                `bucket_bytes` like DDP's, one all_reduce per bucket.  The G-copy
+                then moves the averages into `p.grad` as usual, so the optimizer
+                (fused or torch, synchronous or asynchronous) steps identical
+                gradients on every rank and the masters stay identical.  With the
+                asynchronous step the reduction runs while the next call computes.
+                With equal local batches, synchronous training on W ranks equals
+                one process on the combined batch (as DDP: each rank's mean over
+                its samples, averaged over ranks).
+    plans       rank 0's plan, broadcast at every training call's start (the plan
+                of a call is chosen there, roundpipe/engine/autoplan.py), on a
+                group of its own so it never interleaves with gradient collectives
+    randomness  each call's dropout seed mixed with the rank: ranks draw different
+                masks, reproducibly for a given seed and rank
+    checkpoints one directory: rank 0 writes the shared state, each rank its own
+                engine state (roundpipe/engine/checkpoint.py)
+
+Collectives are issued in the same order on every rank only if every rank makes
+the same engine calls in the same order: forward_backward, step, synchronize,
+state_dict/load_state_dict and the checkpoint calls on every rank (a forward-only
+`model(x)` needs no collective and may run on one rank alone).  G-copies are
+issued only at those points (never eagerly when a call returns, which depends on
+thread timing).  A rank that raises or dies makes the others' next collective
+fail within the group's timeout (`init_process_group(timeout=...)`); the error
+is raised by their next engine call and names the all-reduce.  The job cannot go
+on after that: restart it from the last checkpoint.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from roundpipe.engine.plan import Plan
+from roundpipe.engine.recompute import layer_seed
+
+if TYPE_CHECKING:
+    from roundpipe.engine.host_state import HostState
+
+BUCKET_BYTES = 25 << 20
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist
+
+
+class DataParallel:
+    """One model's place in a process group: its rank, the groups it talks on, the reductions."""
+
+    def __init__(self, process_group: Any, num_layers: int, reduction: str, bucket_bytes: int = BUCKET_BYTES,
+                 timeout: datetime.timedelta | None = None):
+        dist = _dist()
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("process_group was given but torch.distributed is not initialized; call "
+                             "torch.distributed.init_process_group() first (torchrun sets its environment)")
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world = dist.get_world_size(process_group)
+        if self.rank < 0:
+            raise ValueError("process_group does not contain this process")
+        self.backend = dist.get_backend(process_group)
+        self.reduction = reduction
+        self.bucket_bytes = bucket_bytes
+        self.L = num_layers
+        # plans and barriers on a group of their own: the caller's thread issues them while the
+        # G-copy thread may be inside a gradient all_reduce on `group`
+        ranks = dist.get_process_group_ranks(process_group)
+        self.control = dist.new_group(ranks, backend="gloo", timeout=timeout) if self.world > 1 else process_group
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    # ---- plans (caller thread)
+    def agree_plan(self, plan: Plan) -> Plan:
+        """Rank 0's plan, on every rank."""
+        if self.world == 1:
+            return plan
+        fwd, bwd = list(plan.forward), list(plan.backward)
+        size = 2 + 4 * self.L
+        buf = torch.zeros(size, dtype=torch.int64)
+        if self.rank == 0:
+            flat = [len(fwd), len(bwd)] + [x for r in fwd + bwd for x in (r.start, r.stop)]
+            buf[:len(flat)] = torch.tensor(flat, dtype=torch.int64)
+        _dist().broadcast(buf, src=_dist().get_global_rank(self.control, 0), group=self.control)
+        nf, nb = int(buf[0]), int(buf[1])
+        pairs = buf[2:2 + 2 * (nf + nb)].view(-1, 2).tolist()
+        ranges = [range(a, b) for a, b in pairs]
+        agreed = Plan(forward=ranges[:nf], backward=ranges[nf:])
+        return plan if agreed == plan else agreed
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            _dist().barrier(group=self.control)
+
+    def all_true(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (a checkpoint's files were all written)."""
+        if self.world == 1:
+            return ok
+        t = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        _dist().all_reduce(t, group=self.control)
+        return int(t) == 0
+
+    # ---- randomness
+    def rank_seed(self, base: int) -> int:
+        """The call's seed for this rank: distinct per rank, fixed by (base, rank)."""
+        return base if self.world == 1 else layer_seed(base, -1 - self.rank, 0)
+
+    # ---- gradients (G-copy thread)
+    def reduce_landed(self, host: "HostState") -> None:
+        """Averages (or sums) every layer's landed gradient sums over the group, in place of them:
+        fp32, layers last to first in buckets of about bucket_bytes, one all_reduce each.  A
+        parameter no rank has a gradient for keeps none; one some ranks lack counts as zero there."""
+        entries: list[tuple[int, int]] = []   # (layer, param index) in bucket order
+        for l in reversed(range(len(host))):
+            st = host.layers[l]
+            entries += [(l, j) for j in st.trainable]
+        start = 0
+        while start < len(entries):
+            stop, nbytes = start, 0
+            while stop < len(entries) and (stop == start or nbytes < self.bucket_bytes):
+                l, j = entries[stop]
+                nbytes += host.layers[l].params[j].numel() * 4
+                stop += 1
+            self._reduce_bucket(host, entries[start:stop])
+            start = stop
+
+    def _reduce_bucket(self, host: "HostState", entries: list[tuple[int, int]]) -> None:
+        sizes = [host.layers[l].params[j].numel() for l, j in entries]
+        flat = torch.zeros(sum(sizes) + len(entries), dtype=torch.float32)
+        views = list(flat[:sum(sizes)].split(sizes))
+        has = flat[sum(sizes):]
+        for k, (l, j) in enumerate(entries):
+            st = host.layers[l]
+            if st.ghas[j]:
+                views[k].copy_(st.gbuf[j].reshape(-1))
+                has[k] = 1.0
+        work = flat if self.device.type == "cpu" else flat.to(self.device)
+        _dist().all_reduce(work, group=self.group)
+        if work is not flat:
+            flat.copy_(work)
+        if self.reduction == "mean":
+            flat[:sum(sizes)].div_(self.world)
+        for k, (l, j) in enumerate(entries):
+            st = host.layers[l]
+            if has[k] > 0:
+                st.gbuf[j], st.ghas[j] = views[k].view(st.params[j].shape).clone(), True
+            else:
+                st.gbuf[j], st.ghas[j] = None, False
+
+    def drop_landed(self, host: "HostState") -> None:
+        """After a failed reduction: the local, unreduced sums are dropped (no rank steps them)."""
+        for st in host.layers:
+            for j in st.trainable:
+                st.gbuf[j], st.ghas[j] = None, False
+
+
+def reduction_failed(exc: BaseException, world: int) -> BaseException:
+    exc.add_note(f"[roundpipe] the gradient all_reduce across {world} ranks failed: another rank raised, died or "
+                 "made different engine calls (every rank must call forward_backward, step, synchronize, state "
+                 "dicts and checkpoints in the same order).  The gradients were dropped; restart from the last "
+                 "checkpoint.")
+    return exc

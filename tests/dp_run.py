@@ -1,0 +1,91 @@
+"""One rank of the data-parallel tests (gloo on loopback), or the single-process reference.
+
+    RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/dp_run.py CONFIG_JSON
+
+Each rank trains on its share of every batch (rows rank*b .. (rank+1)*b of the combined batch)
+and writes its masters after every step and its losses to config["out"] + f".{rank}".
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import roundpipe as rp
+
+WIDTH = 8
+
+
+def layers() -> list[nn.Module]:
+    torch.manual_seed(3)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(3)] + [nn.Linear(WIDTH, WIDTH)]
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(size, WIDTH, generator=g), torch.randn(size, WIDTH, generator=g)
+
+
+class Fail(nn.Module):
+    """Raises in the forward of call `at` on rank `rank` (the fault test)."""
+
+    def __init__(self, rank: int, at: int):
+        super().__init__()
+        self.rank, self.at, self.calls = rank, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at and int(os.environ.get("RANK", "0")) == self.rank:
+            raise RuntimeError("injected failure")
+        return x
+
+
+def run(cfg: dict, group=None, rank: int = 0, world: int = 1) -> dict:
+    model_layers = layers()
+    if cfg.get("fail_rank") is not None:
+        model_layers.insert(1, Fail(cfg["fail_rank"], cfg["fail_at"]))
+    model = rp.RoundPipe(model_layers, devices=["cpu"] * 2, num_microbatches=cfg["microbatches"],
+                         process_group=group)
+    params = list(model.parameters())
+    opt = rp.optim.AdamW(params, lr=1e-2) if cfg["optimizer"] == "rp" else torch.optim.AdamW(params, lr=1e-2)
+    b = cfg["batch"] // world
+    out = {"masters": [], "losses": []}
+    with model:
+        for step in range(cfg["steps"]):
+            x, y = batch(step, cfg["batch"])
+            loss = model.forward_backward(x[rank * b:(rank + 1) * b], labels=y[rank * b:(rank + 1) * b],
+                                          loss_fn=F.mse_loss)
+            out["losses"].append(float(loss))
+            model.step(opt, asynchronous=cfg["asynchronous"], max_grad_norm=cfg.get("clip"))
+            if cfg.get("save_at") == step + 1:
+                model.save_checkpoint(cfg["path"], opt)
+            if not cfg["asynchronous"]:   # after every step (asynchronous: at the end only, no sync point)
+                out["masters"].append([p.detach().clone() for p in model.parameters()])
+        model.synchronize()
+        out["final"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def main() -> None:
+    import torch.distributed as dist
+    cfg = json.loads(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.get("timeout", 60)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        result = run(cfg, dist.group.WORLD, rank, world)
+        torch.save(result, cfg["out"] + f".{rank}")
+    except Exception as e:   # the fault test reads what each rank saw
+        torch.save({"error": f"{type(e).__name__}: {e}", "notes": getattr(e, "__notes__", [])}, cfg["out"] + f".{rank}")
+        raise
+    finally:
+        if cfg.get("fail_rank") is None:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Data parallelism on torch.distributed (gloo on loopback): ranks vs one process on the combined batch."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import dp_run  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: dict, world: int, tmp_path, timeout: float = 240) -> list[dict]:
+    """Runs dp_run.py on `world` ranks; returns what each rank saved (its result or its error)."""
+    cfg = dict(cfg, out=str(tmp_path / "rank"))
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dp_run.py"), json.dumps(cfg)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            errs.append(err)
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for rank in range(world):
+        path = tmp_path / f"rank.{rank}"
+        assert path.exists(), f"rank {rank} wrote nothing:\n{errs[rank][-3000:]}"
+        results.append(torch.load(path))
+    return results
+
+
+def assert_close(a, b, rel=1e-5):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=rel, atol=1e-7)
+
+
+@pytest.mark.parametrize("world, asynchronous, optimizer", [
+    (2, False, "rp"), (2, True, "rp"), (2, False, "torch"), (3, True, "torch"), (3, False, "rp")])
+def test_ranks_train_like_one_process_on_the_combined_batch(tmp_path, world, asynchronous, optimizer):
+    cfg = dict(steps=4, batch=4 * world, microbatches=2, asynchronous=asynchronous, optimizer=optimizer, clip=0.5)
+    ranks = launch(cfg, world, tmp_path)
+    for r in ranks:
+        assert "error" not in r, r
+    torch.manual_seed(0)
+    ref = dp_run.run(dict(cfg, microbatches=2 * world))
+    for r in ranks[1:]:   # masters identical on every rank after every step
+        for a, b in zip(ranks[0]["masters"] + [ranks[0]["final"]], r["masters"] + [r["final"]]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for mine, theirs in zip(ranks[0]["masters"], ref["masters"]):
+        assert_close(mine, theirs)
+    assert_close(ranks[0]["final"], ref["final"])
+    # each rank's loss is its own batch's; their mean is the combined batch's
+    means = [sum(r["losses"][s] for r in ranks) / world for s in range(cfg["steps"])]
+    torch.testing.assert_close(torch.tensor(means), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+
+
+def test_a_rank_that_raises_makes_every_rank_fail_instead_of_hanging(tmp_path):
+    """Rank 1 raises in its second call and exits; rank 0's next all_reduce fails (connection closed or the
+    group's 20 s timeout) and its next engine call raises, naming the all_reduce."""
+    cfg = dict(steps=4, batch=8, microbatches=2, asynchronous=False, optimizer="rp", fail_rank=1, fail_at=2,
+               timeout=20)
+    ranks = launch(cfg, 2, tmp_path, timeout=120)
+    assert "injected failure" in ranks[1]["error"]
+    assert "error" in ranks[0], ranks[0]
+    assert any("gradient all_reduce across 2 ranks failed" in n for n in ranks[0]["notes"]), ranks[0]
