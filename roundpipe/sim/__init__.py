@@ -6,13 +6,17 @@ looped BFS, RoundPipe synchronous and asynchronous).
     static     weight-bound schedules;  roundpipe: round-robin dispatch
     metrics    bubble ratio split into fill / switch / drain / steady, for any Trace
     simulate   simulate(schedule, costs, workers, microbatches, ...) -> Result
+    allreduce  AllReduce: data-parallel ranks and their bucketed ring all-reduce of gradients
+    scaling    data_parallel(...): one rank's iteration time with the reduction, scaling vs 1 rank
     tune       best_partition / tuned_plan: the planner's candidates ranked by simulation
     cli        `roundpipe simulate`;  timeline: `roundpipe timeline TRACE --png FILE`
 """
+from roundpipe.sim.allreduce import AllReduce, ring_time
 from roundpipe.sim.costs import Costs, sizes_from_plan
 from roundpipe.sim.metrics import Bubbles, bubbles
 from roundpipe.sim.simulate import SCHEDULES, Result, roundpipe_sizes, simulate
+from roundpipe.sim.scaling import DataParallelResult, data_parallel
 from roundpipe.sim.tune import best_partition, tuned_plan
 
-__all__ = ["Costs", "sizes_from_plan", "Bubbles", "bubbles", "SCHEDULES", "Result", "roundpipe_sizes", "simulate",
-           "best_partition", "tuned_plan"]
+__all__ = ["AllReduce", "ring_time", "DataParallelResult", "data_parallel", "Costs", "sizes_from_plan", "Bubbles",
+           "bubbles", "SCHEDULES", "Result", "roundpipe_sizes", "simulate", "best_partition", "tuned_plan"]

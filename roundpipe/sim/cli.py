@@ -4,12 +4,20 @@
         --fwd 1 --bwd 2 --head-fwd 4 --head-bwd 8 --comm 0.1 --json
     roundpipe simulate --schedule roundpipe --gpus 4 --microbatches 8 --layers 16 \\
         --partition "8,8|0,4,4,4,4" --png rp.png --trace rp.json
+    roundpipe simulate --schedule roundpipe-async --gpus 8 --microbatches 16 --layers 32 \
+        --fwd 1 --bwd 2 --ranks 4 --allreduce-gbps 20 --allreduce-latency-us 10 --grad-mb-per-layer 800
 
 Times are milliseconds per microbatch.  --partition gives stage sizes in layers:
 "3,3,4" for the static schedules, "forward...|backward..." for RoundPipe, where the
 backward list starts with the fused stage and may start with 0 (a fused stage
 holding only the LM head and loss).  Without it the static schedules use the
 balanced partition and RoundPipe the planner's.
+
+--ranks W > 1 (RoundPipe only) simulates W data-parallel ranks, each with --gpus
+workers and --microbatches microbatches, averaging fp32 gradients by bucketed ring
+all-reduce (roundpipe.sim.allreduce); it needs --allreduce-gbps and
+--grad-mb-per-layer, and prints the iteration time with the reduction, the
+reduction's time and exposed part, and samples/s against one rank.
 """
 from __future__ import annotations
 
@@ -17,7 +25,9 @@ import argparse
 import json
 import sys
 
+from roundpipe.sim.allreduce import MIB, AllReduce
 from roundpipe.sim.costs import Costs
+from roundpipe.sim.scaling import data_parallel
 from roundpipe.sim.simulate import SCHEDULES, simulate
 
 
@@ -42,6 +52,24 @@ def parse_partition(text: str | None, schedule: str):
     return _sizes(text, "list")
 
 
+def _number(kind: type, minimum: float, strict: bool = False):
+    """An argparse type: a `kind` >= minimum (> minimum if strict); argparse names the flag in its error."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an int' if kind is int else 'a number'}") from None
+        if not (v > minimum if strict else v >= minimum):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {minimum:g}")
+        return v
+    return parse
+
+
+# flag -> default of the data-parallel options that only mean something with --ranks > 1
+_DP_FLAGS = {"--allreduce-gbps": None, "--allreduce-latency-us": 0.0, "--bucket-mb": 25.0,
+             "--grad-mb-per-layer": None, "--head-grad-mb": 0.0, "--microbatch-size": 1}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="roundpipe simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=6, help="overlapping iterations for roundpipe-async")
     p.add_argument("--round-size", type=int, default=None,
                    help="RoundPipe microbatches per round (default N + 1, as the engine)")
+    dp = p.add_argument_group("data parallel (RoundPipe schedules)")
+    dp.add_argument("--ranks", type=_number(int, 1), default=1, help="data-parallel ranks W (processes)")
+    dp.add_argument("--allreduce-gbps", type=_number(float, 0, strict=True),
+                    help="ring all-reduce bandwidth per rank, GB/s (required with --ranks > 1)")
+    dp.add_argument("--allreduce-latency-us", type=_number(float, 0), help="latency per ring step, us (default 0)")
+    dp.add_argument("--bucket-mb", type=_number(float, 0, strict=True), help="bucket size, MiB (default 25)")
+    dp.add_argument("--grad-mb-per-layer", type=_number(float, 0),
+                    help="fp32 gradient MiB per layer (required with --ranks > 1)")
+    dp.add_argument("--head-grad-mb", type=_number(float, 0), help="fp32 gradient MiB of the LM head (default 0)")
+    dp.add_argument("--microbatch-size", type=_number(int, 1), help="samples per microbatch, for samples/s (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object (times in ms, ratios in percent)")
     p.add_argument("--png", default=None, help="draw the timeline to this PNG file")
     p.add_argument("--trace", default=None, help="save the Chrome/Perfetto trace JSON here")
@@ -68,16 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    allreduce = check_data_parallel(parser, args)
     try:
         ms = 1e-3
         costs = Costs.uniform(args.layers, args.fwd * ms, args.bwd * ms, args.head_fwd * ms, args.head_bwd * ms,
                               args.comm * ms)
-        result = simulate(args.schedule, costs, args.gpus, args.microbatches,
-                          parse_partition(args.partition, args.schedule), chunks=args.chunks,
-                          iterations=args.iterations, round_size=args.round_size)
+        kwargs = dict(partition=parse_partition(args.partition, args.schedule), chunks=args.chunks,
+                      iterations=args.iterations, round_size=args.round_size)
+        if allreduce is None:
+            result, dp = simulate(args.schedule, costs, args.gpus, args.microbatches, **kwargs), None
+        else:
+            dp = data_parallel(args.schedule, costs, args.gpus, args.microbatches, allreduce,
+                               microbatch_size=args.microbatch_size, **kwargs)
+            result = dp.result
     except ValueError as exc:
         parser.error(str(exc))
     summary = {**result.summary(), "gpus": args.gpus, "microbatches": args.microbatches, "layers": args.layers}
+    if dp is not None:
+        summary["data_parallel"] = dp.summary()
     if args.trace:
         result.trace().save(args.trace)
     if args.png:
@@ -92,5 +138,39 @@ def main(argv: list[str] | None = None) -> int:
               f"(fill {summary['fill']:.2f}, switch {summary['switch']:.2f}, drain {summary['drain']:.2f}, "
               f"steady {summary['steady']:.2f}), exposed comm {summary['exposed_comm']:.2f}%, "
               f"partition {summary['partition']}")
+        if dp is not None:
+            d = summary["data_parallel"]
+            print(f"data parallel: {d['ranks']} ranks, {d['iteration_ms']:.3f} ms per iteration (one rank alone "
+                  f"{d['single_rank_ms']:.3f}), all-reduce {d['reduction_ms']:.3f} ms in {d['buckets']} buckets, "
+                  f"exposed {d['exposed_ms']:.3f} ms; {d['samples_per_s']:.1f} samples/s, {d['scaling']:.2f}x "
+                  f"one rank ({d['efficiency']:.1f}% efficiency)")
     sys.stdout.flush()
     return 0
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def check_data_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> AllReduce | None:
+    """The AllReduce the data-parallel flags describe (None for one rank), defaults filled into `args`;
+    usage errors name the flag."""
+    given = [f for f in _DP_FLAGS if getattr(args, _dest(f)) is not None]
+    for flag, default in _DP_FLAGS.items():
+        if flag not in given:
+            setattr(args, _dest(flag), default)
+    if args.ranks == 1:
+        if given:
+            parser.error(f"{given[0]} needs --ranks > 1 (data parallelism), got --ranks 1")
+        return None
+    if not args.schedule.startswith("roundpipe"):
+        parser.error(f"--ranks {args.ranks}: data parallelism is modelled for the roundpipe and roundpipe-async "
+                     f"schedules only, not --schedule {args.schedule}")
+    for flag in ("--allreduce-gbps", "--grad-mb-per-layer"):
+        if flag not in given:
+            parser.error(f"--ranks {args.ranks} needs {flag}")
+    if args.bucket_mb * MIB < 1:
+        parser.error(f"--bucket-mb {args.bucket_mb} is under one byte")
+    return AllReduce.uniform(args.ranks, args.layers, args.grad_mb_per_layer * MIB, args.head_grad_mb * MIB,
+                             bandwidth_gbps=args.allreduce_gbps, latency_us=args.allreduce_latency_us,
+                             bucket_bytes=int(args.bucket_mb * MIB))

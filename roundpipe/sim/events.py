@@ -41,6 +41,7 @@ class Schedule:
     tasks: list[Task] = field(default_factory=list)
     programs: list[list[int]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)  # worker -> trace row name, default "GPU w"
 
     def __post_init__(self):
         if not self.programs:
@@ -67,7 +68,7 @@ class Run:
         return max(self.end, default=0.0)
 
     def worker_name(self, w: int) -> str:
-        return f"GPU {w}"
+        return self.schedule.names.get(w, f"GPU {w}")
 
     def trace(self) -> Trace:
         trace = Trace(metadata={"simulated": True, "schedule": self.schedule.name, **self.schedule.meta})

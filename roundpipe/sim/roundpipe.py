@@ -20,11 +20,24 @@ With the one-step-stale optimizer, iteration t uses the weights updated from
 iteration t-2's gradients, so a stage's work in iteration t waits for the
 backward of the same layers in iteration t-2 (the CPU optimizer time is not
 modelled; it overlaps the GPUs).
+
+Data parallelism (`allreduce`, W > 1 ranks, roundpipe.sim.allreduce): one rank
+is simulated, since all run the same pipeline on equally many microbatches.  An
+extra worker, the G-copy thread ("all-reduce", tasks of category "copy", which
+bubble accounting leaves out), reduces an iteration's gradients bucket by bucket
+once every task of that iteration has ended (the engine's G-copy waits for the
+calls it covers to end), and reduces one iteration at a time.  Synchronous: the
+reduction follows the last backward, fully exposed (the optimizer step is not
+modelled, as above).  Asynchronous: it delays the update of a layer instead, so a
+stage's work in iteration t also waits for the buckets holding its layers (the
+fused stage: and the LM head) in iteration t-2; it is hidden while it fits in
+that slack and its excess shows once one reduction outlasts an iteration.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs, check_sizes
 from roundpipe.sim.events import Schedule, Task
 
@@ -36,8 +49,10 @@ def default_round_size(workers: int) -> int:
 
 def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: Sequence[int],
                        backward: Sequence[int], iterations: int = 1, round_size: int | None = None,
-                       g0: int = 0) -> Schedule:
-    """Builds `iterations` RoundPipe iterations; `backward[0]` is the fused stage (may be 0 layers)."""
+                       g0: int = 0, allreduce: AllReduce | None = None) -> Schedule:
+    """Builds `iterations` RoundPipe iterations; `backward[0]` is the fused stage (may be 0 layers).
+
+    With `allreduce` over W > 1 ranks, worker N (named "all-reduce") runs each iteration's reduction."""
     N, M, L = workers, microbatches, costs.num_layers
     backward = check_sizes("backward", backward, L, allow_empty_first=True)
     forward = check_sizes("forward", forward, L - backward[0])
@@ -56,8 +71,15 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
     fused = bwd_ranges[0]
     # Which forward stage produced the input of layer i (i > 0): the one holding layer i - 1.
     producer = {i: j for j, r in enumerate(fwd_ranges) for i in range(r.start + 1, r.stop + 1)}
-    sched = Schedule("roundpipe" if iterations == 1 else "roundpipe-async", N,
-                     meta={"forward": list(forward), "backward": list(backward), "round_size": round_size})
+    if allreduce is not None and allreduce.num_layers != L:
+        raise ValueError(f"allreduce has gradient bytes for {allreduce.num_layers} layers (+ head) but the model "
+                         f"has {L}")
+    buckets = allreduce.buckets() if allreduce is not None else []
+    meta = {"forward": list(forward), "backward": list(backward), "round_size": round_size}
+    if buckets:
+        meta["ranks"] = allreduce.ranks
+    sched = Schedule("roundpipe" if iterations == 1 else "roundpipe-async", N + (1 if buckets else 0), meta=meta,
+                     names={N: "all-reduce"} if buckets else {})
     ids: dict[tuple, object] = {}  # task ids, and per ("done", it, j) lists
     slots = [("F", j) for j in range(k)] + [("B", j) for j in range(len(backward))]
     g = g0
@@ -69,7 +91,18 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
                 for m in mbs:
                     _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused)
             g += len(slots)
+        if buckets:
+            _add_reduction(sched, ids, N, it, len(backward), buckets, allreduce.bucket_times())
     return sched
+
+
+def _add_reduction(sched, ids, worker, it, stages, buckets, seconds) -> None:
+    """The all-reduce of iteration `it`: buckets in order on `worker`, after every task of `it` has ended."""
+    ended = [(i, False) for j in range(stages) for i in ids["done", it, j]]
+    for b, (layers, t) in enumerate(zip(buckets, seconds)):
+        i = sched.add(Task(worker, f"all-reduce b{b}", "copy", t, "all-reduce", b, it, ended if b == 0 else []))
+        for layer in layers:
+            ids["reduced", it, layer] = i
 
 
 def _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused) -> None:
@@ -80,6 +113,9 @@ def _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, pro
         stale = [(t, False) for b, r in enumerate(bwd_ranges)
                  if (r.start < layers.stop and layers.start < r.stop) or (phase == "B" and b == j)
                  for t in ids["done", it - 2, b]]
+        if phase == "B" and j == 0:
+            layers = range(layers.start, layers.stop + 1)  # the fused stage also holds the LM head
+        stale += [(ids["reduced", it - 2, l], False) for l in layers if ("reduced", it - 2, l) in ids]
     if phase == "F":
         deps = [(ids["F", it, j - 1, m], True)] if j > 0 else []
         i = sched.add(Task(w, f"F{j + 1} mb{m}", "forward", costs.forward(fwd_ranges[j]), f"F{j + 1}", m, it,

@@ -11,6 +11,10 @@ fused stage first, or a `Plan` over `costs.planner_costs()` (default: the planne
 For "roundpipe-async" the reported makespan is the steady-state time per
 iteration, measured between the ends of the second and of the second-to-last of
 `iterations` overlapping iterations, and the bubbles are those of that window.
+
+`allreduce` (RoundPipe only) adds the gradient all-reduce of data-parallel ranks
+(roundpipe.sim.roundpipe); the makespan is then one rank's iteration time with it.
+roundpipe.sim.scaling.data_parallel compares that with one rank.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from roundpipe.engine.plan import Plan
+from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs, sizes_from_plan
 from roundpipe.sim.events import Run, simulate as run_schedule
 from roundpipe.sim.metrics import Bubbles, bubbles
@@ -36,6 +41,7 @@ class Result:
     bubbles: Bubbles
     exposed_comm: float       # summed seconds workers waited only for communication, per iteration
     partition: object         # stage sizes, or (forward sizes, backward sizes) for RoundPipe
+    reduction: float = 0.0    # seconds of gradient all-reduce per iteration (data parallel; 0 for one rank)
 
     def trace(self) -> Trace:
         return self.run.trace()
@@ -58,7 +64,8 @@ def roundpipe_sizes(costs: Costs, workers: int, microbatches: int,
 
 def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
              partition: Sequence[int] | tuple[Sequence[int], Sequence[int]] | Plan | None = None,
-             chunks: int = 2, iterations: int = 6, round_size: int | None = None) -> Result:
+             chunks: int = 2, iterations: int = 6, round_size: int | None = None,
+             allreduce: AllReduce | None = None) -> Result:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
     if not isinstance(costs, Costs):
@@ -67,7 +74,11 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
                     ("iterations", iterations)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name}={v!r} must be an int >= 1")
+    if allreduce is not None and not isinstance(allreduce, AllReduce):
+        raise TypeError(f"allreduce={allreduce!r} must be a roundpipe.sim.AllReduce or None")
     if schedule in STATIC:
+        if allreduce is not None:
+            raise ValueError(f"allreduce is modelled for 'roundpipe' and 'roundpipe-async' only, not {schedule!r}")
         sizes = list(partition) if partition is not None else default_sizes(schedule, costs, workers, chunks)
         run = run_schedule(static_schedule(schedule, costs, workers, microbatches, sizes), costs.comm)
         b = bubbles(run.trace(), (0.0, run.makespan))
@@ -84,17 +95,21 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
     if schedule == "roundpipe-async" and n_it < 4:
         raise ValueError(f"iterations={iterations} must be >= 4 for roundpipe-async (the first and last are "
                          "left out of the steady-state window)")
-    run = run_schedule(roundpipe_schedule(costs, workers, microbatches, fwd, bwd, n_it, round_size), costs.comm)
+    run = run_schedule(roundpipe_schedule(costs, workers, microbatches, fwd, bwd, n_it, round_size,
+                                          allreduce=allreduce), costs.comm)
+    reduction = allreduce.time() if allreduce is not None else 0.0
     if n_it == 1:
         b = bubbles(run.trace(), (0.0, run.makespan))
-        return Result(schedule, run, run.makespan, b, sum(run.exposed), (fwd, bwd))
+        return Result(schedule, run, run.makespan, b, sum(run.exposed), (fwd, bwd), reduction)
     ends = [0.0] * n_it
     for i, t in enumerate(run.schedule.tasks):
         ends[t.iteration] = max(ends[t.iteration], run.end[i])
     # Skip the first iteration (no predecessor: it runs unusually fast) and the last one
     # (its tail runs alone); the window between holds n_it - 3 periods of steady state.
+    # An iteration ends with its all-reduce, if any: when the reductions are the bottleneck,
+    # their ends are the ones spaced exactly one reduction apart.
     window = (ends[1], ends[-2])
     b = bubbles(run.trace(), window)
     per_it = (window[1] - window[0]) / (n_it - 3)
     exposed = sum(x for i, x in enumerate(run.exposed) if window[0] <= run.start[i] < window[1]) / (n_it - 3)
-    return Result(schedule, run, per_it, b, exposed, (fwd, bwd))
+    return Result(schedule, run, per_it, b, exposed, (fwd, bwd), reduction)
