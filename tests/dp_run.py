@@ -56,7 +56,9 @@ def run(cfg: dict, group=None, rank: int = 0, world: int = 1) -> dict:
     b = cfg["batch"] // world
     out = {"masters": [], "losses": []}
     with model:
-        for step in range(cfg["steps"]):
+        if cfg.get("load"):
+            model.load_checkpoint(cfg["load"], opt)
+        for step in range(cfg.get("start", 0), cfg["steps"]):
             x, y = batch(step, cfg["batch"])
             loss = model.forward_backward(x[rank * b:(rank + 1) * b], labels=y[rank * b:(rank + 1) * b],
                                           loss_fn=F.mse_loss)

@@ -81,3 +81,22 @@ def test_a_rank_that_raises_makes_every_rank_fail_instead_of_hanging(tmp_path):
     assert "injected failure" in ranks[1]["error"]
     assert "error" in ranks[0], ranks[0]
     assert any("gradient all_reduce across 2 ranks failed" in n for n in ranks[0]["notes"]), ranks[0]
+
+
+def test_a_checkpoint_across_ranks_resumes_exactly_on_as_many_ranks(tmp_path):
+    """Two ranks, asynchronous step: (A) saves after step 2 and goes on, (B) two new ranks load it and go on,
+    (C) never saves: bitwise-equal final masters; one process cannot load a two-rank checkpoint."""
+    cfg = dict(steps=4, batch=8, microbatches=2, asynchronous=True, optimizer="rp", clip=0.5)
+    path = str(tmp_path / "ckpt")
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    a = launch(dict(cfg, save_at=2, path=path), 2, tmp_path / "a")
+    assert sorted(os.listdir(path)) == ["checkpoint.json", "engine.rank0.safetensors", "engine.rank1.safetensors",
+                                        "model.safetensors", "optimizer.pt"]
+    b = launch(dict(cfg, load=path, start=2), 2, tmp_path / "b")
+    c = launch(cfg, 2, tmp_path / "c")
+    for rank in range(2):
+        assert all(torch.equal(x, y) for x, y in zip(a[rank]["final"], c[rank]["final"]))
+        assert all(torch.equal(x, y) for x, y in zip(b[rank]["final"], c[rank]["final"]))
+        assert b[rank]["losses"] == c[rank]["losses"][2:]
+    with pytest.raises(ValueError, match="saved by 2 ranks and this run has 1"):
+        dp_run.run(dict(cfg, load=path, start=2))

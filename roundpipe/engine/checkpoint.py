@@ -115,36 +115,69 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
         if obj is not None and not callable(getattr(obj, "state_dict", None)):
             raise TypeError(f"save_checkpoint: {name} has no state_dict() (a {type(obj).__name__}); pass a torch "
                             f"optimizer / lr scheduler or a roundpipe.optim one, or None")
+    dp = model.dp
+    rank, world = (dp.rank, dp.world) if dp is not None else (0, 1)
     parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    # ranks write into one temporary directory (on a filesystem they all see), rank 0 renames it
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp" + (f"-{os.getpid()}" if world == 1 else ""))
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            os.makedirs(parent, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except BaseException as e:  # noqa: BLE001 - every rank learns of it below
+            error = e
+    if dp is not None:
+        dp.barrier()
+    sizes: dict[str, int] = {}
     try:
-        sizes = _write_files(model, tmp, step, optimizer, lr_scheduler)
-        manifest = {"format": FORMAT, "version": VERSION, "files": sizes,
-                    "num_layers": len(model.host), "compute_dtype": str(model.compute_dtype),
-                    "calls": model._counted[0] + model.sync.iteration,
-                    "steps": model._counted[1] + model.sync.steps_issued, "extra": extra or {},
-                    "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
-                    "pending_step": step, "loss_scale": model._scaler_state(pending),
-                    "latest_asynchronous": model._latest_async,
-                    "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
-                             "backward": [[r.start, r.stop] for r in model.plan.backward]}}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        old = None
-        if os.path.exists(path):
-            old = os.path.join(parent, f".{os.path.basename(path)}.old-{os.getpid()}")
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if error is None:
+            sizes = _write_files(model, tmp, step, optimizer, lr_scheduler, rank, world)
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    if not (dp.all_true(error is None) if dp is not None else error is None):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"save_checkpoint: another rank failed to write its part of {path!r}; nothing was saved")
+    try:
+        if rank == 0:
+            for r in range(1, world):
+                name = engine_file(r, world)
+                sizes[name] = os.path.getsize(os.path.join(tmp, name))
+            manifest = {"format": FORMAT, "version": VERSION, "files": sizes, "world_size": world,
+                        "num_layers": len(model.host), "compute_dtype": str(model.compute_dtype),
+                        "calls": model._counted[0] + model.sync.iteration,
+                        "steps": model._counted[1] + model.sync.steps_issued, "extra": extra or {},
+                        "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
+                        "pending_step": step, "loss_scale": model._scaler_state(pending),
+                        "latest_asynchronous": model._latest_async,
+                        "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
+                                 "backward": [[r.start, r.stop] for r in model.plan.backward]}}
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            old = None
+            if os.path.exists(path):
+                old = os.path.join(parent, f".{os.path.basename(path)}.old-{os.getpid()}")
+                os.rename(path, old)
+            os.rename(tmp, path)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if dp is not None:
+            dp.barrier()   # the checkpoint is in place on every rank's return
+
+
+def engine_file(rank: int, world: int) -> str:
+    """A rank's own file: its unapplied gradients and RNG state."""
+    return "engine.safetensors" if world == 1 else f"engine.rank{rank}.safetensors"
 
 
 def _grad_entries(model: "RoundPipe") -> list[tuple[str, torch.Tensor]]:
@@ -162,16 +195,21 @@ def _grad_entries(model: "RoundPipe") -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any, lr_scheduler: Any) -> dict[str, int]:
+def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any, lr_scheduler: Any,
+                 rank: int = 0, world: int = 1) -> dict[str, int]:
+    """Every rank its engine file; rank 0 also the shared state (the same on every rank)."""
     sizes = {}
-    items, aliases = _unique_state(model)
-    sizes["model.safetensors"] = tensor_file.write(os.path.join(tmp, "model.safetensors"), items,
-                                                   {"format": "pt", "aliases": json.dumps(aliases)})
     engine = _grad_entries(model)
     engine.append(("rng.cpu", torch.get_rng_state()))
     if model._cuda and torch.cuda.is_available():
         engine += [(f"rng.cuda.{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
-    sizes["engine.safetensors"] = tensor_file.write(os.path.join(tmp, "engine.safetensors"), engine)
+    name = engine_file(rank, world)
+    sizes[name] = tensor_file.write(os.path.join(tmp, name), engine)
+    if rank != 0:
+        return sizes
+    items, aliases = _unique_state(model)
+    sizes["model.safetensors"] = tensor_file.write(os.path.join(tmp, "model.safetensors"), items,
+                                                   {"format": "pt", "aliases": json.dumps(aliases)})
     if step is not None and step["kind"] == "copy":   # the old weights the window's calls still read
         uploads = [(f"{l}.{st.param_names[j]}", st.upload[j]) for l, st in enumerate(model.host.layers)
                    for j in st.owned if st.params[j].requires_grad]
@@ -238,13 +276,19 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
     if step is not None and step["kind"] == "update" and optimizer is None:
         raise ValueError(f"load_checkpoint: {path} holds a pending step (saved with its stale window open); pass "
                          "the optimizer (and lr_scheduler) to re-issue it")
+    rank, world = (model.dp.rank, model.dp.world) if model.dp is not None else (0, 1)
+    if manifest.get("world_size", 1) != world:
+        raise ValueError(f"load_checkpoint: {path} was saved by {manifest.get('world_size', 1)} ranks and this run has "
+                         f"{world}; each rank's unapplied gradients and RNG state are its own, so a checkpoint resumes "
+                         f"on the same number of ranks (to change it, load with that many, synchronize(), and save "
+                         f"model.state_dict() and the optimizer's state_dict() for a fresh start)")
     if manifest["num_layers"] != len(model.host):
         raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)} is of a model with {manifest['num_layers']} "
                          f"layers; this one has {len(model.host)}")
     opt_state = _load_obj(os.path.join(path, "optimizer.pt")) if optimizer is not None else None
     sched_state = _load_obj(os.path.join(path, "lr_scheduler.pt")) if lr_scheduler is not None else None
     with TensorFile(os.path.join(path, "model.safetensors")) as mf, \
-            TensorFile(os.path.join(path, "engine.safetensors")) as ef:
+            TensorFile(os.path.join(path, engine_file(rank, world))) as ef:
         aliases = json.loads(mf.metadata.get("aliases", "{}"))
         state = {n: t for n, t in model.module.state_dict(keep_vars=True).items() if n not in aliases}
         for name, t in state.items():
