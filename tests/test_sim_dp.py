@@ -19,6 +19,13 @@ def gpu_tasks(result):
             for i, t in enumerate(run.schedule.tasks) if t.cat != "copy"]
 
 
+def random_case(seed):
+    """A seeded generator, workers, microbatches and random costs."""
+    rng = random.Random(seed)
+    N, M = rng.randint(1, 4), rng.randint(1, 9)
+    return rng, N, M, random_costs(rng, rng.randint(2 * N, 16))
+
+
 def one_bucket(ranks, layers, seconds):
     """An AllReduce of one bucket (every layer, no latency) that takes `seconds`."""
     nbytes = 1e6 * layers
@@ -30,9 +37,7 @@ def one_bucket(ranks, layers, seconds):
 @pytest.mark.parametrize("seed", range(3))
 def test_one_rank_is_todays_simulation(schedule, seed):
     """W = 1 reduces nothing: the same tasks, times, makespan and bubbles as without data parallelism."""
-    rng = random.Random(seed)
-    N, M = rng.randint(1, 4), rng.randint(1, 9)
-    costs = random_costs(rng, rng.randint(2 * N, 16))
+    _, N, M, costs = random_case(seed)
     ar = AllReduce.uniform(1, costs.num_layers, 4e8, 1e9, bandwidth_gbps=1.0, latency_us=50)
     base = simulate(schedule, costs, N, M)
     one = simulate(schedule, costs, N, M, allreduce=ar)
@@ -67,9 +72,7 @@ def test_buckets_ddp_rule_last_to_first():
 @pytest.mark.parametrize("seed", range(4))
 def test_sync_exposes_the_reduction(seed):
     """Synchronous: the buckets run back to back after the last backward; iteration = pipeline + reduction."""
-    rng = random.Random(seed)
-    N, M = rng.randint(1, 4), rng.randint(1, 9)
-    costs = random_costs(rng, rng.randint(2 * N, 16))
+    rng, N, M, costs = random_case(seed)
     ar = AllReduce.uniform(rng.randint(2, 16), costs.num_layers, rng.uniform(1, 40) * MIB, 100 * MIB,
                            bandwidth_gbps=rng.uniform(1e-3, 1e-1), latency_us=rng.uniform(0, 100))
     dp = data_parallel("roundpipe", costs, N, M, ar)
