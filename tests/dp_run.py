@@ -50,7 +50,7 @@ def run(cfg: dict, group=None, rank: int = 0, world: int = 1) -> dict:
     if cfg.get("fail_rank") is not None:
         model_layers.insert(1, Fail(cfg["fail_rank"], cfg["fail_at"]))
     model = rp.RoundPipe(model_layers, devices=["cpu"] * 2, num_microbatches=cfg["microbatches"],
-                         process_group=group)
+                         process_group=group, shard_optimizer=cfg.get("shard", False))
     params = list(model.parameters())
     opt = rp.optim.AdamW(params, lr=1e-2) if cfg["optimizer"] == "rp" else torch.optim.AdamW(params, lr=1e-2)
     b = cfg["batch"] // world
@@ -70,6 +70,8 @@ def run(cfg: dict, group=None, rank: int = 0, world: int = 1) -> dict:
                 out["masters"].append([p.detach().clone() for p in model.parameters()])
         model.synchronize()
         out["final"] = [p.detach().clone() for p in model.parameters()]
+        out["optimizer_bytes"] = model.memory_stats(opt)["host"]["optimizer_state"]
+        out["params"] = sum(p.numel() for p in model.parameters())
     return out
 
 

@@ -52,15 +52,25 @@ def assert_close(a, b, rel=1e-5):
         torch.testing.assert_close(x, y, rtol=rel, atol=1e-7)
 
 
-@pytest.mark.parametrize("world, asynchronous, optimizer", [
-    (2, False, "rp"), (2, True, "rp"), (2, False, "torch"), (3, True, "torch"), (3, False, "rp")])
-def test_ranks_train_like_one_process_on_the_combined_batch(tmp_path, world, asynchronous, optimizer):
-    cfg = dict(steps=4, batch=4 * world, microbatches=2, asynchronous=asynchronous, optimizer=optimizer, clip=0.5)
+@pytest.mark.parametrize("world, asynchronous, optimizer, shard", [
+    (2, False, "rp", False), (2, True, "rp", False), (2, False, "torch", False), (3, True, "torch", False),
+    (3, False, "rp", False), (2, False, "rp", True), (2, True, "torch", True), (3, True, "rp", True)])
+def test_ranks_train_like_one_process_on_the_combined_batch(tmp_path, world, asynchronous, optimizer, shard):
+    """Gradients averaged over 2 or 3 ranks equal one process on the combined batch (rel 1e-5), the masters
+    are identical on every rank; with shard_optimizer each rank holds 1/W of the AdamW state (+ padding)."""
+    cfg = dict(steps=4, batch=4 * world, microbatches=2, asynchronous=asynchronous, optimizer=optimizer, clip=0.5,
+               shard=shard)
     ranks = launch(cfg, world, tmp_path)
     for r in ranks:
         assert "error" not in r, r
     torch.manual_seed(0)
-    ref = dp_run.run(dict(cfg, microbatches=2 * world))
+    ref = dp_run.run(dict(cfg, microbatches=2 * world, shard=False))
+    for r in ranks:
+        if shard:   # 8 bytes per parameter in total, this rank's ceil(n/W) of each tensor
+            assert r["optimizer_bytes"] <= 8 * (r["params"] / world + 2 * 8) + 64 * 8, r["optimizer_bytes"]
+            assert r["optimizer_bytes"] < ref["optimizer_bytes"] / world * 1.3
+        else:
+            assert r["optimizer_bytes"] == ref["optimizer_bytes"]
     for r in ranks[1:]:   # masters identical on every rank after every step
         for a, b in zip(ranks[0]["masters"] + [ranks[0]["final"]], r["masters"] + [r["final"]]):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -83,15 +93,19 @@ def test_a_rank_that_raises_makes_every_rank_fail_instead_of_hanging(tmp_path):
     assert any("gradient all_reduce across 2 ranks failed" in n for n in ranks[0]["notes"]), ranks[0]
 
 
-def test_a_checkpoint_across_ranks_resumes_exactly_on_as_many_ranks(tmp_path):
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_checkpoint_across_ranks_resumes_exactly_on_as_many_ranks(tmp_path, shard):
     """Two ranks, asynchronous step: (A) saves after step 2 and goes on, (B) two new ranks load it and go on,
-    (C) never saves: bitwise-equal final masters; one process cannot load a two-rank checkpoint."""
-    cfg = dict(steps=4, batch=8, microbatches=2, asynchronous=True, optimizer="rp", clip=0.5)
+    (C) never saves: bitwise-equal final masters; one process cannot load a two-rank checkpoint.  With
+    shard_optimizer each rank saves its own optimizer slices."""
+    cfg = dict(steps=4, batch=8, microbatches=2, asynchronous=True, optimizer="rp", clip=0.5, shard=shard)
     path = str(tmp_path / "ckpt")
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
     a = launch(dict(cfg, save_at=2, path=path), 2, tmp_path / "a")
-    assert sorted(os.listdir(path)) == ["checkpoint.json", "engine.rank0.safetensors", "engine.rank1.safetensors",
-                                        "model.safetensors", "optimizer.pt"]
+    # sharded: a whole-model update that already ran, the old weights its window reads saved beside it
+    optimizer_files = ["optimizer.rank0.pt", "optimizer.rank1.pt", "upload.safetensors"] if shard else ["optimizer.pt"]
+    assert sorted(os.listdir(path)) == sorted(["checkpoint.json", "engine.rank0.safetensors",
+                                               "engine.rank1.safetensors", "model.safetensors"] + optimizer_files)
     b = launch(dict(cfg, load=path, start=2), 2, tmp_path / "b")
     c = launch(cfg, 2, tmp_path / "c")
     for rank in range(2):
@@ -99,4 +113,4 @@ def test_a_checkpoint_across_ranks_resumes_exactly_on_as_many_ranks(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(b[rank]["final"], c[rank]["final"]))
         assert b[rank]["losses"] == c[rank]["losses"][2:]
     with pytest.raises(ValueError, match="saved by 2 ranks and this run has 1"):
-        dp_run.run(dict(cfg, load=path, start=2))
+        dp_run.run(dict(cfg, load=path, start=2, shard=False))

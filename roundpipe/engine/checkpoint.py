@@ -145,8 +145,8 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
     try:
         if rank == 0:
             for r in range(1, world):
-                name = engine_file(r, world)
-                sizes[name] = os.path.getsize(os.path.join(tmp, name))
+                for name in rank_files(r, world, model.shards is not None and optimizer is not None):
+                    sizes[name] = os.path.getsize(os.path.join(tmp, name))
             manifest = {"format": FORMAT, "version": VERSION, "files": sizes, "world_size": world,
                         "num_layers": len(model.host), "compute_dtype": str(model.compute_dtype),
                         "calls": model._counted[0] + model.sync.iteration,
@@ -180,6 +180,15 @@ def engine_file(rank: int, world: int) -> str:
     return "engine.safetensors" if world == 1 else f"engine.rank{rank}.safetensors"
 
 
+def optimizer_file(rank: int, sharded: bool) -> str:
+    """The optimizer's state: one file, or one per rank with shard_optimizer=True (each rank's slices)."""
+    return f"optimizer.rank{rank}.pt" if sharded else "optimizer.pt"
+
+
+def rank_files(rank: int, world: int, sharded_optimizer: bool) -> list[str]:
+    return [engine_file(rank, world)] + ([optimizer_file(rank, True)] if sharded_optimizer else [])
+
+
 def _grad_entries(model: "RoundPipe") -> list[tuple[str, torch.Tensor]]:
     """The gradients not yet applied, named `step.<param>` (what the next step reads) and
     `landed.<param>` (landing sums not yet moved there)."""
@@ -205,6 +214,9 @@ def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any
         engine += [(f"rng.cuda.{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
     name = engine_file(rank, world)
     sizes[name] = tensor_file.write(os.path.join(tmp, name), engine)
+    if optimizer is not None and model.shards is not None:
+        name = optimizer_file(rank, True)
+        sizes[name] = _save_obj(optimizer.state_dict(), os.path.join(tmp, name))
     if rank != 0:
         return sizes
     items, aliases = _unique_state(model)
@@ -214,7 +226,7 @@ def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any
         uploads = [(f"{l}.{st.param_names[j]}", st.upload[j]) for l, st in enumerate(model.host.layers)
                    for j in st.owned if st.params[j].requires_grad]
         sizes["upload.safetensors"] = tensor_file.write(os.path.join(tmp, "upload.safetensors"), uploads)
-    if optimizer is not None:
+    if optimizer is not None and model.shards is None:
         sizes["optimizer.pt"] = _save_obj(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     if lr_scheduler is not None:
         sizes["lr_scheduler.pt"] = _save_obj(lr_scheduler.state_dict(), os.path.join(tmp, "lr_scheduler.pt"))
@@ -265,27 +277,29 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
     path = os.fspath(path)
     manifest = read_manifest(path)
     files = manifest["files"]
-    for name, obj, fname in (("optimizer", optimizer, "optimizer.pt"), ("lr_scheduler", lr_scheduler,
-                                                                        "lr_scheduler.pt")):
+    rank, world = (model.dp.rank, model.dp.world) if model.dp is not None else (0, 1)
+    opt_file = optimizer_file(rank, model.shards is not None)
+    if manifest.get("world_size", 1) != world:
+        raise ValueError(f"load_checkpoint: {path} was saved by {manifest.get('world_size', 1)} ranks and this run has "
+                         f"{world}; each rank's unapplied gradients and RNG state are its own, so a checkpoint resumes "
+                         f"on the same number of ranks (to change it, load with that many, synchronize(), and save "
+                         f"model.state_dict() and the optimizer's state_dict() for a fresh start)")
+    for name, obj, fname in (("optimizer", optimizer, opt_file), ("lr_scheduler", lr_scheduler, "lr_scheduler.pt")):
         if obj is not None and fname not in files:
             raise ValueError(f"load_checkpoint: {name} was given but {os.path.join(path, fname)} does not exist "
-                             f"(saved without one)")
+                             f"(saved without one{', or without shard_optimizer' if name == 'optimizer' else ''})")
         if obj is not None and not callable(getattr(obj, "load_state_dict", None)):
             raise TypeError(f"load_checkpoint: {name} has no load_state_dict() (a {type(obj).__name__})")
     step = manifest["pending_step"]
     if step is not None and step["kind"] == "update" and optimizer is None:
         raise ValueError(f"load_checkpoint: {path} holds a pending step (saved with its stale window open); pass "
                          "the optimizer (and lr_scheduler) to re-issue it")
-    rank, world = (model.dp.rank, model.dp.world) if model.dp is not None else (0, 1)
-    if manifest.get("world_size", 1) != world:
-        raise ValueError(f"load_checkpoint: {path} was saved by {manifest.get('world_size', 1)} ranks and this run has "
-                         f"{world}; each rank's unapplied gradients and RNG state are its own, so a checkpoint resumes "
-                         f"on the same number of ranks (to change it, load with that many, synchronize(), and save "
-                         f"model.state_dict() and the optimizer's state_dict() for a fresh start)")
     if manifest["num_layers"] != len(model.host):
         raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)} is of a model with {manifest['num_layers']} "
                          f"layers; this one has {len(model.host)}")
-    opt_state = _load_obj(os.path.join(path, "optimizer.pt")) if optimizer is not None else None
+    if optimizer is not None and model.shards is not None:
+        model.shards.adopt(optimizer)   # its groups hold this rank's slices, as the saved state does
+    opt_state = _load_obj(os.path.join(path, opt_file)) if optimizer is not None else None
     sched_state = _load_obj(os.path.join(path, "lr_scheduler.pt")) if lr_scheduler is not None else None
     with TensorFile(os.path.join(path, "model.safetensors")) as mf, \
             TensorFile(os.path.join(path, engine_file(rank, world))) as ef:
@@ -298,7 +312,7 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
             raise ValueError(f"{mf.path}: tensors {extra[:5]} are not in the model (a checkpoint of another model?)")
         grads = _check_grads(model, ef)
         if opt_state is not None:
-            _check_optimizer(optimizer, opt_state, os.path.join(path, "optimizer.pt"))
+            _check_optimizer(optimizer, opt_state, os.path.join(path, opt_file))
         model._set_scaler_state(manifest["loss_scale"], step is not None)   # the last check
         # ---- every check passed: restore
         model._latest_async = manifest["latest_asynchronous"]

@@ -170,3 +170,97 @@ def reduction_failed(exc: BaseException, world: int) -> BaseException:
                  "dicts and checkpoints in the same order).  The gradients were dropped; restart from the last "
                  "checkpoint.")
     return exc
+
+
+class OptimizerShards:
+    """shard_optimizer=True: this rank's slice of every trainable master, as parameters of their own.
+
+    Each parameter's flattened elements are cut into W contiguous chunks of ceil(n/W); rank r
+    owns chunk r.  The optimizer's param_groups are rewritten once to hold these slices (views
+    of the masters, so the update lands in the masters themselves): its state then covers about
+    1/W of the elements.  After a rank has stepped its slices, an all_gather of the updated fp32
+    slices (layers in order, buckets of about bucket_bytes, on a group of its own) makes every
+    rank's masters whole and equal again; the upload copies are rewritten from them as each
+    layer's gate opens.  Each rank saves its own optimizer state in a checkpoint."""
+
+    def __init__(self, host: "HostState", dp: DataParallel, timeout: datetime.timedelta | None = None):
+        self.host, self.dp = host, dp
+        ranks = _dist().get_process_group_ranks(dp.group)
+        self.group = _dist().new_group(ranks, backend="gloo", timeout=timeout) if dp.world > 1 else dp.group
+        self.slices: dict[tuple[int, int], tuple[int, int, int]] = {}   # (layer, j) -> (lo, hi, chunk)
+        self.params: dict[tuple[int, int], torch.nn.Parameter] = {}
+        for l, st in enumerate(host.layers):
+            for j in st.owned:
+                p = st.params[j]
+                if not p.requires_grad:
+                    continue
+                n = p.numel()
+                c = -(-n // dp.world)
+                lo = min(dp.rank * c, n)
+                self.slices[(l, j)] = (lo, min(lo + c, n), c)
+                self.params[(l, j)] = torch.nn.Parameter(p.data.view(-1)[lo:min(lo + c, n)])
+        self.adopted: set[int] = set()   # id of optimizers rewritten to the slices
+
+    def _repoint(self, l: int) -> None:
+        """The slices view the masters as they are now (`p.data = t` replaces a master's storage)."""
+        st = self.host.layers[l]
+        for (layer, j), sp in self.params.items():
+            if layer == l:
+                lo, hi, _ = self.slices[(l, j)]
+                if sp.data.data_ptr() != st.params[j].data.view(-1)[lo:hi].data_ptr():
+                    sp.data = st.params[j].data.view(-1)[lo:hi]
+
+    def adopt(self, optimizer: Any) -> None:
+        """Rewrites the optimizer's param_groups from the model's masters to this rank's slices (once)."""
+        if id(optimizer) in self.adopted:
+            return
+        if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("shard_optimizer=True: the optimizer already has state for the full parameters (it "
+                             "stepped before); build a new one over model.parameters()")
+        by_master = {id(self.host.layers[l].params[j]): sp for (l, j), sp in self.params.items()}
+        for group in optimizer.param_groups:
+            group["params"] = [by_master[id(p)] for p in group["params"]]
+        self.adopted.add(id(optimizer))
+
+    def layer(self, l: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor | None]]:
+        """This rank's slices of layer l and the matching slices of the gradients the step reads."""
+        self._repoint(l)
+        st = self.host.layers[l]
+        params, grads = [], []
+        for j, g in zip(st.owned, self.host.step_grads(l)):
+            if (l, j) in self.params:
+                lo, hi, _ = self.slices[(l, j)]
+                params.append(self.params[(l, j)])
+                grads.append(None if g is None else g.reshape(-1)[lo:hi])
+        return params, grads
+
+    def gather(self) -> None:
+        """Every rank's updated slices into every rank's masters (fp32 all_gather, bucketed)."""
+        if self.dp.world == 1:
+            return
+        keys = sorted(self.slices)
+        start = 0
+        while start < len(keys):
+            stop, nbytes = start, 0
+            while stop < len(keys) and (stop == start or nbytes < self.dp.bucket_bytes):
+                nbytes += self.slices[keys[stop]][2] * 4 * self.dp.world
+                stop += 1
+            self._gather_bucket(keys[start:stop])
+            start = stop
+
+    def _gather_bucket(self, keys: list[tuple[int, int]]) -> None:
+        chunks = [self.slices[k][2] for k in keys]
+        mine = torch.zeros(sum(chunks), dtype=torch.float32)
+        for view, k in zip(mine.split(chunks), keys):
+            lo, hi, _ = self.slices[k]
+            st = self.host.layers[k[0]]
+            view[:hi - lo].copy_(st.params[k[1]].data.view(-1)[lo:hi])
+        out = [torch.empty_like(mine) for _ in range(self.dp.world)]
+        _dist().all_gather(out, mine, group=self.group)
+        for q, buf in enumerate(out):
+            for view, k, c in zip(buf.split(chunks), keys, chunks):
+                flat = self.host.layers[k[0]].params[k[1]].data.view(-1)
+                lo = min(q * c, flat.numel())
+                hi = min(lo + c, flat.numel())
+                if q != self.dp.rank and hi > lo:
+                    flat[lo:hi].copy_(view[:hi - lo])

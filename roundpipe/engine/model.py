@@ -34,7 +34,7 @@ from roundpipe.engine import batchnorm as batchnorm_stats
 from roundpipe.engine import checkpoint, loss_scale
 from roundpipe.engine.board import Board
 from roundpipe.engine.device_memory import check_schedule, resolve_caps
-from roundpipe.engine.data_parallel import DataParallel, reduction_failed
+from roundpipe.engine.data_parallel import DataParallel, OptimizerShards, reduction_failed
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_collected
 from roundpipe.engine.host_state import HostState
@@ -112,7 +112,7 @@ class RoundPipe:
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
                  planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
                  loss_reduction: str = "mean", batchnorm: str = "per-microbatch", precision: Precision | None = None,
-                 process_group: Any = None):
+                 process_group: Any = None, shard_optimizer: bool = False):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
@@ -185,6 +185,11 @@ class RoundPipe:
         # none outlives the interpreter's exit (roundpipe/engine/executor.py); flush lets a pending step run.
         # data parallelism over torch.distributed (roundpipe/engine/data_parallel.py), None: this process alone
         self.dp = DataParallel(process_group, L, loss_reduction) if process_group is not None else None
+        if not isinstance(shard_optimizer, bool):
+            raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+        if shard_optimizer and self.dp is None:
+            raise ValueError("shard_optimizer=True needs process_group= (the ranks the optimizer state is split over)")
+        self.shards = OptimizerShards(self.host, self.dp) if shard_optimizer else None
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
                                               + self._host_threads(), self.sync.flush)
 
@@ -433,7 +438,7 @@ class RoundPipe:
             max_norm = check_step_args(asynchronous, lr_scheduler, max_grad_norm, optimizer)
             used = self._scale_index()
             fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
-                            self.scaler, self.sync.steps_issued + 1, used)
+                            self.scaler, self.sync.steps_issued + 1, used, self.shards)
             self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
                                "scale_used": used}
             self._issue_step(fns, asynchronous)
@@ -514,7 +519,7 @@ class RoundPipe:
                            "max_grad_norm": step["max_grad_norm"], "scale_used": used}
         if step["kind"] == "update":
             fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler,
-                            step["max_grad_norm"], self.scaler, index, used)
+                            step["max_grad_norm"], self.scaler, index, used, self.shards)
         else:
             fns = copy_step(optimizer, self.host, lr_scheduler, step["skipped"])
         self._issue_step(fns, True, window=step["window"])

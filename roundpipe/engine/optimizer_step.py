@@ -130,7 +130,7 @@ class _Scaling:
 
 def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, torch.nn.Parameter]],
               lr_scheduler: Any = None, max_grad_norm: float | None = None, scaler: Any = None,
-              step_index: int = 0, scale_used: int = 0) -> StepFns:
+              step_index: int = 0, scale_used: int = 0, shards: Any = None) -> StepFns:
     """The protocol's view of one step with this optimizer (TypeError/ValueError before anything runs).
 
     With a loss scaler, step `step_index`'s gradients carry the scale of its history entry
@@ -144,6 +144,8 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
 
     def all_grads() -> list[torch.Tensor]:
         return [g for l in range(len(host)) for g in host.step_grads(l) if g is not None]
+    if shards is not None:
+        return _sharded_step(optimizer, host, named_params, lr_scheduler, max_grad_norm, scaling, all_grads, shards)
     if callable(getattr(optimizer, "step_layer", None)):
         if isinstance(optimizer, torch.optim.Optimizer):
             check_optimizer_params(optimizer, named_params)
@@ -208,6 +210,54 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         if lr_scheduler is not None and not scaling.skipped:
             lr_scheduler.step()
     return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after)
+
+
+def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_scheduler: Any,
+                  max_grad_norm: float | None, scaling: _Scaling, all_grads: Callable[[], list[torch.Tensor]],
+                  shards: Any) -> StepFns:
+    """shard_optimizer=True (roundpipe/engine/data_parallel.py): one pass before the gates steps this
+    rank's slice of every layer, in layer order, then all-gathers the updated masters; each
+    layer's upload copy is rewritten from them as its gate opens (a whole-model update)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"shard_optimizer=True needs a torch.optim.Optimizer (its param_groups are rewritten to this "
+                        f"rank's slices), got {type(optimizer).__name__}")
+    if id(optimizer) not in shards.adopted:
+        check_optimizer_params(optimizer, named_params)
+    shards.adopt(optimizer)
+    fused = callable(getattr(optimizer, "step_layer", None))
+    from roundpipe.optim.adam import Adam
+    native = isinstance(optimizer, Adam)
+
+    def update() -> None:
+        grads = all_grads()
+        if scaling.check(grads):
+            return
+        clip = clip_coefficient(grads, max_grad_norm, scaling.scale) if max_grad_norm is not None else 1.0
+        mul = clip / scaling.scale
+        with torch.no_grad():
+            slices = [shards.layer(l) for l in range(len(host))]
+            for ps, gs in slices:
+                if fused and native:   # reads held low-precision slices as they are
+                    optimizer.step_layer(ps, None, clip_coef=mul, grads=gs)
+                    continue
+                for p, g in zip(ps, gs):
+                    p.grad = None if g is None else (g.float() * mul if mul != 1.0 else g.float())
+                if fused:
+                    optimizer.step_layer(ps, None)
+            if not fused:
+                optimizer.step()
+            for ps, _ in slices:
+                for p in ps:
+                    p.grad = None
+        shards.gather()
+
+    def after() -> None:
+        if scaling.skipped:
+            return
+        optimizer._opt_called = True
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+    return StepFns(update, True, host.pcopy, host.pcopy, host.clear_grads, after)
 
 
 def copy_step(optimizer: Any, host: HostState, lr_scheduler: Any = None, skipped: bool = False) -> StepFns:
