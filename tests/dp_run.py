@@ -45,7 +45,36 @@ class Fail(nn.Module):
         return x
 
 
+def run_hf(cfg: dict, rank: int = 0, world: int = 1) -> dict:
+    """A tiny Llama through rp.hf.wrap (under torchrun it picks the world group itself); rows padded
+    differently, so the ranks' token counts differ and the mean must be over all ranks' tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)).float()
+    model = rp.hf.wrap(hf, devices=["cpu"] * 2, num_microbatches=cfg["microbatches"])
+    opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+    b = cfg["batch"] // world
+    out = {"losses": [], "world": model.dp.world if model.dp is not None else 1}
+    with model:
+        for step in range(cfg["steps"]):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(1, 32, (cfg["batch"], 9), generator=g)
+            labels = ids.clone()
+            for i in range(cfg["batch"]):
+                labels[i, 2 + (3 * i + step) % 7:] = -100
+            out["losses"].append(float(model.forward_backward(ids[rank * b:(rank + 1) * b],
+                                                              labels=labels[rank * b:(rank + 1) * b])))
+            model.step(opt, asynchronous=cfg["asynchronous"])
+        model.synchronize()
+        out["final"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
 def run(cfg: dict, group=None, rank: int = 0, world: int = 1) -> dict:
+    if cfg.get("model") == "hf":
+        return run_hf(cfg, rank, world)
     model_layers = layers()
     if cfg.get("fail_rank") is not None:
         model_layers.insert(1, Fail(cfg["fail_rank"], cfg["fail_at"]))

@@ -114,3 +114,17 @@ def test_a_checkpoint_across_ranks_resumes_exactly_on_as_many_ranks(tmp_path, sh
         assert b[rank]["losses"] == c[rank]["losses"][2:]
     with pytest.raises(ValueError, match="saved by 2 ranks and this run has 1"):
         dp_run.run(dict(cfg, load=path, start=2, shard=False))
+
+
+def test_a_wrapped_hf_model_under_torchrun_trains_on_every_ranks_tokens(tmp_path):
+    """rp.hf.wrap picks the world group itself; with rows padded differently per rank the gradient is the
+    token mean over both ranks' tokens, as one process on the combined batch."""
+    pytest.importorskip("transformers")
+    cfg = dict(model="hf", steps=3, batch=4, microbatches=2, asynchronous=True)
+    ranks = launch(cfg, 2, tmp_path)
+    for r in ranks:
+        assert "error" not in r, r
+        assert r["world"] == 2
+    ref = dp_run.run(dict(cfg, microbatches=4))
+    assert all(torch.equal(x, y) for x, y in zip(ranks[0]["final"], ranks[1]["final"]))
+    assert_close(ranks[0]["final"], ref["final"])

@@ -98,6 +98,14 @@ class DataParallel:
         agreed = Plan(forward=ranges[:nf], backward=ranges[nf:])
         return plan if agreed == plan else agreed
 
+    def sum_over_ranks(self, value: float) -> float:
+        """value summed over the ranks (a batch's token count), on the control group."""
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        _dist().all_reduce(t, group=self.control)
+        return float(t)
+
     def barrier(self) -> None:
         if self.world > 1:
             _dist().barrier(group=self.control)

@@ -96,6 +96,8 @@ class HFRoundPipe(RoundPipe):
             raise ValueError("hf_model must be on the CPU (roundpipe keeps every weight in host memory); "
                              "build or load it without device_map / .to('cuda')")
         layers = _layers(hf_model)
+        if "process_group" not in roundpipe_kwargs:   # launched by torchrun: the ranks train together
+            roundpipe_kwargs["process_group"] = launched_group()
         self.hf_model = hf_model
         self.kernels_patched = _patch_kernels(hf_model, devices)
         super().__init__(layers, devices, num_microbatches, compute_dtype, plan, loss_reduction="sum",
@@ -164,8 +166,13 @@ class HFRoundPipe(RoundPipe):
         shifted = shift_labels(labels)
         if shifted.shape != input_ids.shape:
             raise ValueError(f"labels have shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}; they must match")
-        loss_fn = TokenLoss(count_items(shifted, num_items_in_batch))
-        return super().forward_backward(labels=shifted, loss_fn=loss_fn, **inputs)
+        items = count_items(shifted, num_items_in_batch)
+        if self.dp is not None and num_items_in_batch is None:
+            # the token mean over every rank's batch: each rank divides by the ranks' total count, and
+            # the ranks' gradients are summed (loss_reduction="sum"); the loss returned is this rank's own mean
+            total = self.dp.sum_over_ranks(items)
+            return super().forward_backward(labels=shifted, loss_fn=TokenLoss(total), **inputs) * (total / items)
+        return super().forward_backward(labels=shifted, loss_fn=TokenLoss(items), **inputs)
 
     def __call__(self, input_ids=None, attention_mask=None, *, position_ids=None, **kwargs) -> torch.Tensor:
         """Forward only: logits [batch, seq_len, vocab] on the CPU."""
@@ -181,13 +188,23 @@ class HFRoundPipe(RoundPipe):
         self.hf_model.save_pretrained(save_directory, **kwargs)
 
 
+def launched_group():
+    """torch.distributed's world group when this process is one of several ranks (torchrun), else None."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
 def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
          compute_dtype: torch.dtype | None = None, plan=None, **roundpipe_kwargs: Any) -> HFRoundPipe:
     """A RoundPipe over a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or any decoder
     with embeddings, a list of decoder layers, a final norm and an LM head), or a PEFT model around one.
 
     The HF model must be on the CPU; it becomes the host master (its parameters turn fp32 in place).
-    roundpipe_kwargs go to RoundPipe (microbatches_per_round, planning, device_memory, ...)."""
+    roundpipe_kwargs go to RoundPipe (microbatches_per_round, planning, device_memory, ...).  Under
+    torchrun (torch.distributed initialized, more than one rank) the ranks train data-parallel on the
+    world group unless process_group= says otherwise; the token mean is then over all ranks' tokens."""
     return HFRoundPipe(hf_model, devices, num_microbatches, compute_dtype, plan, **roundpipe_kwargs)
 
 
