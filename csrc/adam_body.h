@@ -15,14 +15,9 @@
 #include <cstring>
 
 #include "adam.h"
+#include "kind_dispatch.h"
 
 namespace {
-
-// "No shadow copy": stores nothing.
-struct NoShadowK {
-  using T = uint16_t;
-  static void store(T*, Vec) {}
-};
 
 // The coefficients broadcast once per call, not per vector (and copied out of
 // the struct so stores through the float pointers cannot force reloads).
@@ -94,23 +89,11 @@ void adam_typed(const rp::AdamTensor& t, const rp::AdamCoeffs& c, size_t begin, 
   if (s) std::memcpy(s + i, ts, r * sizeof(S));
 }
 
-template <class GK, class BF16Out>
-void adam_shadow(const rp::AdamTensor& t, const rp::AdamCoeffs& c, size_t begin, size_t end) {
-  if (!t.shadow) return adam_typed<GK, NoShadowK>(t, c, begin, end);
-  switch (t.shadow_dtype) {
-    case rp::DType::F32: return adam_typed<GK, F32K>(t, c, begin, end);
-    case rp::DType::BF16: return adam_typed<GK, BF16Out>(t, c, begin, end);
-    case rp::DType::F16: return adam_typed<GK, F16K>(t, c, begin, end);
-  }
-}
-
 template <class BF16Out>
 void adam_dispatch(const rp::AdamTensor& t, const rp::AdamCoeffs& c, size_t begin, size_t end) {
-  switch (t.grad_dtype) {
-    case rp::DType::F32: return adam_shadow<F32K, BF16Out>(t, c, begin, end);
-    case rp::DType::BF16: return adam_shadow<BF16K, BF16Out>(t, c, begin, end);
-    case rp::DType::F16: return adam_shadow<F16K, BF16Out>(t, c, begin, end);
-  }
+  with_kinds<BF16Out>(t.grad_dtype, t.shadow, t.shadow_dtype, [&](auto gk, auto sk) {
+    adam_typed<decltype(gk), decltype(sk)>(t, c, begin, end);
+  });
 }
 
 }  // namespace

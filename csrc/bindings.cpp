@@ -28,6 +28,7 @@
 #include "fence.h"
 #include "grad_ops.h"
 #include "host_arena.h"
+#include "optimizers.h"
 #include "parallel.h"
 #include "window_pack.h"
 
@@ -287,7 +288,7 @@ void bind_copy_engine(py::module_& m) {
       }, py::arg("queue"), "Raw cudaStream_t of a queue (wrap with torch.cuda.ExternalStream).");
 }
 
-// ---- adam: fused optimizer step and gradient passes --------------------------
+// ---- optimizers: fused Adam, SGD, Adagrad, Lion steps and the gradient passes --------------------------
 
 using Addrs = std::vector<std::uintptr_t>;
 
@@ -303,63 +304,182 @@ void check_range(const std::string& arg, double v, double lo, double hi, bool hi
                           std::to_string(hi) + (hi_open ? ")" : "]"));
 }
 
+// The per-tensor lists every optimizer step takes, checked entry by entry: params
+// (fp32) and numels, grads (+ dtype), shadows (0 = none, + dtype); the state
+// buffers are added with f32().  check() then rejects any overlap of an output.
+class GroupArgs {
+ public:
+  GroupArgs(const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes, const Addrs& shadows,
+            const std::vector<std::string>& shadow_dtypes, const std::vector<size_t>& numels, double grad_mul)
+      : params_(params), grads_(grads), grad_dtypes_(grad_dtypes), shadows_(shadows), shadow_dtypes_(shadow_dtypes),
+        numels_(numels) {
+    check_len("grads", grads.size(), size());
+    check_len("grad_dtypes", grad_dtypes.size(), size());
+    check_len("shadows", shadows.size(), size());
+    check_len("shadow_dtypes", shadow_dtypes.size(), size());
+    check_len("numels", numels.size(), size());
+    if (!std::isfinite(grad_mul)) throw py::value_error("grad_mul=" + std::to_string(grad_mul) + " must be finite");
+  }
+
+  size_t size() const { return params_.size(); }
+
+  // Entry i's fp32 output buffer `arg`[i] of numels[i] elements: checked, recorded, returned.
+  float* f32(const char* arg, size_t i, std::uintptr_t addr) {
+    overlaps_.add(item(arg, i), addr, elems(item(arg, i), addr, numels_[i], rp::DType::F32), true);
+    return static_cast<float*>(ptr(addr));
+  }
+
+  // Fills the fields every kernel's tensor struct shares (param, grad, shadow, n).
+  template <class Tensor>
+  void fill(size_t i, Tensor& t) {
+    t.n = numels_[i];
+    t.param = f32("params", i, params_[i]);
+    t.grad_dtype = parse_dtype(item("grad_dtypes", i), grad_dtypes_[i]);
+    t.grad = ptr(grads_[i]);
+    overlaps_.add(item("grads", i), grads_[i], elems(item("grads", i), grads_[i], t.n, t.grad_dtype), false);
+    if (shadows_[i]) {
+      t.shadow = ptr(shadows_[i]);
+      t.shadow_dtype = parse_dtype(item("shadow_dtypes", i), shadow_dtypes_[i]);
+      overlaps_.add(item("shadows", i), shadows_[i], elems(item("shadows", i), shadows_[i], t.n, t.shadow_dtype), true);
+    }
+  }
+
+  void check() { overlaps_.check("outputs must not share memory with each other or with the gradients"); }
+
+ private:
+  const Addrs &params_, &grads_;
+  const std::vector<std::string>& grad_dtypes_;
+  const Addrs& shadows_;
+  const std::vector<std::string>& shadow_dtypes_;
+  const std::vector<size_t>& numels_;
+  rp::check::OverlapCheck overlaps_;
+};
+
+void check_steps(const std::vector<double>& steps, size_t count) {
+  check_len("steps", steps.size(), count);
+  for (size_t i = 0; i < count; ++i)
+    if (!(steps[i] >= 1)) throw py::value_error(item("steps", i) + "=" + std::to_string(steps[i]) + " must be >= 1");
+}
+
 void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
                const Addrs& exp_avgs, const Addrs& exp_avg_sqs, const Addrs& max_exp_avg_sqs, const Addrs& shadows,
                const std::vector<std::string>& shadow_dtypes, const std::vector<size_t>& numels,
                const std::vector<double>& steps, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool decoupled, bool amsgrad, bool maximize, double grad_mul) {
-  const size_t count = params.size();
-  check_len("grads", grads.size(), count);
-  check_len("grad_dtypes", grad_dtypes.size(), count);
+  GroupArgs args(params, grads, grad_dtypes, shadows, shadow_dtypes, numels, grad_mul);
+  const size_t count = args.size();
   check_len("exp_avgs", exp_avgs.size(), count);
   check_len("exp_avg_sqs", exp_avg_sqs.size(), count);
   if (amsgrad) check_len("max_exp_avg_sqs (amsgrad=True)", max_exp_avg_sqs.size(), count);
   else if (!max_exp_avg_sqs.empty())
     throw py::value_error("max_exp_avg_sqs must be empty when amsgrad=False, got " +
                           std::to_string(max_exp_avg_sqs.size()) + " entries");
-  check_len("shadows", shadows.size(), count);
-  check_len("shadow_dtypes", shadow_dtypes.size(), count);
-  check_len("numels", numels.size(), count);
-  check_len("steps", steps.size(), count);
+  check_steps(steps, count);
   check_range("lr", lr, 0.0, INFINITY, true);
   check_range("beta1", beta1, 0.0, 1.0, true);
   check_range("beta2", beta2, 0.0, 1.0, true);
   check_range("eps", eps, 0.0, INFINITY, true);
   check_range("weight_decay", weight_decay, 0.0, INFINITY, true);
-  if (!std::isfinite(grad_mul)) throw py::value_error("grad_mul=" + std::to_string(grad_mul) + " must be finite");
 
   rp::AdamOptions opt;
   opt.lr = lr, opt.beta1 = beta1, opt.beta2 = beta2, opt.eps = eps, opt.weight_decay = weight_decay;
   opt.decoupled = decoupled, opt.amsgrad = amsgrad, opt.maximize = maximize, opt.grad_mul = grad_mul;
   std::vector<rp::AdamTensor> ts(count);
-  rp::check::OverlapCheck overlaps;
-  // One fp32 buffer of n elements: checked, recorded for the overlap check, returned.
-  const auto f32 = [&](const char* arg, size_t i, std::uintptr_t addr, size_t n) {
-    overlaps.add(item(arg, i), addr, elems(item(arg, i), addr, n, rp::DType::F32), true);
-    return static_cast<float*>(ptr(addr));
-  };
   for (size_t i = 0; i < count; ++i) {
     rp::AdamTensor& t = ts[i];
-    const size_t n = numels[i];
-    if (!(steps[i] >= 1)) throw py::value_error(item("steps", i) + "=" + std::to_string(steps[i]) + " must be >= 1");
-    t.n = n;
     t.step = steps[i];
-    t.param = f32("params", i, params[i], n);
-    t.grad_dtype = parse_dtype(item("grad_dtypes", i), grad_dtypes[i]);
-    t.grad = ptr(grads[i]);
-    overlaps.add(item("grads", i), grads[i], elems(item("grads", i), grads[i], n, t.grad_dtype), false);
-    t.exp_avg = f32("exp_avgs", i, exp_avgs[i], n);
-    t.exp_avg_sq = f32("exp_avg_sqs", i, exp_avg_sqs[i], n);
-    if (amsgrad) t.max_exp_avg_sq = f32("max_exp_avg_sqs", i, max_exp_avg_sqs[i], n);
-    if (shadows[i]) {
-      t.shadow = ptr(shadows[i]);
-      t.shadow_dtype = parse_dtype(item("shadow_dtypes", i), shadow_dtypes[i]);
-      overlaps.add(item("shadows", i), shadows[i], elems(item("shadows", i), shadows[i], n, t.shadow_dtype), true);
-    }
+    args.fill(i, t);
+    t.exp_avg = args.f32("exp_avgs", i, exp_avgs[i]);
+    t.exp_avg_sq = args.f32("exp_avg_sqs", i, exp_avg_sqs[i]);
+    if (amsgrad) t.max_exp_avg_sq = args.f32("max_exp_avg_sqs", i, max_exp_avg_sqs[i]);
   }
-  overlaps.check("outputs must not share memory with each other or with the gradients");
+  args.check();
   py::gil_scoped_release release;
   rp::adam_step(ts.data(), ts.size(), opt);
+}
+
+// SGD, Adagrad and Lion: one state buffer per tensor (`states`; empty for SGD
+// without momentum), per-tensor step numbers (Adagrad) or first flags (SGD).
+void optim_step(rp::OptimOptions opt, const char* states_arg, const Addrs& params, const Addrs& grads,
+                const std::vector<std::string>& grad_dtypes, const Addrs& states, const Addrs& shadows,
+                const std::vector<std::string>& shadow_dtypes, const std::vector<size_t>& numels,
+                const std::vector<double>& steps, const std::vector<bool>& firsts) {
+  GroupArgs args(params, grads, grad_dtypes, shadows, shadow_dtypes, numels, opt.grad_mul);
+  const size_t count = args.size();
+  const bool stateless = opt.kind == rp::OptimKind::Sgd && opt.momentum == 0.0;
+  if (stateless && !states.empty())
+    throw py::value_error(std::string(states_arg) + " must be empty when momentum=0, got " +
+                          std::to_string(states.size()) + " entries");
+  if (!stateless) check_len(states_arg, states.size(), count);
+  if (opt.kind == rp::OptimKind::Adagrad) check_steps(steps, count);
+  if (opt.kind == rp::OptimKind::Sgd) check_len("firsts", firsts.size(), count);
+  check_range("lr", opt.lr, 0.0, INFINITY, true);
+  check_range("weight_decay", opt.weight_decay, 0.0, INFINITY, true);
+  std::vector<rp::OptimTensor> ts(count);
+  for (size_t i = 0; i < count; ++i) {
+    rp::OptimTensor& t = ts[i];
+    args.fill(i, t);
+    if (!stateless) t.state = args.f32(states_arg, i, states[i]);
+    if (opt.kind == rp::OptimKind::Adagrad) t.step = steps[i];
+    if (opt.kind == rp::OptimKind::Sgd) t.first = firsts[i];
+  }
+  args.check();
+  py::gil_scoped_release release;
+  rp::optim_step(ts.data(), ts.size(), opt);
+}
+
+void bind_optimizers(py::module_& m) {
+  m.def("sgd_step", [](const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
+                       const Addrs& momentum_buffers, const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
+                       const std::vector<size_t>& numels, const std::vector<bool>& firsts, double lr, double momentum,
+                       double dampening, double weight_decay, bool nesterov, bool maximize, double grad_mul) {
+    check_range("momentum", momentum, 0.0, INFINITY, true);
+    if (!std::isfinite(dampening)) throw py::value_error("dampening=" + std::to_string(dampening) + " must be finite");
+    if (nesterov && (momentum == 0.0 || dampening != 0.0))
+      throw py::value_error("nesterov=True needs momentum > 0 and dampening=0, got momentum=" +
+                            std::to_string(momentum) + ", dampening=" + std::to_string(dampening));
+    rp::OptimOptions o;
+    o.kind = rp::OptimKind::Sgd, o.lr = lr, o.momentum = momentum, o.dampening = dampening;
+    o.weight_decay = weight_decay, o.nesterov = nesterov, o.maximize = maximize, o.grad_mul = grad_mul;
+    optim_step(o, "momentum_buffers", params, grads, grad_dtypes, momentum_buffers, shadows, shadow_dtypes, numels,
+               {}, firsts);
+  }, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("momentum_buffers"), py::arg("shadows"),
+     py::arg("shadow_dtypes"), py::arg("numels"), py::arg("firsts"), py::kw_only(), py::arg("lr"),
+     py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("maximize"),
+     py::arg("grad_mul"),
+     "One fused SGD step over a group of fp32 tensors given by address (per-tensor lists as adam_step; "
+     "momentum_buffers empty when momentum=0; firsts[i]: the buffer is new and takes the gradient). "
+     "Arithmetic equals torch.optim.SGD's.");
+  m.def("adagrad_step", [](const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
+                           const Addrs& sums, const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
+                           const std::vector<size_t>& numels, const std::vector<double>& steps, double lr,
+                           double lr_decay, double weight_decay, double eps, bool maximize, double grad_mul) {
+    check_range("lr_decay", lr_decay, 0.0, INFINITY, true);
+    check_range("eps", eps, 0.0, INFINITY, true);
+    rp::OptimOptions o;
+    o.kind = rp::OptimKind::Adagrad, o.lr = lr, o.lr_decay = lr_decay, o.weight_decay = weight_decay, o.eps = eps;
+    o.maximize = maximize, o.grad_mul = grad_mul;
+    optim_step(o, "sums", params, grads, grad_dtypes, sums, shadows, shadow_dtypes, numels, steps, {});
+  }, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("sums"), py::arg("shadows"),
+     py::arg("shadow_dtypes"), py::arg("numels"), py::arg("steps"), py::kw_only(), py::arg("lr"), py::arg("lr_decay"),
+     py::arg("weight_decay"), py::arg("eps"), py::arg("maximize"), py::arg("grad_mul"),
+     "One fused Adagrad step over a group of fp32 tensors given by address (per-tensor lists as adam_step; "
+     "steps: >= 1, after increment). Arithmetic equals torch.optim.Adagrad(fused=True)'s.");
+  m.def("lion_step", [](const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
+                        const Addrs& exp_avgs, const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
+                        const std::vector<size_t>& numels, double lr, double beta1, double beta2, double weight_decay,
+                        bool maximize, double grad_mul) {
+    check_range("beta1", beta1, 0.0, 1.0, true);
+    check_range("beta2", beta2, 0.0, 1.0, true);
+    rp::OptimOptions o;
+    o.kind = rp::OptimKind::Lion, o.lr = lr, o.beta1 = beta1, o.beta2 = beta2, o.weight_decay = weight_decay;
+    o.maximize = maximize, o.grad_mul = grad_mul;
+    optim_step(o, "exp_avgs", params, grads, grad_dtypes, exp_avgs, shadows, shadow_dtypes, numels, {}, {});
+  }, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("exp_avgs"), py::arg("shadows"),
+     py::arg("shadow_dtypes"), py::arg("numels"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+     py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_mul"),
+     "One fused Lion step (Chen et al. 2023, decoupled weight decay) over a group of fp32 tensors given by "
+     "address (per-tensor lists as adam_step).");
 }
 
 void bind_adam(py::module_& m) {
@@ -409,4 +529,5 @@ PYBIND11_MODULE(_C, m) {
   bind_arena(m);
   bind_copy_engine(m);
   bind_adam(m);
+  bind_optimizers(m);
 }

@@ -59,4 +59,11 @@ inline Vec vmax_nan(Vec a, Vec b) {
   return _mm256_or_ps(_mm256_max_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
 }
 
+// sign(a): 1, -1 or +0 (also for -0 and NaN), as torch.sign on CPU.
+inline Vec vsign(Vec a) {
+  const Vec zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  return _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_GT_OQ), one),
+                       _mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_LT_OQ), one));
+}
+
 }  // namespace

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cpu_features.h"
 #include "half.h"
 
 namespace {
@@ -71,6 +72,27 @@ struct StreamK {
   static void store(T* p, Vec v) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), K::pack(v)); }
 };
 
+// Calls fn(K{}) with the kind that stores a bf16 shadow whose range starts at
+// element `begin`: vcvtneps2bf16 where the CPU has AVX512_BF16, streaming
+// stores when the shadow is bf16 and its vectors are 32-byte aligned there
+// (then fenced, so the caller's barrier orders them).
+template <class Fn>
+void with_bf16_store(const void* shadow, bool bf16_shadow, size_t begin, Fn&& fn) {
+  const bool stream = shadow && bf16_shadow && (reinterpret_cast<std::uintptr_t>(shadow) + 2 * begin) % 32 == 0;
+  const bool ne = rp::cpu_features().avx512_bf16;
+  if (stream) {
+    if (ne)
+      fn(StreamK<BF16NeK>{});
+    else
+      fn(StreamK<BF16K>{});
+    _mm_sfence();
+  } else if (ne) {
+    fn(BF16NeK{});
+  } else {
+    fn(BF16K{});
+  }
+}
+
 struct F16K {
   using T = uint16_t;
   static Vec load(const T* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -89,6 +111,13 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vmax_nan(Vec a, Vec b) {
   const __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
   return _mm512_mask_mov_ps(_mm512_max_ps(a, b), nan, _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
+}
+
+// sign(a): 1, -1 or +0 (also for -0 and NaN), as torch.sign on CPU.
+inline Vec vsign(Vec a) {
+  const Vec zero = _mm512_setzero_ps();
+  const Vec pos = _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+  return _mm512_mask_mov_ps(pos, _mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
 }
 
 }  // namespace

@@ -49,4 +49,7 @@ inline Vec vmax_nan(Vec a, Vec b) {
   return a > b ? a : b;
 }
 
+// sign(a): 1, -1 or +0 (also for -0 and NaN), as torch.sign on CPU.
+inline Vec vsign(Vec a) { return a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : 0.0f; }
+
 }  // namespace

@@ -29,6 +29,7 @@ import torch
 
 from roundpipe import _native
 from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real, tensor_list
+from roundpipe.optim.base import check_betas, check_flags, check_nonneg
 
 _F32 = {torch.float32: "float32"}
 
@@ -53,17 +54,9 @@ class AdamConfig:
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
-                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
-            raise ValueError(f"betas={self.betas!r} must be a pair (beta1, beta2)")
-        for i, beta in enumerate(self.betas):
-            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-                raise ValueError(f"betas[{i}]={beta!r} must be a number in [0, 1)")
-        for name in ("decoupled", "amsgrad", "maximize"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+            check_nonneg(name, getattr(self, name))
+        check_betas(self.betas)
+        check_flags(self, "decoupled", "amsgrad", "maximize")
 
 
 def _check_same_numel(name: str, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:

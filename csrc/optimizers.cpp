@@ -1,0 +1,73 @@
+// Scalar SGD / Adagrad / Lion kernel, the per-step coefficients and the group
+// entry point.
+#pragma GCC optimize("fp-contract=off")  // each operation rounds once, as torch's: see adam.cpp
+
+#include "optimizers.h"
+
+#include <vector>
+
+#include "cpu_features.h"
+#include "multi_tensor.h"
+#include "vec_scalar.h"
+
+#include "optimizers_body.h"
+
+namespace rp {
+
+OptimCoeffs optim_coeffs(const OptimOptions& o, const OptimTensor& t) {
+  OptimCoeffs c{};
+  c.kind = o.kind;
+  c.grad_mul = static_cast<float>(o.grad_mul);
+  c.maximize = o.maximize;
+  c.decay = o.weight_decay != 0.0;
+  c.weight_decay = static_cast<float>(o.weight_decay);
+  c.weight_scale = static_cast<float>(1.0 - o.lr * o.weight_decay);
+  c.neg_lr = static_cast<float>(-o.lr);
+  switch (o.kind) {
+    case OptimKind::Sgd:
+      c.momentum = o.momentum != 0.0;
+      c.first = t.first;
+      c.nesterov = o.nesterov;
+      c.a = static_cast<float>(o.momentum);
+      c.b = static_cast<float>(1.0 - o.dampening);
+      break;
+    case OptimKind::Adagrad:
+      // torch: clr = lr / (1 + (step - 1) * lr_decay) in double, rounded where it meets the tensor.
+      c.neg_lr = static_cast<float>(-(o.lr / (1.0 + (t.step - 1.0) * o.lr_decay)));
+      c.eps = static_cast<float>(o.eps);
+      break;
+    case OptimKind::Lion:
+      c.a = static_cast<float>(o.beta1);
+      c.b = static_cast<float>(1.0 - o.beta1);
+      c.c = static_cast<float>(o.beta2);
+      c.d = static_cast<float>(1.0 - o.beta2);
+      break;
+  }
+  return c;
+}
+
+void optim_range_scalar(const OptimTensor& t, const OptimCoeffs& c, size_t begin, size_t end) {
+  optim_dispatch<BF16K>(t, c, begin, end);
+}
+
+void optim_step(const OptimTensor* tensors, size_t count, const OptimOptions& opt) {
+  using Fn = void (*)(const OptimTensor&, const OptimCoeffs&, size_t, size_t);
+  Fn fn = optim_range_scalar;
+  switch (simd_level()) {
+    case SimdLevel::Avx512: fn = optim_range_avx512; break;
+    case SimdLevel::Avx2: fn = optim_range_avx2; break;
+    default: break;
+  }
+  std::vector<size_t> sizes(count);
+  std::vector<OptimCoeffs> coeffs(count);
+  for (size_t k = 0; k < count; ++k) {
+    sizes[k] = tensors[k].n;
+    coeffs[k] = optim_coeffs(opt, tensors[k]);
+  }
+  // As adam_step: 32 elements = one cache line of a bf16 shadow; 32K elements
+  // per thread before a second one helps.
+  TensorRanges ranges(sizes.data(), count, 32, size_t{1} << 15);
+  ranges.run([&](int, size_t k, size_t b, size_t e) { fn(tensors[k], coeffs[k], b, e); });
+}
+
+}  // namespace rp

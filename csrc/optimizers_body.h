@@ -1,0 +1,120 @@
+// Body of one SIMD level's SGD / Adagrad / Lion kernels (arithmetic: see
+// optimizers.h).  Included by exactly one translation unit per level after
+// that level's vec_<level>.h; defines, in an anonymous namespace,
+// optim_dispatch<BF16Out>(tensor, coeffs, begin, end), where BF16Out is the
+// element kind used to store a bf16 shadow.
+#pragma once
+
+#include <cstring>
+
+#include "kind_dispatch.h"
+#include "optimizers.h"
+
+namespace {
+
+// The coefficients broadcast once per call, not per vector.
+struct OptimVecs {
+  explicit OptimVecs(const rp::OptimCoeffs& c)
+      : grad_mul(vset(c.grad_mul)), weight_decay(vset(c.weight_decay)), weight_scale(vset(c.weight_scale)),
+        neg_lr(vset(c.neg_lr)), eps(vset(c.eps)), a(vset(c.a)), b(vset(c.b)), c(vset(c.c)), d(vset(c.d)),
+        minus_one(vset(-1.0f)), maximize(c.maximize), decay(c.decay), momentum(c.momentum), first(c.first),
+        nesterov(c.nesterov) {}
+  Vec grad_mul, weight_decay, weight_scale, neg_lr, eps, a, b, c, d, minus_one;
+  bool maximize, decay, momentum, first, nesterov;
+
+  template <class GK>
+  Vec grad(const typename GK::T* g) const {
+    const Vec x = vmul(GK::load(g), grad_mul);
+    return maximize ? vmul(x, minus_one) : x;
+  }
+};
+
+// Each kind's update of one vector: weight p, gradient g, state st (a valid
+// buffer even where the kind keeps none), shadow s.
+struct SgdOp {
+  template <class GK, class SK>
+  static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
+    Vec grad = k.grad<GK>(g);
+    Vec param = F32K::load(p);
+    if (k.decay) grad = vfma(param, k.weight_decay, grad);
+    if (k.momentum) {
+      const Vec buf = k.first ? grad : vfma(grad, k.b, vmul(F32K::load(st), k.a));
+      F32K::store(st, buf);
+      grad = k.nesterov ? vfma(buf, k.a, grad) : buf;
+    }
+    param = vfma(grad, k.neg_lr, param);
+    F32K::store(p, param);
+    SK::store(s, param);
+  }
+};
+
+struct AdagradOp {
+  template <class GK, class SK>
+  static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
+    Vec grad = k.grad<GK>(g);
+    Vec param = F32K::load(p);
+    if (k.decay) grad = vfma(param, k.weight_decay, grad);
+    const Vec sum = vfma(grad, grad, F32K::load(st));
+    F32K::store(st, sum);
+    param = vadd(param, vdiv(vmul(k.neg_lr, grad), vadd(vsqrt(sum), k.eps)));
+    F32K::store(p, param);
+    SK::store(s, param);
+  }
+};
+
+struct LionOp {
+  template <class GK, class SK>
+  static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
+    const Vec grad = k.grad<GK>(g);
+    Vec param = F32K::load(p);
+    if (k.decay) param = vmul(param, k.weight_scale);
+    const Vec m = F32K::load(st);
+    param = vfma(vsign(vfma(grad, k.b, vmul(m, k.a))), k.neg_lr, param);
+    F32K::store(st, vfma(grad, k.d, vmul(m, k.c)));
+    F32K::store(p, param);
+    SK::store(s, param);
+  }
+};
+
+template <class Op, class GK, class SK>
+void optim_typed(const rp::OptimTensor& t, const rp::OptimCoeffs& c, size_t begin, size_t end) {
+  using G = typename GK::T;
+  using S = typename SK::T;
+  const OptimVecs k(c);
+  float* p = t.param;
+  const G* g = static_cast<const G*>(t.grad);
+  float* st = t.state;
+  S* s = static_cast<S*>(t.shadow);
+  size_t i = begin;
+  for (; i + kWidth <= end; i += kWidth) Op::template vector<GK, SK>(k, p + i, g + i, st ? st + i : nullptr, s ? s + i : nullptr);
+  if (i == end) return;
+  // Tail: the same vector code on a zero-padded copy (zero lanes are dropped;
+  // Adagrad's 0 / (0 + 0) NaN there is harmless).  Aligned, because a shadow
+  // kind may use streaming stores, which fault on unaligned addresses.
+  const size_t r = end - i;
+  alignas(64) float tp[kWidth] = {}, tst[kWidth] = {};
+  alignas(64) G tg[kWidth] = {};
+  alignas(64) S ts[kWidth] = {};
+  std::memcpy(tp, p + i, r * sizeof(float));
+  std::memcpy(tg, g + i, r * sizeof(G));
+  if (st) std::memcpy(tst, st + i, r * sizeof(float));
+  Op::template vector<GK, SK>(k, tp, tg, tst, ts);
+  std::memcpy(p + i, tp, r * sizeof(float));
+  if (st) std::memcpy(st + i, tst, r * sizeof(float));
+  if (s) std::memcpy(s + i, ts, r * sizeof(S));
+}
+
+template <class BF16Out>
+void optim_dispatch(const rp::OptimTensor& t, const rp::OptimCoeffs& c, size_t begin, size_t end) {
+  with_kinds<BF16Out>(t.grad_dtype, t.shadow, t.shadow_dtype, [&](auto gk, auto sk) {
+    using GK = decltype(gk);
+    using SK = decltype(sk);
+    switch (c.kind) {
+      case rp::OptimKind::Sgd: return optim_typed<SgdOp, GK, SK>(t, c, begin, end);
+      case rp::OptimKind::Adagrad: return optim_typed<AdagradOp, GK, SK>(t, c, begin, end);
+      case rp::OptimKind::Lion: return optim_typed<LionOp, GK, SK>(t, c, begin, end);
+    }
+  });
+}
+
+}  // namespace

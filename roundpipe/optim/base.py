@@ -1,0 +1,269 @@
+"""What every fused optimizer shares: torch.optim plumbing, the engine's entries, the native/torch split.
+
+`FusedOptimizer` is a torch.optim.Optimizer (param groups, lr schedulers, hooks,
+`zero_grad`, state dicts) whose update of one param group is split between the
+native kernel, for the parameters it can take (CPU, fp32, contiguous, with an
+fp32/bf16/fp16 contiguous CPU gradient), and a torch-ops fallback in the same
+formula for the rest (CUDA, bf16 parameters, non-contiguous views).  A subclass
+(Adam/AdamW, SGD, Adagrad, Lion) supplies the math:
+
+    _config(group)            the group's validated hyper-parameters
+    _buffer_names(config)     the state's fp32 buffers the update reads and writes
+                              (created, not yet stored, on a first step; _initial_value)
+    _native_step(...)         one native call over the parameters the kernel takes
+    _torch_step(...)          one parameter's update with torch ops
+    _commit(state, bufs)      stores new buffers and advances the step count, after success
+
+so that a call rejected by validation leaves weights and state as they were.
+The engine's entries are `step_layer` (RoundPipe.step, once per layer) and
+`fused_step` (explicit gradients, loss scale, inf check).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from roundpipe import _native
+from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor
+from roundpipe.optim.gradients import grad_sumsq
+
+Buffers = dict[str, torch.Tensor]
+
+
+def check_nonneg(name: str, value: object) -> None:
+    """ValueError naming `name` unless value is a finite real number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+
+
+def check_betas(betas: object) -> None:
+    """ValueError unless betas is a pair of numbers in [0, 1)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"betas[{i}]={beta!r} must be a number in [0, 1)")
+
+
+def check_flags(config: object, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise TypeError(f"{name}={getattr(config, name)!r} must be a bool")
+
+
+def reject_unsupported(name: str, capturable: bool = False, differentiable: bool = False) -> None:
+    if capturable or differentiable:
+        raise ValueError(f"capturable={capturable} and differentiable={differentiable}: roundpipe's {name} "
+                         f"supports neither; use torch.optim.{name} for them")
+
+
+def native_buffers(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   shadows: Sequence[torch.Tensor | None] | None) -> dict[str, list]:
+    """The address lists every native optimizer step takes (params, grads, shadows, numels).
+
+    Parameters and gradients were vetted by `native_ok`; a shadow is the caller's and is
+    checked here (a ValueError naming it before anything runs)."""
+    shadows = [None] * len(params) if shadows is None else list(shadows)
+    for i, t in enumerate(shadows):
+        if t is not None:
+            check_host_tensor(f"shadows[{i}]", t)
+    return dict(params=[p.data_ptr() for p in params], grads=[g.data_ptr() for g in grads],
+                grad_dtypes=[NATIVE_DTYPES[g.dtype] for g in grads],
+                shadows=[t.data_ptr() if t is not None else 0 for t in shadows],
+                shadow_dtypes=[NATIVE_DTYPES[t.dtype] if t is not None else "bfloat16" for t in shadows],
+                numels=[p.numel() for p in params])
+
+
+def native_ok(p: torch.Tensor, grad: torch.Tensor, buffers: Sequence[torch.Tensor]) -> bool:
+    """Whether the native kernel can take this parameter (else the torch path runs)."""
+    return (_native.available() and grad.dtype in NATIVE_DTYPES and grad.device.type == "cpu"
+            and grad.is_contiguous() and all(t.device.type == "cpu" and t.is_contiguous()
+                                             and t.dtype == torch.float32 for t in [p, *buffers]))
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base of roundpipe's fused CPU optimizers (see the module docstring)."""
+
+    def __init__(self, params: Any, defaults: dict[str, Any]):
+        super().__init__(params, defaults)
+        self._fused_call: tuple | None = None
+
+    # ---- the subclass's part ------------------------------------------------------------------
+    def _config(self, group: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _buffer_names(self, config: Any) -> list[str]:
+        """The state's fp32 buffers (one per parameter element) that the update reads and writes."""
+        raise NotImplementedError
+
+    def _initial_value(self, config: Any) -> float:
+        return 0.0
+
+    def _states(self, params: list[torch.Tensor], config: Any) -> list[tuple[dict[str, Any], Buffers]]:
+        """Per parameter, (its state, its buffers): those in the state, or new ones not stored yet."""
+        names, fill = self._buffer_names(config), self._initial_value(config)
+        out = []
+        for p in params:
+            state = self.state[p]
+            if "step" in state and not isinstance(state["step"], torch.Tensor):  # old checkpoints stored a number
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+            out.append((state, {k: state[k] if state.get(k) is not None else
+                                torch.full_like(p, fill, memory_format=torch.preserve_format) for k in names}))
+        return out
+
+    def _native_step(self, config: Any, params: list[torch.Tensor], grads: list[torch.Tensor],
+                     states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float) -> None:
+        raise NotImplementedError
+
+    def _torch_step(self, config: Any, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], bufs: Buffers,
+                    grad_mul: float) -> None:
+        raise NotImplementedError
+
+    _counts_steps = False   # whether the state keeps torch's 'step' (a float32 0-dim tensor)
+
+    def _commit(self, state: dict[str, Any], bufs: Buffers) -> None:
+        state.update(bufs)
+        if not self._counts_steps:
+            return
+        if "step" in state:
+            state["step"] += 1
+        else:
+            state["step"] = torch.tensor(1.0, dtype=torch.float32)
+
+    @staticmethod
+    def _step_of(state: dict[str, Any]) -> float:
+        """The number of this update (1 for the first) for an optimizer that counts steps."""
+        return float(state["step"]) + 1 if "step" in state else 1.0
+
+    # ---- torch.optim ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every parameter that has a gradient (torch.optim semantics)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._fused_call is not None:  # fused_step routed through here for hooks and lr schedulers
+            params, grads, shadows, grad_mul = self._fused_call
+            for gi, idx in self._by_group(params).items():
+                self._update(self.param_groups[gi], [params[i] for i in idx], [grads[i] for i in idx],
+                             [shadows[i] for i in idx], grad_mul)
+            return loss
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            self._update(group, params, [p.grad for p in params], None, 1.0)
+        return loss
+
+    # ---- the engine's entries -------------------------------------------------------------------
+    @torch.no_grad()
+    def fused_step(self, grads: Sequence[torch.Tensor], *, params: Sequence[torch.Tensor] | None = None,
+                   shadows: Sequence[torch.Tensor | None] | None = None, grad_scale: float = 1.0,
+                   clip_coef: float = 1.0, found_inf: bool | None = None) -> bool:
+        """The engine's step: explicit gradients, optional upload copies, loss scale and clipping.
+
+        grads[i] is the gradient of params[i] (default: all parameters, group
+        by group) as fp32, bf16 or fp16 with the same number of elements; it is
+        read as grads[i] * clip_coef / grad_scale.  shadows[i] (or None)
+        receives the updated params[i] in its dtype.  found_inf: True skips the
+        step, False runs it, None checks the gradients first (one extra read)
+        when grad_scale != 1, as a loss scaler needs.  A skipped step changes
+        nothing, step counts included, and returns False; otherwise True.
+        """
+        params = [p for g in self.param_groups for p in g["params"]] if params is None else list(params)
+        grads = list(grads)
+        if len(grads) != len(params):
+            raise ValueError(f"grads has {len(grads)} tensors but params has {len(params)}; they must match")
+        shadows = [None] * len(params) if shadows is None else list(shadows)
+        if len(shadows) != len(params):
+            raise ValueError(f"shadows has {len(shadows)} entries but params has {len(params)}; they must match")
+        for i, (p, g, sh) in enumerate(zip(params, grads, shadows)):
+            if not isinstance(g, torch.Tensor) or g.numel() != p.numel():
+                raise ValueError(f"grads[{i}] must be a tensor with {p.numel()} elements like params[{i}], got "
+                                 f"{tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}")
+            if sh is not None and (not isinstance(sh, torch.Tensor) or sh.numel() != p.numel()):
+                raise ValueError(f"shadows[{i}] must be None or a tensor with {p.numel()} elements like params[{i}]")
+        if not (grad_scale > 0 and math.isfinite(grad_scale)):
+            raise ValueError(f"grad_scale={grad_scale!r} must be a finite number > 0")
+        _check_clip_coef(clip_coef)
+        if found_inf is None and grad_scale != 1.0:
+            found_inf = not math.isfinite(grad_sumsq(grads))
+        self._by_group(params)  # rejects foreign parameters before anything runs
+        if found_inf:
+            return False
+        # Through step(), so that step hooks run and lr schedulers see an optimizer step.
+        self._fused_call = (params, grads, shadows, clip_coef / grad_scale)
+        try:
+            self.step()
+        finally:
+            self._fused_call = None
+        return True
+
+    @torch.no_grad()
+    def step_layer(self, params: Sequence[torch.Tensor], upload: Sequence[torch.Tensor | None] | None = None,
+                   clip_coef: float = 1.0, grads: Sequence[torch.Tensor | None] | None = None) -> None:
+        """The engine's per-layer step: updates those of `params` that have a `.grad` and writes
+        each updated weight into upload[i] (the copy workers upload, any float dtype) in the same pass.
+        The gradients are read as grad * clip_coef (global-norm clipping folded into the pass);
+        `grads` gives them explicitly (one per parameter, None: no update; fp32, bf16 or fp16,
+        read as they are), else each parameter's `.grad`.
+
+        RoundPipe.step calls this once per layer as the layer's P-copy gate opens, so
+        the update of shallow layers overlaps the next iteration's use of deep ones.
+        Unlike step(), no step hooks run (they would fire once per layer).
+        """
+        params = list(params)
+        upload = [None] * len(params) if upload is None else list(upload)
+        if len(upload) != len(params):
+            raise ValueError(f"upload has {len(upload)} entries but params has {len(params)}; they must match")
+        _check_clip_coef(clip_coef)
+        grads = [p.grad for p in params] if grads is None else list(grads)
+        if len(grads) != len(params):
+            raise ValueError(f"grads has {len(grads)} entries but params has {len(params)}; they must match")
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape or not g.is_floating_point()):
+                what = f"a {g.dtype} tensor of shape {tuple(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__
+                raise ValueError(f"grads[{i}] is {what}; expected None or a floating tensor of shape {tuple(p.shape)}")
+        live = [i for i, g in enumerate(grads) if g is not None]
+        for gi, idx in self._by_group([params[i] for i in live]).items():
+            chosen = [live[i] for i in idx]
+            self._update(self.param_groups[gi], [params[i] for i in chosen], [grads[i] for i in chosen],
+                         [upload[i] for i in chosen], clip_coef)
+
+    # ---- shared machinery -----------------------------------------------------------------------
+    def _by_group(self, params: Sequence[torch.Tensor]) -> dict[int, list[int]]:
+        """Indices into `params` per param-group index; ValueError for a parameter not in this optimizer."""
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        members: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            if id(p) not in group_of:
+                raise ValueError(f"params[{i}] (shape {tuple(p.shape)}) is not a parameter of this optimizer")
+            members.setdefault(group_of[id(p)], []).append(i)
+        return members
+
+    def _update(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                shadows: list[torch.Tensor | None] | None, grad_mul: float) -> None:
+        if not params:
+            return
+        config = self._config(group)
+        states = self._states(params, config)
+        native = [i for i, p in enumerate(params) if native_ok(p, grads[i], list(states[i][1].values()))]
+        if native:
+            pick = lambda seq: [seq[i] for i in native]  # noqa: E731
+            self._native_step(config, pick(params), pick(grads), pick(states),
+                              pick(shadows) if shadows is not None else None, grad_mul)
+        for i in sorted(set(range(len(params))) - set(native)):
+            self._torch_step(config, params[i], grads[i], *states[i], grad_mul)
+            if shadows is not None and shadows[i] is not None:
+                shadows[i].view(-1).copy_(params[i].view(-1))
+        for state, bufs in states:
+            self._commit(state, bufs)
+
+
+def _check_clip_coef(clip_coef: float) -> None:
+    if not (clip_coef > 0 and math.isfinite(clip_coef)):
+        raise ValueError(f"clip_coef={clip_coef!r} must be a finite number > 0")
