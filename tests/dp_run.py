@@ -72,7 +72,46 @@ def run_hf(cfg: dict, rank: int = 0, world: int = 1) -> dict:
     return out
 
 
+def run_trainer(cfg: dict) -> dict:
+    """transformers.Trainer (DDP) and rp.hf.Trainer on the same tiny model and data, under torchrun."""
+    import copy
+
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)).float()
+    ref_model = copy.deepcopy(hf)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(16):
+        ids = torch.randint(1, 32, (9,), generator=g)
+        mask = torch.ones(9, dtype=torch.long)
+        mask[8 - i % 5:] = 0
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+
+    def args(out):
+        return TrainingArguments(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 max_steps=3, learning_rate=0.5, max_grad_norm=1e3, optim="sgd", report_to=[],
+                                 save_strategy="no",
+                                 seed=0, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, logging_steps=1,
+                                 average_tokens_across_devices=cfg["average_tokens"])
+    ref = transformers.Trainer(model=ref_model, args=args(cfg["out"] + ".ref"), train_dataset=rows)
+    ref.train()
+    with rp.hf.wrap(hf, devices=["cpu"] * 2, num_microbatches=2) as model:
+        trainer = rp.hf.Trainer(model=model, args=args(cfg["out"] + ".rp"), train_dataset=rows)
+        trainer.train()
+        world = model.dp.world if model.dp is not None else 1
+        final = [p.detach().clone() for p in model.parameters()]
+    return {"final": final, "ref": [p.detach().clone() for p in ref_model.parameters()], "world": world,
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "ref_losses": [h["loss"] for h in ref.state.log_history if "loss" in h]}
+
+
 def run(cfg: dict, group=None, rank: int = 0, world: int = 1) -> dict:
+    if cfg.get("model") == "trainer":
+        return run_trainer(cfg)
     if cfg.get("model") == "hf":
         return run_hf(cfg, rank, world)
     model_layers = layers()

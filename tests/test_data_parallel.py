@@ -128,3 +128,17 @@ def test_a_wrapped_hf_model_under_torchrun_trains_on_every_ranks_tokens(tmp_path
     ref = dp_run.run(dict(cfg, microbatches=4))
     assert all(torch.equal(x, y) for x, y in zip(ranks[0]["final"], ranks[1]["final"]))
     assert_close(ranks[0]["final"], ref["final"])
+
+
+@pytest.mark.parametrize("average_tokens", [True, False])
+def test_rp_hf_trainer_under_torchrun_equals_transformers_trainer_with_ddp(tmp_path, average_tokens):
+    """Two ranks: rp.hf.Trainer (the wrapped model joins the world group itself) ends with the weights
+    transformers.Trainer reaches with DDP on the same data, accumulation and schedule (SGD: scale-sensitive, so a
+    gradient twice too large would show), with per-rank or global token counts."""
+    pytest.importorskip("transformers")
+    ranks = launch(dict(model="trainer", average_tokens=average_tokens), 2, tmp_path)
+    for r in ranks:
+        assert "error" not in r, r
+        assert r["world"] == 2
+        assert_close(r["final"], r["ref"], rel=1e-4)
+    assert all(torch.equal(x, y) for x, y in zip(ranks[0]["final"], ranks[1]["final"]))

@@ -16,6 +16,8 @@ the optimizer and lr scheduler it builds, logging, callbacks, saving.  What chan
   lr scheduler and all (the one-step-stale asynchronous step is not used here).
 - gradient clipping and the logged gradient norm read `p.grad` after `model.synchronize()`.
 - saving goes through the HF model's `save_pretrained` (a PEFT model writes its adapter).
+- under torchrun the wrapped model trains data-parallel on the world group (docs/data_parallel.md);
+  the weights then equal transformers.Trainer's with DDP, with or without average_tokens_across_devices.
 - the batches stay on the CPU: TrainingArguments must resolve to the CPU device
   (`use_cpu=True` on a machine with GPUs); the GPUs are the RoundPipe's workers.
 
@@ -68,6 +70,11 @@ class Trainer(transformers.Trainer):
         if num_items_in_batch is None and labels is not None:
             # the Trainer then divides each batch's mean loss by the accumulation steps
             num_items_in_batch = count_items(shift_labels(labels)) * self.current_gradient_accumulation_steps
+        dp = self.rp_model.dp
+        if dp is not None and num_items_in_batch is not None and not getattr(self.args, "average_tokens_across_devices",
+                                                                             False):
+            # a per-rank count: DDP would average the ranks' means, the RoundPipe sums its ranks' gradients
+            num_items_in_batch = num_items_in_batch * dp.world
         loss = self.rp_model.forward_backward(**inputs, num_items_in_batch=num_items_in_batch)
         return loss.detach().to(self.args.device)
 
