@@ -137,7 +137,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
     `scale_used`: they are checked for inf/NaN over every layer before any layer is updated,
     an overflowed step updates nothing (the lr scheduler is not stepped), a good one reads
     them divided by the scale."""
-    from roundpipe.optim.adam import Adam
+    from roundpipe.optim.base import FusedOptimizer
 
     params = [p for _, p in named_params]
     scaling = _Scaling(scaler, step_index, scale_used)
@@ -149,7 +149,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
     if callable(getattr(optimizer, "step_layer", None)):
         if isinstance(optimizer, torch.optim.Optimizer):
             check_optimizer_params(optimizer, named_params)
-        native_clip = isinstance(optimizer, Adam)
+        native_clip = isinstance(optimizer, FusedOptimizer)   # rp Adam/AdamW, SGD, Adagrad, Lion
         clip = [1.0]
 
         def finish() -> None:
