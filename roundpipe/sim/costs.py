@@ -7,7 +7,14 @@ Modelling rules (so results compare with published ones):
 - the LM head (+ loss) is never recomputed: its forward and backward run in the
   last stage of the static schedules and in RoundPipe's fused stage;
 - `comm` is charged once per hop between two different workers (activation
-  forward, gradient backward), as a delay that does not occupy either worker.
+  forward, gradient backward), as a delay that does not occupy either worker;
+- the backward splits into B (input gradient, on the critical path) and W (weight
+  gradient, needed only by the optimizer step), as in Zero Bubble (Qi et al., ICLR
+  2024): W is `w_fraction` of every layer's and the head's backward-only time.
+  Only the split schedules (zb-*, roundpipe-zb) run W apart; with the default 0
+  they are their unsplit counterparts' schedules;
+- `recompute=False` (the Zero Bubble paper's model: activations kept) drops the
+  recompute from the weight-bound schedules' backward; RoundPipe always recomputes.
 
 All times are seconds per microbatch.  `bwd` here is backward *only*; the
 planner's `LayerCost.bwd_s` is recompute + backward = fwd + bwd.
@@ -36,6 +43,8 @@ class Costs:
     head_fwd: float = 0.0
     head_bwd: float = 0.0
     comm: float = 0.0
+    w_fraction: float = 0.0    # share of each backward that is the weight gradient W (0: not split)
+    recompute: bool = True     # weight-bound schedules recompute the forward in the backward
 
     def __post_init__(self):
         fwd = tuple(_check_nonneg(f"fwd[{i}]", v) for i, v in enumerate(self.fwd))
@@ -48,13 +57,19 @@ class Costs:
         object.__setattr__(self, "bwd", bwd)
         for name in ("head_fwd", "head_bwd", "comm"):
             object.__setattr__(self, name, _check_nonneg(name, getattr(self, name)))
+        w = self.w_fraction
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w <= 1:
+            raise ValueError(f"w_fraction={w!r} must be a number in [0, 1] (the weight-gradient share of a backward)")
+        object.__setattr__(self, "w_fraction", float(w))
+        if not isinstance(self.recompute, bool):
+            raise TypeError(f"recompute={self.recompute!r} must be a bool")
 
     @classmethod
     def uniform(cls, layers: int, fwd: float, bwd: float, head_fwd: float = 0.0, head_bwd: float = 0.0,
-                comm: float = 0.0) -> "Costs":
+                comm: float = 0.0, w_fraction: float = 0.0, recompute: bool = True) -> "Costs":
         if not isinstance(layers, int) or layers < 1:
             raise ValueError(f"layers={layers!r} must be an int >= 1")
-        return cls((fwd,) * layers, (bwd,) * layers, head_fwd, head_bwd, comm)
+        return cls((fwd,) * layers, (bwd,) * layers, head_fwd, head_bwd, comm, w_fraction, recompute)
 
     @property
     def num_layers(self) -> int:
@@ -66,6 +81,19 @@ class Costs:
     def backward(self, layers: range, recompute: bool = True) -> float:
         """Backward work of `layers`: recompute (forward again) + backward, or backward only."""
         return sum(self.bwd[i] + (self.fwd[i] if recompute else 0.0) for i in layers)
+
+    def input_grad(self, layers: range, recompute: bool = True) -> float:
+        """B of `layers`: recompute (if asked) + the input-gradient part of the backward."""
+        return self.backward(layers, recompute) - self.weight_grad(layers)
+
+    def weight_grad(self, layers: range) -> float:
+        """W of `layers`: the weight-gradient part of the backward."""
+        return self.w_fraction * sum(self.bwd[i] for i in layers)
+
+    @property
+    def head_weight_grad(self) -> float:
+        """W of the LM head (its dW matmul; the loss backward and dX are B)."""
+        return self.w_fraction * self.head_bwd
 
     @classmethod
     def from_planner(cls, costs: Sequence[LayerCost], comm: float = 0.0) -> "Costs":

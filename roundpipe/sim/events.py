@@ -11,6 +11,13 @@ scheduled later on the same worker is a deadlock and raises RuntimeError.
 Per task we also keep how long it waited only because of communication (its start
 minus the start it would have had with comm = 0 given the same predecessors'
 finish times): the *exposed* communication.
+
+A `deferrable` task (a weight-gradient W that only fills gaps, roundpipe-zb) is
+not run at its place in the program: it waits in its worker's queue and runs in
+the first idle gap before a later task that it fits in whole, and at the latest
+just before the worker's next task of another stage (or iteration), before a task
+that depends on it, or at the end of the program.  Since a task is placed only
+once its dependencies' end times are known, the gap before it is known exactly.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ class Task:
     mb: int
     iteration: int = 0
     deps: list[tuple[int, bool]] = field(default_factory=list)  # (task id, is a data hop)
+    deferrable: bool = False  # may be postponed into an idle gap of its stage (see the module docstring)
 
 
 @dataclass
@@ -87,6 +95,19 @@ def simulate(schedule: Schedule, comm: float) -> Run:
     done = [False] * n
     pos = [0] * len(programs)
     free = [0.0] * len(programs)
+    deferred: list[list[int]] = [[] for _ in programs]  # per worker, deferrable tasks not yet run (FIFO)
+
+    def run(w: int, i: int, ready: float, no_comm: float) -> None:
+        start[i], end[i], exposed[i] = ready, ready + tasks[i].duration, ready - no_comm
+        free[w] = end[i]
+        done[i] = True
+
+    def flush(w: int, until: float | None = None) -> None:
+        """Runs worker w's deferred tasks in order: all of them, or those that end by `until`."""
+        queue = deferred[w]
+        while queue and (until is None or free[w] + tasks[queue[0]].duration <= until):
+            run(w, queue.pop(0), free[w], free[w])
+
     remaining = n
     while remaining:
         progress = False
@@ -94,18 +115,34 @@ def simulate(schedule: Schedule, comm: float) -> Run:
             while pos[w] < len(program):
                 i = program[pos[w]]
                 t = tasks[i]
-                if not all(done[d] for d, _ in t.deps):
+                if not all(done[d] or d in deferred[w] for d, _ in t.deps):
                     break
-                no_comm = max([free[w]] + [end[d] for d, _ in t.deps])
-                ready = max([free[w]] + [end[d] + (comm if hop and tasks[d].worker != w else 0.0)
-                                         for d, hop in t.deps])
-                start[i], end[i], exposed[i] = ready, ready + t.duration, ready - no_comm
-                free[w] = end[i]
-                done[i] = True
                 pos[w] += 1
                 remaining -= 1
                 progress = True
+                if t.deferrable:
+                    deferred[w].append(i)
+                    continue
+                queue = deferred[w]
+                if queue and (any(d in queue for d, _ in t.deps)
+                              or (tasks[queue[0]].stage, tasks[queue[0]].iteration) != (t.stage, t.iteration)):
+                    flush(w)
+                no_comm = max([free[w]] + [end[d] for d, _ in t.deps])
+                ready = max([free[w]] + [end[d] + (comm if hop and tasks[d].worker != w else 0.0)
+                                         for d, hop in t.deps])
+                if queue:
+                    flush(w, until=ready)
+                    no_comm, ready = max(no_comm, free[w]), max(ready, free[w])
+                run(w, i, ready, no_comm)
+            if pos[w] == len(program) and deferred[w]:
+                flush(w)
+                progress = True
         if not progress:
+            stuck = [w for w in range(len(programs)) if deferred[w]]
+            if stuck:  # a worker waits for others while holding deferred work someone may need: run it now
+                for w in stuck:
+                    flush(w)
+                continue
             stuck = {schedule.tasks[p[k]].name for p, k in zip(programs, pos) if k < len(p)}
             raise RuntimeError(f"schedule {schedule.name!r} deadlocks: every worker waits ({sorted(stuck)})")
     return Run(schedule, comm, start, end, exposed)

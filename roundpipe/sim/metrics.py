@@ -90,3 +90,18 @@ def bubbles(trace: Trace, window: tuple[float, float] | None = None, workers: li
         last_end = max(last_end, mine[-1].end)
         kinds["drain"] += _clip(last_end, hi, lo, hi)
     return Bubbles(hi - lo, len(workers), busy, **kinds)
+
+
+def span_bubble(run) -> float:
+    """The Zero Bubble paper's bubble rate of a simulated `events.Run` (Qi et al. 2024, section 5.3):
+    (cost - work) / cost, where cost is the longest span of a worker (its first start to its last end,
+    so the fill before and the drain after a worker's own work do not count) and work is that worker's
+    busy time.  Copy tasks are left out, as in `bubbles`."""
+    best = (0.0, 0.0)
+    for program in run.schedule.programs:
+        mine = [i for i in program if run.schedule.tasks[i].cat != "copy"]
+        if mine:
+            span = max(run.end[i] for i in mine) - min(run.start[i] for i in mine)
+            best = max(best, (span, sum(run.schedule.tasks[i].duration for i in mine)))
+    span, work = best
+    return (span - work) / span if span > 0 else 0.0

@@ -21,6 +21,16 @@ iteration t-2's gradients, so a stage's work in iteration t waits for the
 backward of the same layers in iteration t-2 (the CPU optimizer time is not
 modelled; it overlaps the GPUs).
 
+Split backward (`split_w`, the "roundpipe-zb" schedule): as in Zero Bubble (Qi et
+al., ICLR 2024), a backward stage's backward is B (input gradient, which the next
+backward stage waits for) and W (weight gradient, `Costs.w_fraction` of it; the
+fused stage's W includes the LM head's).  W is a deferrable task (roundpipe.sim.
+events): it runs in an idle gap of its own slot, while the GPU waits for the next
+microbatch's gradient, and at the latest when the slot ends, since a GPU holds a
+stage's weights only for its slot (and the prefetched next one).  So the gradient
+reaches the next backward stage after R + B instead of R + B + W per stage, and
+the per-microbatch waits inside backward slots fill with W.
+
 Data parallelism (`allreduce`, W > 1 ranks, roundpipe.sim.allreduce): one rank
 is simulated, since all run the same pipeline on equally many microbatches.  An
 extra worker, the G-copy thread ("all-reduce", tasks of category "copy", which
@@ -54,7 +64,7 @@ def default_round_size(workers: int) -> int:
 
 def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: Sequence[int],
                        backward: Sequence[int], iterations: int = 1, round_size: int | None = None,
-                       g0: int = 0, allreduce: AllReduce | None = None) -> Schedule:
+                       g0: int = 0, allreduce: AllReduce | None = None, split_w: bool = False) -> Schedule:
     """Builds `iterations` RoundPipe iterations; `backward[0]` is the fused stage (may be 0 layers).
 
     With `allreduce` over W > 1 ranks, worker N (named "all-reduce") runs each iteration's reduction."""
@@ -83,7 +93,9 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
     meta = {"forward": list(forward), "backward": list(backward), "round_size": round_size}
     if buckets:
         meta["ranks"] = allreduce.ranks
-    sched = Schedule("roundpipe" if iterations == 1 else "roundpipe-async", N + (1 if buckets else 0), meta=meta,
+    name = ("roundpipe" if iterations == 1 else "roundpipe-async") + ("-zb" if split_w else "")
+    meta["w_fraction"] = costs.w_fraction if split_w else 0.0
+    sched = Schedule(name, N + (1 if buckets else 0), meta=meta,
                      names={N: "all-reduce"} if buckets else {})
     ids: dict[tuple, object] = {}  # task ids, and per ("done", it, j) lists
     slots = [("F", j) for j in range(k)] + [("B", j) for j in range(len(backward))]
@@ -94,7 +106,7 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
             for i, (phase, j) in enumerate(slots):
                 w = (g + i) % N
                 for m in mbs:
-                    _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused)
+                    _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused, split_w)
             g += len(slots)
         if buckets:
             _add_reduction(sched, ids, N, it, len(backward), buckets, allreduce.bucket_times())
@@ -110,7 +122,7 @@ def _add_reduction(sched, ids, worker, it, stages, buckets, seconds) -> None:
             ids["reduced", it, layer] = i
 
 
-def _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused) -> None:
+def _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused, split_w) -> None:
     """Adds microbatch m of slot (phase, j) of iteration `it` on worker w, with its dependencies."""
     stale = []  # async weights: every backward of the same layers in iteration it - 2 is done
     if it >= 2:
@@ -127,16 +139,20 @@ def _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, pro
                            deps + stale))
         ids["F", it, j, m] = i
         return
+    r = bwd_ranges[j]
+    wgrad = costs.weight_grad(r) + (costs.head_weight_grad if j == 0 else 0.0) if split_w else 0.0
     if j == 0:
         deps = [(ids["F", it, len(fwd_ranges) - 1, m], True)] if fwd_ranges else []
         work = costs.backward(fused, recompute=False) + costs.forward(fused) + costs.head_fwd + costs.head_bwd
-        i = sched.add(Task(w, f"B1 mb{m}", "fused", work, "B1", m, it, deps + stale))
+        i = sched.add(Task(w, f"B1 mb{m}", "fused", work - wgrad, "B1", m, it, deps + stale))
     else:
-        r = bwd_ranges[j]
         deps = [(ids["F", it, producer[r.start], m], True)] if r.start > 0 else []
         rec = sched.add(Task(w, f"B{j + 1} mb{m} recompute", "recompute", costs.forward(r), f"B{j + 1}", m, it,
                              deps + stale))
-        i = sched.add(Task(w, f"B{j + 1} mb{m}", "backward", costs.backward(r, recompute=False), f"B{j + 1}", m,
-                           it, [(rec, False), (ids["B", it, j - 1, m], True)]))
+        i = sched.add(Task(w, f"B{j + 1} mb{m}", "backward", costs.backward(r, recompute=False) - wgrad,
+                           f"B{j + 1}", m, it, [(rec, False), (ids["B", it, j - 1, m], True)]))
     ids["B", it, j, m] = i
     ids.setdefault(("done", it, j), []).append(i)
+    if split_w:
+        ids["done", it, j].append(sched.add(Task(w, f"B{j + 1} mb{m} W", "wgrad", wgrad, f"B{j + 1}", m, it,
+                                                 [(i, False)], deferrable=True)))

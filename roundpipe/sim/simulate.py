@@ -8,6 +8,11 @@
 Partitions: static schedules take stage sizes (default: balanced, see
 static.default_sizes); RoundPipe takes (forward sizes, backward sizes) with the
 fused stage first, or a `Plan` over `costs.planner_costs()` (default: the planner's).
+Zero Bubble schedules (roundpipe.sim.zerobubble: "zb-h1", "zb-h2", "zb-v") take
+stage sizes like the static ones (zb-v: two chunks per worker) and split each
+backward into B and W by `costs.w_fraction`; "roundpipe-zb" is synchronous
+RoundPipe with that split (roundpipe.sim.roundpipe).  `Result.span_bubble` is the
+Zero Bubble paper's bubble rate (largest worker span over its work).
 For "roundpipe-async" the reported makespan is the steady-state time per
 iteration, measured between the ends of the second and of the second-to-last of
 `iterations` overlapping iterations, and the bubbles are those of that window.
@@ -25,12 +30,13 @@ from roundpipe.engine.plan import Plan
 from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs, sizes_from_plan
 from roundpipe.sim.events import Run, simulate as run_schedule
-from roundpipe.sim.metrics import Bubbles, bubbles
+from roundpipe.sim.metrics import Bubbles, bubbles, span_bubble
 from roundpipe.sim.roundpipe import roundpipe_schedule
 from roundpipe.sim.static import STATIC, default_sizes, static_schedule
+from roundpipe.sim.zerobubble import ZERO_BUBBLE, zero_bubble_schedule
 from roundpipe.trace import Trace
 
-SCHEDULES = STATIC + ("roundpipe", "roundpipe-async")
+SCHEDULES = STATIC + ZERO_BUBBLE + ("roundpipe", "roundpipe-async", "roundpipe-zb")
 
 
 @dataclass
@@ -43,6 +49,12 @@ class Result:
     partition: object         # stage sizes, or (forward sizes, backward sizes) for RoundPipe
     reduction: float = 0.0    # seconds of gradient all-reduce per iteration (data parallel; 0 for one rank)
 
+    @property
+    def span_bubble(self) -> float:
+        """The Zero Bubble paper's bubble rate (its section 5.3): (cost - work) / cost, cost the longest
+        worker span (first start to last end), work that worker's busy time."""
+        return span_bubble(self.run)
+
     def trace(self) -> Trace:
         return self.run.trace()
 
@@ -51,7 +63,7 @@ class Result:
         capacity = self.makespan * self.bubbles.workers or 1.0
         return {"schedule": self.schedule, "makespan_ms": 1e3 * self.makespan, **self.bubbles.percent(),
                 "exposed_comm_ms": 1e3 * self.exposed_comm, "exposed_comm": 100 * self.exposed_comm / capacity,
-                "partition": self.partition}
+                "span_bubble": 100 * self.span_bubble, "partition": self.partition}
 
 
 def roundpipe_sizes(costs: Costs, workers: int, microbatches: int,
@@ -76,11 +88,16 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
             raise ValueError(f"{name}={v!r} must be an int >= 1")
     if allreduce is not None and not isinstance(allreduce, AllReduce):
         raise TypeError(f"allreduce={allreduce!r} must be a roundpipe.sim.AllReduce or None")
-    if schedule in STATIC:
+    if schedule in STATIC + ZERO_BUBBLE:
         if allreduce is not None:
             raise ValueError(f"allreduce is modelled for 'roundpipe' and 'roundpipe-async' only, not {schedule!r}")
-        sizes = list(partition) if partition is not None else default_sizes(schedule, costs, workers, chunks)
-        run = run_schedule(static_schedule(schedule, costs, workers, microbatches, sizes), costs.comm)
+        if schedule in ZERO_BUBBLE:
+            sizes = list(partition) if partition is not None else default_sizes(schedule, costs, workers, 2)
+            sched = zero_bubble_schedule(schedule, costs, workers, microbatches, sizes)
+        else:
+            sizes = list(partition) if partition is not None else default_sizes(schedule, costs, workers, chunks)
+            sched = static_schedule(schedule, costs, workers, microbatches, sizes)
+        run = run_schedule(sched, costs.comm)
         b = bubbles(run.trace(), (0.0, run.makespan))
         return Result(schedule, run, run.makespan, b, sum(run.exposed), sizes)
     if partition is None:
@@ -91,12 +108,14 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
         if not (isinstance(partition, (tuple, list)) and len(partition) == 2):
             raise TypeError(f"partition={partition!r} for RoundPipe must be (forward sizes, backward sizes) or a Plan")
         fwd, bwd = list(partition[0]), list(partition[1])
-    n_it = 1 if schedule == "roundpipe" else iterations
+    if not costs.recompute:
+        raise ValueError(f"costs.recompute=False: {schedule} always recomputes (only stage inputs are kept)")
+    n_it = iterations if schedule == "roundpipe-async" else 1
     if schedule == "roundpipe-async" and n_it < 4:
         raise ValueError(f"iterations={iterations} must be >= 4 for roundpipe-async (the first and last are "
                          "left out of the steady-state window)")
     run = run_schedule(roundpipe_schedule(costs, workers, microbatches, fwd, bwd, n_it, round_size,
-                                          allreduce=allreduce), costs.comm)
+                                          allreduce=allreduce, split_w=schedule == "roundpipe-zb"), costs.comm)
     reduction = allreduce.time() if allreduce is not None else 0.0
     if n_it == 1:
         b = bubbles(run.trace(), (0.0, run.makespan))

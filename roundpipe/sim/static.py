@@ -62,7 +62,7 @@ def static_schedule(kind: str, costs: Costs, workers: int, microbatches: int,
     starts = [sum(sizes[:s]) for s in range(S)]
     ranges = [range(a, a + n) for a, n in zip(starts, sizes)]
     fwd = [costs.forward(r) for r in ranges]
-    bwd = [costs.backward(r) for r in ranges]
+    bwd = [costs.backward(r, costs.recompute) for r in ranges]
     fwd[-1] += costs.head_fwd
     bwd[-1] += costs.head_bwd
     sched = Schedule(kind, N, meta={"stages": sizes, "chunks": v})
@@ -90,11 +90,11 @@ def static_schedule(kind: str, costs: Costs, workers: int, microbatches: int,
 
 def default_sizes(kind: str, costs: Costs, workers: int, chunks: int = 2) -> list[int]:
     """The balanced partition for a static schedule: minimises the largest stage's F + B time
-    (head included in the last stage) over `workers` stages, or `workers * chunks` when looped."""
+    (head included in the last stage) over `workers` stages, or `workers * chunks` when looped (zb-v: 2 chunks)."""
     from roundpipe.planner.partition import balanced_split
 
-    stages = workers * (chunks if kind in ("interleaved-1f1b", "looped-bfs") else 1)
-    weights = [2 * f + b for f, b in zip(costs.fwd, costs.bwd)]
+    stages = workers * (chunks if kind in ("interleaved-1f1b", "looped-bfs", "zb-v") else 1)
+    weights = [(2 if costs.recompute else 1) * f + b for f, b in zip(costs.fwd, costs.bwd)]
     weights[-1] += costs.head_fwd + costs.head_bwd
     if stages > len(weights):
         raise ValueError(f"{kind} on {workers} workers needs {stages} stages but the model has only "
