@@ -7,7 +7,14 @@
     roundpipe simulate --schedule roundpipe-async --gpus 8 --microbatches 16 --layers 32 \
         --fwd 1 --bwd 2 --ranks 4 --allreduce-gbps 20 --allreduce-latency-us 10 --grad-mb-per-layer 800
 
-Times are milliseconds per microbatch.  --partition gives stage sizes in layers:
+    roundpipe simulate --schedule zb-h1 --gpus 4 --microbatches 8 --layers 4 \
+        --fwd 1 --bwd 2 --w-fraction 0.5 --no-recompute      # F = B = W = 1, the Zero Bubble paper's model
+
+Times are milliseconds per microbatch.  --w-fraction splits every backward into B
+(input gradient) and W (weight gradient, that share of it) for the split schedules
+(zb-h1, zb-h2, zb-v, roundpipe-zb); the others run B and W together as before.
+"span bubble" is the Zero Bubble paper's bubble rate (longest worker span over its
+work: a worker's own fill and drain do not count).  --partition gives stage sizes in layers:
 "3,3,4" for the static schedules, "forward...|backward..." for RoundPipe, where the
 backward list starts with the fused stage and may start with 0 (a fused stage
 holding only the LM head and loss).  Without it the static schedules use the
@@ -82,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-fwd", type=float, default=0.0, help="LM head + loss forward ms")
     p.add_argument("--head-bwd", type=float, default=0.0, help="LM head + loss backward ms")
     p.add_argument("--comm", type=float, default=0.0, help="ms per hop between two different GPUs")
+    p.add_argument("--w-fraction", type=_number(float, 0), default=0.0,
+                   help="weight-gradient share W of each backward (0..1) for zb-* and roundpipe-zb")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="weight-bound schedules keep activations (no recompute in the backward)")
     p.add_argument("--partition", default=None, help='stage sizes: "3,3,4", or "fwd...|bwd..." for RoundPipe')
     p.add_argument("--chunks", type=int, default=2, help="stages per GPU for interleaved-1f1b / looped-bfs")
     p.add_argument("--iterations", type=int, default=6, help="overlapping iterations for roundpipe-async")
@@ -110,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ms = 1e-3
         costs = Costs.uniform(args.layers, args.fwd * ms, args.bwd * ms, args.head_fwd * ms, args.head_bwd * ms,
-                              args.comm * ms)
+                              args.comm * ms, args.w_fraction, not args.no_recompute)
         kwargs = dict(partition=parse_partition(args.partition, args.schedule), chunks=args.chunks,
                       iterations=args.iterations, round_size=args.round_size)
         if allreduce is None:
@@ -136,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{args.schedule}: makespan {summary['makespan_ms']:.3f} ms, bubble {summary['bubble_ratio']:.2f}% "
               f"(fill {summary['fill']:.2f}, switch {summary['switch']:.2f}, drain {summary['drain']:.2f}, "
-              f"steady {summary['steady']:.2f}), exposed comm {summary['exposed_comm']:.2f}%, "
-              f"partition {summary['partition']}")
+              f"steady {summary['steady']:.2f}), span bubble {summary['span_bubble']:.2f}%, "
+              f"exposed comm {summary['exposed_comm']:.2f}%, partition {summary['partition']}")
         if dp is not None:
             d = summary["data_parallel"]
             print(f"data parallel: {d['ranks']} ranks, {d['iteration_ms']:.3f} ms per iteration (one rank alone "

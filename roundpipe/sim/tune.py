@@ -39,8 +39,8 @@ def best_partition(costs: Costs, workers: int, microbatches: int, schedule: str 
     Candidates come from `layer_costs` (the planner's view: layers + head, with their
     memory; default `costs.planner_costs()`, which carries no memory sizes, so pass
     them whenever `memory_budget` should bind)."""
-    if schedule not in ("roundpipe", "roundpipe-async"):
-        raise ValueError(f"schedule={schedule!r} must be 'roundpipe' or 'roundpipe-async'")
+    if schedule not in ("roundpipe", "roundpipe-async", "roundpipe-zb"):
+        raise ValueError(f"schedule={schedule!r} must be 'roundpipe', 'roundpipe-async' or 'roundpipe-zb'")
     layer_costs = costs.planner_costs() if layer_costs is None else check_costs(layer_costs)
     if len(layer_costs) != costs.num_layers + 1:
         raise ValueError(f"layer_costs has {len(layer_costs)} entries; expected {costs.num_layers + 1} "

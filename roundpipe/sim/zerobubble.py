@@ -81,7 +81,7 @@ def unit_orders(kind: str, workers: int, microbatches: int) -> list[list[tuple[s
         for w in range(workers):
             if not left[w]:
                 continue
-            in_warmup = not last[w] and fwds[w] < warmup[w]
+            in_warmup = not last[w] and fwds[w] < min(warmup[w], M * len(positions[w]))
             allow_f = held[w] < limit and (in_warmup or last[w] != "F")
             allow_b = not in_warmup and (last[w] != "B" or fwds[w] == M * len(positions[w]))
             f_order = b_order = sorted(positions[w], reverse=True)
