@@ -1,9 +1,11 @@
 """Discrete-event simulator of pipeline schedules (GPipe, 1F1B, interleaved 1F1B,
-looped BFS, RoundPipe synchronous and asynchronous).
+looped BFS, Zero Bubble ZB-H1/ZB-H2/ZB-V, RoundPipe synchronous, asynchronous and
+with a split backward).
 
     costs      Costs: per-layer/head times and per-hop communication (the modelling rules)
     events     Task, Schedule, simulate: the event core (workers run programs in order)
     static     weight-bound schedules;  roundpipe: round-robin dispatch
+    zerobubble ZB-H1, ZB-H2, ZB-V: backward split into B and W (Costs.w_fraction)
     metrics    bubble ratio split into fill / switch / drain / steady, for any Trace
     simulate   simulate(schedule, costs, workers, microbatches, ...) -> Result
     allreduce  AllReduce: data-parallel ranks and their bucketed ring all-reduce of gradients

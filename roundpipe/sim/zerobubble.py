@@ -111,7 +111,7 @@ def unit_orders(kind: str, workers: int, microbatches: int) -> list[list[tuple[s
             left[w] -= 1
         if not any(left):
             return orders
-    raise AssertionError(f"{kind}: list scheduling did not finish: {orders}")  # pragma: no cover - would be a bug
+    raise AssertionError(f"{kind}: list scheduling did not finish")  # pragma: no cover - would be a bug
 
 
 def _pick(t, S, M, next_f, next_b, f_end, b_end, b_order, f_order):
