@@ -65,21 +65,12 @@ from roundpipe.engine.plan import Plan  # noqa: E402
 from roundpipe.models.sleep import sleep_layers  # noqa: E402
 from roundpipe.planner.partition import plan as partition_plan  # noqa: E402
 from roundpipe.sim import AllReduce, Costs, data_parallel  # noqa: E402
-from roundpipe.trace import Trace  # noqa: E402
+
+from overlap import iteration_ends  # noqa: E402  (bench/overlap.py, beside this file)
 
 WORKERS = 2   # CPU workers per rank
 ROWS = 2      # samples per microbatch
 SCHEDULES = ("roundpipe", "roundpipe-async")
-
-
-def iteration_ends(trace: Trace) -> list[float]:
-    """End of each iteration's last compute span (copies left out)."""
-    ends: dict[int, float] = {}
-    for e in trace.events:
-        if e.cat != "copy":
-            i = e.args["iteration"]
-            ends[i] = max(ends.get(i, e.end), e.end)
-    return [ends[i] for i in sorted(ends)]
 
 
 def calibrate(width: int, fwd_s: float, bwd_s: float, repeat: int = 30) -> tuple[float, float]:
