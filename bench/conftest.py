@@ -1,6 +1,6 @@
 """The microbenchmarks as a pytest-benchmark suite: `pytest bench --benchmark-only`.
 
-The programs in this folder (cpu_adam.py, dispatch.py, kernels.py, schedules.py) and
+The programs in this folder (cpu_optim.py, dispatch.py, kernels.py, schedules.py) and
 `roundpipe bench NAME` are the benchmarks proper: providers side by side, tables,
 JSON rows with their provenance.  The test_*.py files here time the same operations
 at small sizes with pytest-benchmark, so two machines (or two commits) can be
@@ -22,7 +22,7 @@ from pathlib import Path
 from roundpipe.testing import triton_interpreter_unless_cuda  # noqa: E402
 
 HAS_CUDA = triton_interpreter_unless_cuda()   # before any kernel module is imported
-# The programs beside this file are imported by name (cpu_adam, dispatch, kernels).
+# The programs beside this file are imported by name (cpu_optim, dispatch, kernels).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402

@@ -18,7 +18,7 @@ Providers, each in a fresh subprocess (so its peak RSS is its own), same batches
     roundpipe async   the same with the one-step-stale asynchronous step
     deepspeed         ZeRO-2 with the optimizer offloaded to the CPU (ZeRO-Offload), bf16, one GPU;
                       only with a GPU and a deepspeed importable from --peer-path /
-                      $ROUNDPIPE_PEER_PATH, a separate folder as in bench/cpu_adam.py (never a
+                      $ROUNDPIPE_PEER_PATH, a separate folder as in bench/cpu_optim.py (never a
                       roundpipe dependency); skipped with the reason otherwise
 
 Columns: tokens/s of the median timed step (after warm-up steps; an asynchronous run's wait for its

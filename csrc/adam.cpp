@@ -9,7 +9,6 @@
 
 #include <cmath>
 
-#include "cpu_features.h"
 #include "multi_tensor.h"
 #include "vec_scalar.h"
 
@@ -47,23 +46,8 @@ void adam_range_scalar(const AdamTensor& t, const AdamCoeffs& c, size_t begin, s
 }
 
 void adam_step(const AdamTensor* tensors, size_t count, const AdamOptions& opt) {
-  using Fn = void (*)(const AdamTensor&, const AdamCoeffs&, size_t, size_t);
-  Fn fn = adam_range_scalar;
-  switch (simd_level()) {
-    case SimdLevel::Avx512: fn = adam_range_avx512; break;
-    case SimdLevel::Avx2: fn = adam_range_avx2; break;
-    default: break;
-  }
-  std::vector<size_t> sizes(count);
-  std::vector<AdamCoeffs> coeffs(count);
-  for (size_t k = 0; k < count; ++k) {
-    sizes[k] = tensors[k].n;
-    coeffs[k] = adam_coeffs(opt, tensors[k].step);
-  }
-  // 32 elements = one cache line of the bf16 shadow, two of the fp32 state.
-  // 32K elements (~0.9 MB of traffic) per thread before a second one helps.
-  TensorRanges ranges(sizes.data(), count, 32, size_t{1} << 15);
-  ranges.run([&](int, size_t k, size_t b, size_t e) { fn(tensors[k], coeffs[k], b, e); });
+  step_group<AdamTensor, AdamCoeffs>(tensors, count, [&](const AdamTensor& t) { return adam_coeffs(opt, t.step); },
+                                     adam_range_scalar, adam_range_avx2, adam_range_avx512);
 }
 
 }  // namespace rp

@@ -4,9 +4,6 @@
 
 #include "optimizers.h"
 
-#include <vector>
-
-#include "cpu_features.h"
 #include "multi_tensor.h"
 #include "vec_scalar.h"
 
@@ -51,23 +48,8 @@ void optim_range_scalar(const OptimTensor& t, const OptimCoeffs& c, size_t begin
 }
 
 void optim_step(const OptimTensor* tensors, size_t count, const OptimOptions& opt) {
-  using Fn = void (*)(const OptimTensor&, const OptimCoeffs&, size_t, size_t);
-  Fn fn = optim_range_scalar;
-  switch (simd_level()) {
-    case SimdLevel::Avx512: fn = optim_range_avx512; break;
-    case SimdLevel::Avx2: fn = optim_range_avx2; break;
-    default: break;
-  }
-  std::vector<size_t> sizes(count);
-  std::vector<OptimCoeffs> coeffs(count);
-  for (size_t k = 0; k < count; ++k) {
-    sizes[k] = tensors[k].n;
-    coeffs[k] = optim_coeffs(opt, tensors[k]);
-  }
-  // As adam_step: 32 elements = one cache line of a bf16 shadow; 32K elements
-  // per thread before a second one helps.
-  TensorRanges ranges(sizes.data(), count, 32, size_t{1} << 15);
-  ranges.run([&](int, size_t k, size_t b, size_t e) { fn(tensors[k], coeffs[k], b, e); });
+  step_group<OptimTensor, OptimCoeffs>(tensors, count, [&](const OptimTensor& t) { return optim_coeffs(opt, t); },
+                                       optim_range_scalar, optim_range_avx2, optim_range_avx512);
 }
 
 }  // namespace rp

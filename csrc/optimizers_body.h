@@ -27,6 +27,13 @@ struct OptimVecs {
     const Vec x = vmul(GK::load(g), grad_mul);
     return maximize ? vmul(x, minus_one) : x;
   }
+
+  // The gradient with weight decay as an L2 term (SGD, Adagrad): fma(p, wd, g).
+  template <class GK>
+  Vec l2_grad(const typename GK::T* g, Vec param) const {
+    const Vec x = grad<GK>(g);
+    return decay ? vfma(param, weight_decay, x) : x;
+  }
 };
 
 // Each kind's update of one vector: weight p, gradient g, state st (a valid
@@ -34,9 +41,8 @@ struct OptimVecs {
 struct SgdOp {
   template <class GK, class SK>
   static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
-    Vec grad = k.grad<GK>(g);
     Vec param = F32K::load(p);
-    if (k.decay) grad = vfma(param, k.weight_decay, grad);
+    Vec grad = k.l2_grad<GK>(g, param);
     if (k.momentum) {
       const Vec buf = k.first ? grad : vfma(grad, k.b, vmul(F32K::load(st), k.a));
       F32K::store(st, buf);
@@ -51,9 +57,8 @@ struct SgdOp {
 struct AdagradOp {
   template <class GK, class SK>
   static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
-    Vec grad = k.grad<GK>(g);
     Vec param = F32K::load(p);
-    if (k.decay) grad = vfma(param, k.weight_decay, grad);
+    const Vec grad = k.l2_grad<GK>(g, param);
     const Vec sum = vfma(grad, grad, F32K::load(st));
     F32K::store(st, sum);
     param = vadd(param, vdiv(vmul(k.neg_lr, grad), vadd(vsqrt(sum), k.eps)));

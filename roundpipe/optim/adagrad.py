@@ -17,7 +17,8 @@ from typing import Any, Iterable
 import torch
 
 from roundpipe import _native
-from roundpipe.optim.base import Buffers, FusedOptimizer, check_flags, check_nonneg, native_buffers, reject_unsupported
+from roundpipe.optim.base import (Buffers, FusedOptimizer, check_flags, check_nonneg, native_buffers,
+                                  reject_unsupported, torch_grad)
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,7 @@ class Adagrad(FusedOptimizer):
 
     def _torch_step(self, config: AdagradConfig, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
                     bufs: Buffers, grad_mul: float) -> None:
-        g = grad.view_as(p).to(p.dtype)
-        if grad_mul != 1.0:
-            g = g * grad_mul
-        if config.maximize:
-            g = -g
-        if config.weight_decay != 0:
-            g = g.add(p, alpha=config.weight_decay)
+        g = torch_grad(p, grad, grad_mul, config.maximize, config.weight_decay)
         clr = config.lr / (1 + (self._step_of(state) - 1) * config.lr_decay)
         total = bufs["sum"].addcmul_(g, g, value=1)
         p.addcdiv_(g, total.sqrt().add_(config.eps), value=-clr)

@@ -59,6 +59,18 @@ def reject_unsupported(name: str, capturable: bool = False, differentiable: bool
                          f"supports neither; use torch.optim.{name} for them")
 
 
+def torch_grad(p: torch.Tensor, grad: torch.Tensor, grad_mul: float, maximize: bool, l2: float = 0.0,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The torch fallback's gradient, as the kernels read it: `grad` (p's element count, any float
+    dtype) in `dtype` (default p's) times grad_mul, negated to maximize, plus the L2 term l2 * p."""
+    g = grad.view_as(p).to(dtype or p.dtype)
+    if grad_mul != 1.0:
+        g = g * grad_mul
+    if maximize:
+        g = -g
+    return g.add(p, alpha=l2) if l2 != 0 else g
+
+
 def native_buffers(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    shadows: Sequence[torch.Tensor | None] | None) -> dict[str, list]:
     """The address lists every native optimizer step takes (params, grads, shadows, numels).

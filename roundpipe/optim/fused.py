@@ -5,7 +5,7 @@ bf16 or fp16), multiplies it by `grad_mul` (clip_coef / loss_scale), updates the
 fp32 weight and moments, and writes the weight's low-precision shadow copy (the
 next upload) in the same pass.  The sequence torch needs for the same result,
 `g.float() * inv_scale -> AdamW(fused=True) -> w.to(bf16)`, streams the state
-three times; see bench/cpu_adam.py for the measured difference.
+three times; see bench/cpu_optim.py for the measured difference.
 
 The native kernel (roundpipe._C.adam_step, GIL released) performs torch's fused
 CPU AdamW arithmetic operation by operation, so with fp32 gradients the weights
@@ -29,7 +29,7 @@ import torch
 
 from roundpipe import _native
 from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real, tensor_list
-from roundpipe.optim.base import check_betas, check_flags, check_nonneg
+from roundpipe.optim.base import check_betas, check_flags, check_nonneg, torch_grad
 
 _F32 = {torch.float32: "float32"}
 
@@ -178,16 +178,10 @@ def _torch_step(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
                 max_exp_avg_sq: torch.Tensor | None, step: float, config: AdamConfig, grad_mul: float = 1.0) -> None:
     """One tensor's update with torch ops (any device and float dtype), in the kernel's order."""
     beta1, beta2 = config.betas
-    g = grad.view_as(p).to(exp_avg.dtype)
-    if grad_mul != 1.0:
-        g = g * grad_mul
-    if config.maximize:
-        g = -g
-    if config.weight_decay != 0:
-        if config.decoupled:
-            p.mul_(1 - config.lr * config.weight_decay)
-        else:
-            g = g.add(p, alpha=config.weight_decay)
+    g = torch_grad(p, grad, grad_mul, config.maximize, 0.0 if config.decoupled else config.weight_decay,
+                   exp_avg.dtype)
+    if config.decoupled and config.weight_decay != 0:
+        p.mul_(1 - config.lr * config.weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     bias_correction1 = 1 - beta1**step

@@ -20,7 +20,8 @@ from typing import Any, Iterable
 import torch
 
 from roundpipe import _native
-from roundpipe.optim.base import Buffers, FusedOptimizer, check_betas, check_flags, check_nonneg, native_buffers
+from roundpipe.optim.base import (Buffers, FusedOptimizer, check_betas, check_flags, check_nonneg, native_buffers,
+                                  torch_grad)
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,7 @@ class Lion(FusedOptimizer):
     def _torch_step(self, config: LionConfig, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
                     bufs: Buffers, grad_mul: float) -> None:
         beta1, beta2 = config.betas
-        g = grad.view_as(p).to(p.dtype)
-        if grad_mul != 1.0:
-            g = g * grad_mul
-        if config.maximize:
-            g = -g
+        g = torch_grad(p, grad, grad_mul, config.maximize)
         if config.weight_decay != 0:
             p.mul_(1 - config.lr * config.weight_decay)
         m = bufs["exp_avg"]

@@ -17,7 +17,8 @@ from typing import Any, Iterable
 import torch
 
 from roundpipe import _native
-from roundpipe.optim.base import Buffers, FusedOptimizer, check_flags, check_nonneg, native_buffers, reject_unsupported
+from roundpipe.optim.base import (Buffers, FusedOptimizer, check_flags, check_nonneg, native_buffers,
+                                  reject_unsupported, torch_grad)
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,7 @@ class SGD(FusedOptimizer):
 
     def _torch_step(self, config: SGDConfig, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
                     bufs: Buffers, grad_mul: float) -> None:
-        g = grad.view_as(p).to(p.dtype)
-        if grad_mul != 1.0:
-            g = g * grad_mul
-        if config.maximize:
-            g = -g
-        if config.weight_decay != 0:
-            g = g.add(p, alpha=config.weight_decay)
+        g = torch_grad(p, grad, grad_mul, config.maximize, config.weight_decay)
         if config.momentum != 0:
             buf = bufs["momentum_buffer"]
             if state.get("momentum_buffer") is None:   # a new buffer takes the gradient as it is
