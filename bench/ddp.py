@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from roundpipe.bench.runner import Report, add_common_args  # noqa: E402
+from roundpipe.bench.runner import Report, add_common_args, median_time  # noqa: E402
 from roundpipe.engine.plan import Plan  # noqa: E402
 from roundpipe.models.sleep import sleep_layers  # noqa: E402
 from roundpipe.planner.partition import plan as partition_plan  # noqa: E402
@@ -76,25 +76,17 @@ SCHEDULES = ("roundpipe", "roundpipe-async")
 def calibrate(width: int, fwd_s: float, bwd_s: float, repeat: int = 30) -> tuple[float, float]:
     """Median forward and backward seconds of one sleep layer on a microbatch, plain PyTorch on one
     thread as the ranks run (a sleep overshoots; the Linear, Python and autograd add their part;
-    the median, as other jobs on the machine only ever add time)."""
+    medians, as other jobs on the machine only ever add time)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         layer = sleep_layers(1, width=width, fwd_s=fwd_s, bwd_s=bwd_s)[0]
         x = torch.randn(ROWS, width, requires_grad=True)
-        fwd, bwd = [], []
-        for i in range(repeat + 2):
-            t0 = time.perf_counter()
-            out = layer(x)
-            t1 = time.perf_counter()
-            out.sum().backward()
-            t2 = time.perf_counter()
-            if i >= 2:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
+        fwd = median_time(lambda: layer(x), repeat=repeat)
+        both = median_time(lambda: layer(x).sum().backward(), repeat=repeat)
     finally:
         torch.set_num_threads(threads)
-    return statistics.median(fwd), statistics.median(bwd)
+    return fwd, both - fwd
 
 
 # ---- one rank (a subprocess of `measure`)
