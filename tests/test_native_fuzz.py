@@ -161,7 +161,8 @@ def gen_cpu(draw, _):
 
 
 def gen_kernels(draw, _):
-    op = draw(st.sampled_from(["convert", "accumulate", "grad_sumsq", "adam_step"]))
+    op = draw(st.sampled_from(["convert", "accumulate", "grad_sumsq", "adam_step", "sgd_step", "adagrad_step",
+                               "lion_step"]))
     if op == "convert":
         sd, dd = dtype_name(draw), dtype_name(draw)
         kind, n = buffer_arg(draw, [elem_of(sd), elem_of(dd)])
@@ -185,6 +186,8 @@ def gen_kernels(draw, _):
             lists["numels"].append(n)
         lists = perturb(draw, lists)
         return op, [lists["grads"], lists["dtypes"], lists["numels"]], {}
+    if op != "adam_step":
+        return gen_optim(draw, op, count)
     # adam_step: a slice of a distinct pool buffer per role and tensor, so that the kernel runs
     amsgrad = draw(st.booleans())
     keys = ("params", "grads", "grad_dtypes", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "shadows",
@@ -219,6 +222,54 @@ def gen_kernels(draw, _):
               {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "grad_mul": 1.0}.items()}
     kwargs.update(decoupled=draw(st.booleans()), amsgrad=mostly(draw, st.just(amsgrad), st.just(not amsgrad), 1),
                   maximize=draw(st.booleans()))
+    return op, [lists[k] for k in keys], kwargs
+
+
+# sgd_step / adagrad_step / lion_step: their state list, per-tensor extras and options
+OPTIM = {
+    "sgd_step": ("momentum_buffers", "firsts",
+                 {"lr": 1e-2, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "grad_mul": 1.0},
+                 ("nesterov", "maximize")),
+    "adagrad_step": ("sums", "steps", {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.01, "eps": 1e-10,
+                                       "grad_mul": 1.0}, ("maximize",)),
+    "lion_step": ("exp_avgs", None, {"lr": 1e-4, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.01,
+                                     "grad_mul": 1.0}, ("maximize",)),
+}
+
+
+def gen_optim(draw, op, count):
+    """The other fused optimizers: a distinct pool slice per role and tensor (so the kernel runs), then
+    the same perturbations of lists and options as adam_step."""
+    state, extra, options, flags = OPTIM[op]
+    keys = ("params", "grads", "grad_dtypes", state, "shadows", "shadow_dtypes", "numels") + ((extra,) if extra else ())
+    lists = {k: [] for k in keys}
+    bufs = draw(st.permutations(range(POOL)))
+    for i in range(count):
+        gd, sd = dtype_name(draw), dtype_name(draw)
+        kind, n = buffer_arg(draw, [4, elem_of(gd), elem_of(sd)])
+        if kind == "pool" and isinstance(n, int) and 0 <= n < U64:
+            n = min(n, POOL_BYTES // 4 // max(count, 1))
+
+        def addr(role):
+            if kind != "pool":
+                return address(draw, kind)
+            slot = {"$buf": bufs[role], "off": i * (POOL_BYTES // max(count, 1))}
+            return mostly(draw, st.just(slot), st.just(pool_addr(draw)), 1)
+
+        lists["params"].append(addr(0))
+        lists["grads"].append(addr(1))
+        lists["grad_dtypes"].append(gd)
+        lists[state].append(addr(2))
+        lists["shadows"].append(mostly(draw, st.just(addr(3)), st.just(0), 3))
+        lists["shadow_dtypes"].append(sd)
+        lists["numels"].append(n)
+        if extra == "firsts":
+            lists[extra].append(draw(st.booleans()))
+        elif extra == "steps":
+            lists[extra].append(mostly(draw, st.sampled_from([1.0, 2.0, 1e9]), floats))
+    lists = perturb(draw, lists)
+    kwargs = {k: mostly(draw, st.just(v), floats, 1) for k, v in options.items()}
+    kwargs.update({f: draw(st.booleans()) for f in flags})
     return op, [lists[k] for k in keys], kwargs
 
 
@@ -461,7 +512,7 @@ def gen_wrap_offload(draw, outcomes):
 SURFACE = {
     "cpu": ["simd_level", "best_simd_level", "cpu_features", "num_threads", "openmp", "cuda_status", "cuda_flavor",
             "set_simd_level", "set_num_threads"],
-    "kernels": ["convert", "accumulate", "grad_sumsq", "adam_step"],
+    "kernels": ["convert", "accumulate", "grad_sumsq", "adam_step", "sgd_step", "adagrad_step", "lion_step"],
     "fences": ["Fence", "Fence.done", "Fence.wait", "Fence.state", "Fence.error", "Fence.kind", "Fence.cuda_event",
                "HostFence", "HostFence.set", "HostFence.fail", "HostFence.wait_for", "CudaEventFence",
                "CudaEventFence.borrow", "CudaEventFence.record", "CudaEventFence.make_stream_wait",
