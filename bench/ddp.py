@@ -27,7 +27,7 @@ is a GIL-releasing sleep but the gradients are real: 4.2 MB per layer at width 1
 - cpu limit: W x the CPU seconds rank 0's process spends per iteration (copies
   of the 4 MB weights and gradients through the CPU workers' copy engine, the
   optimizer, bookkeeping, gloo), over the cores: the shortest iteration this
-  machine can give W ranks.  About 115 ms per rank at width 1024 on a 2-core
+  machine can give W ranks.  About 130-140 ms per rank at width 1024 on a 2-core
   EPYC VM, against 30 ms at width 8: the sleeps are 8 / 16 ms (not overlap.py's
   4 / 8) so that 4 ranks fit under the simulated iteration.
 - rounds: every rank count runs `--rounds` times, interleaved; the fastest
