@@ -38,6 +38,8 @@ AdamCoeffs adam_coeffs(const AdamOptions& o, double step) {
   c.neg_step = static_cast<float>(-(o.lr / bc1));
   c.eps = static_cast<float>(o.eps);
   c.amsgrad = o.amsgrad;
+  c.predict = static_cast<float>(o.predict);
+  c.predicting = o.predict != 0.0;
   return c;
 }
 

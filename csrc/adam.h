@@ -36,6 +36,7 @@ struct AdamOptions {
   bool amsgrad = false;
   bool maximize = false;
   double grad_mul = 1.0;   // gradient multiplier: clip_coef / loss_scale
+  double predict = 0.0;    // shadow = p + predict * (p - p_before): predicted next weights (0: p)
 };
 
 // One tensor of a group.  max_exp_avg_sq is used only with amsgrad; shadow
@@ -57,8 +58,8 @@ struct AdamTensor {
 // The per-tensor fp32 constants of one step, derived from AdamOptions and the
 // step number exactly as torch derives them (double math, then one rounding).
 struct AdamCoeffs {
-  float grad_mul, l2_decay, weight_scale, lerp_w, lerp_w_m1, beta2, sq_w, bc2_sqrt, neg_step, eps;
-  bool maximize, l2, decay_weight, lerp_small, amsgrad;
+  float grad_mul, l2_decay, weight_scale, lerp_w, lerp_w_m1, beta2, sq_w, bc2_sqrt, neg_step, eps, predict;
+  bool maximize, l2, decay_weight, lerp_small, amsgrad, predicting;
 };
 
 AdamCoeffs adam_coeffs(const AdamOptions& opt, double step);

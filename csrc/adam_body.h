@@ -10,6 +10,7 @@
 //   v  = fma((1 - beta2) * g, g, v * beta2)
 //   vmax = max(vmax, v) (amsgrad; the denominator then uses vmax)
 //   p  = p + ((-lr / bc1) * m) / (sqrt(v) / sqrt(bc2) + eps);   shadow = p
+//   (with predict: shadow = fma(p - p_before, predict, p), the predicted next weights)
 #pragma once
 
 #include <cstring>
@@ -26,9 +27,10 @@ struct AdamVecs {
       : grad_mul(vset(c.grad_mul)), l2_decay(vset(c.l2_decay)), weight_scale(vset(c.weight_scale)),
         lerp_w(vset(c.lerp_small ? c.lerp_w : c.lerp_w_m1)), beta2(vset(c.beta2)), sq_w(vset(c.sq_w)),
         bc2_sqrt(vset(c.bc2_sqrt)), neg_step(vset(c.neg_step)), eps(vset(c.eps)), minus_one(vset(-1.0f)),
-        maximize(c.maximize), l2(c.l2), decay_weight(c.decay_weight), lerp_small(c.lerp_small), amsgrad(c.amsgrad) {}
-  Vec grad_mul, l2_decay, weight_scale, lerp_w, beta2, sq_w, bc2_sqrt, neg_step, eps, minus_one;
-  bool maximize, l2, decay_weight, lerp_small, amsgrad;
+        predict(vset(c.predict)), maximize(c.maximize), l2(c.l2), decay_weight(c.decay_weight),
+        lerp_small(c.lerp_small), amsgrad(c.amsgrad), predicting(c.predicting) {}
+  Vec grad_mul, l2_decay, weight_scale, lerp_w, beta2, sq_w, bc2_sqrt, neg_step, eps, minus_one, predict;
+  bool maximize, l2, decay_weight, lerp_small, amsgrad, predicting;
 };
 
 template <class GK, class SK>
@@ -36,7 +38,8 @@ inline void adam_vector(const AdamVecs& k, float* p, const typename GK::T* g, fl
                         typename SK::T* s) {
   Vec grad = vmul(GK::load(g), k.grad_mul);
   if (k.maximize) grad = vmul(grad, k.minus_one);
-  Vec param = F32K::load(p);
+  const Vec before = F32K::load(p);
+  Vec param = before;
   if (k.l2) grad = vfma(param, k.l2_decay, grad);
   if (k.decay_weight) param = vmul(param, k.weight_scale);
   const Vec m_old = F32K::load(m);
@@ -51,7 +54,7 @@ inline void adam_vector(const AdamVecs& k, float* p, const typename GK::T* g, fl
   const Vec denom = vadd(vdiv(vsqrt(v_new), k.bc2_sqrt), k.eps);
   param = vadd(param, vdiv(vmul(k.neg_step, m_new), denom));
   F32K::store(p, param);
-  SK::store(s, param);
+  SK::store(s, k.predicting ? vfma(vsub(param, before), k.predict, param) : param);
 }
 
 template <class GK, class SK>

@@ -365,8 +365,9 @@ void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::s
                const Addrs& exp_avgs, const Addrs& exp_avg_sqs, const Addrs& max_exp_avg_sqs, const Addrs& shadows,
                const std::vector<std::string>& shadow_dtypes, const std::vector<size_t>& numels,
                const std::vector<double>& steps, double lr, double beta1, double beta2, double eps,
-               double weight_decay, bool decoupled, bool amsgrad, bool maximize, double grad_mul) {
+               double weight_decay, bool decoupled, bool amsgrad, bool maximize, double grad_mul, double predict) {
   GroupArgs args(params, grads, grad_dtypes, shadows, shadow_dtypes, numels, grad_mul);
+  check_range("predict", predict, 0.0, INFINITY, true);
   const size_t count = args.size();
   check_len("exp_avgs", exp_avgs.size(), count);
   check_len("exp_avg_sqs", exp_avg_sqs.size(), count);
@@ -384,6 +385,7 @@ void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::s
   rp::AdamOptions opt;
   opt.lr = lr, opt.beta1 = beta1, opt.beta2 = beta2, opt.eps = eps, opt.weight_decay = weight_decay;
   opt.decoupled = decoupled, opt.amsgrad = amsgrad, opt.maximize = maximize, opt.grad_mul = grad_mul;
+  opt.predict = predict;
   std::vector<rp::AdamTensor> ts(count);
   for (size_t i = 0; i < count; ++i) {
     rp::AdamTensor& t = ts[i];
@@ -405,6 +407,7 @@ void optim_step(rp::OptimOptions opt, const char* states_arg, const Addrs& param
                 const std::vector<std::string>& shadow_dtypes, const std::vector<size_t>& numels,
                 const std::vector<double>& steps, const std::vector<bool>& firsts) {
   GroupArgs args(params, grads, grad_dtypes, shadows, shadow_dtypes, numels, opt.grad_mul);
+  check_range("predict", opt.predict, 0.0, INFINITY, true);
   const size_t count = args.size();
   const bool stateless = opt.kind == rp::OptimKind::Sgd && opt.momentum == 0.0;
   if (stateless && !states.empty())
@@ -432,7 +435,8 @@ void bind_optimizers(py::module_& m) {
   m.def("sgd_step", [](const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
                        const Addrs& momentum_buffers, const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
                        const std::vector<size_t>& numels, const std::vector<bool>& firsts, double lr, double momentum,
-                       double dampening, double weight_decay, bool nesterov, bool maximize, double grad_mul) {
+                       double dampening, double weight_decay, bool nesterov, bool maximize, double grad_mul,
+                       double predict) {
     check_range("momentum", momentum, 0.0, INFINITY, true);
     if (!std::isfinite(dampening)) throw py::value_error("dampening=" + std::to_string(dampening) + " must be finite");
     if (nesterov && (momentum == 0.0 || dampening != 0.0))
@@ -441,43 +445,45 @@ void bind_optimizers(py::module_& m) {
     rp::OptimOptions o;
     o.kind = rp::OptimKind::Sgd, o.lr = lr, o.momentum = momentum, o.dampening = dampening;
     o.weight_decay = weight_decay, o.nesterov = nesterov, o.maximize = maximize, o.grad_mul = grad_mul;
+    o.predict = predict;
     optim_step(o, "momentum_buffers", params, grads, grad_dtypes, momentum_buffers, shadows, shadow_dtypes, numels,
                {}, firsts);
   }, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("momentum_buffers"), py::arg("shadows"),
      py::arg("shadow_dtypes"), py::arg("numels"), py::arg("firsts"), py::kw_only(), py::arg("lr"),
      py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("maximize"),
-     py::arg("grad_mul"),
+     py::arg("grad_mul"), py::arg("predict") = 0.0,
      "One fused SGD step over a group of fp32 tensors given by address (per-tensor lists as adam_step; "
      "momentum_buffers empty when momentum=0; firsts[i]: the buffer is new and takes the gradient). "
      "Arithmetic equals torch.optim.SGD's.");
   m.def("adagrad_step", [](const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
                            const Addrs& sums, const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
                            const std::vector<size_t>& numels, const std::vector<double>& steps, double lr,
-                           double lr_decay, double weight_decay, double eps, bool maximize, double grad_mul) {
+                           double lr_decay, double weight_decay, double eps, bool maximize, double grad_mul,
+                           double predict) {
     check_range("lr_decay", lr_decay, 0.0, INFINITY, true);
     check_range("eps", eps, 0.0, INFINITY, true);
     rp::OptimOptions o;
     o.kind = rp::OptimKind::Adagrad, o.lr = lr, o.lr_decay = lr_decay, o.weight_decay = weight_decay, o.eps = eps;
-    o.maximize = maximize, o.grad_mul = grad_mul;
+    o.maximize = maximize, o.grad_mul = grad_mul, o.predict = predict;
     optim_step(o, "sums", params, grads, grad_dtypes, sums, shadows, shadow_dtypes, numels, steps, {});
   }, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("sums"), py::arg("shadows"),
      py::arg("shadow_dtypes"), py::arg("numels"), py::arg("steps"), py::kw_only(), py::arg("lr"), py::arg("lr_decay"),
-     py::arg("weight_decay"), py::arg("eps"), py::arg("maximize"), py::arg("grad_mul"),
+     py::arg("weight_decay"), py::arg("eps"), py::arg("maximize"), py::arg("grad_mul"), py::arg("predict") = 0.0,
      "One fused Adagrad step over a group of fp32 tensors given by address (per-tensor lists as adam_step; "
      "steps: >= 1, after increment). Arithmetic equals torch.optim.Adagrad(fused=True)'s.");
   m.def("lion_step", [](const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
                         const Addrs& exp_avgs, const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
                         const std::vector<size_t>& numels, double lr, double beta1, double beta2, double weight_decay,
-                        bool maximize, double grad_mul) {
+                        bool maximize, double grad_mul, double predict) {
     check_range("beta1", beta1, 0.0, 1.0, true);
     check_range("beta2", beta2, 0.0, 1.0, true);
     rp::OptimOptions o;
     o.kind = rp::OptimKind::Lion, o.lr = lr, o.beta1 = beta1, o.beta2 = beta2, o.weight_decay = weight_decay;
-    o.maximize = maximize, o.grad_mul = grad_mul;
+    o.maximize = maximize, o.grad_mul = grad_mul, o.predict = predict;
     optim_step(o, "exp_avgs", params, grads, grad_dtypes, exp_avgs, shadows, shadow_dtypes, numels, {}, {});
   }, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("exp_avgs"), py::arg("shadows"),
      py::arg("shadow_dtypes"), py::arg("numels"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-     py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_mul"),
+     py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_mul"), py::arg("predict") = 0.0,
      "One fused Lion step (Chen et al. 2023, decoupled weight decay) over a group of fp32 tensors given by "
      "address (per-tensor lists as adam_step).");
 }
@@ -487,7 +493,7 @@ void bind_adam(py::module_& m) {
         py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("shadows"), py::arg("shadow_dtypes"),
         py::arg("numels"), py::arg("steps"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"),
-        py::arg("grad_mul"),
+        py::arg("grad_mul"), py::arg("predict") = 0.0,
         "One fused Adam/AdamW step over a group of fp32 tensors given by address: per-tensor lists of "
         "params, grads (+ dtype), moments, max_exp_avg_sqs (amsgrad only, else empty), shadow copies "
         "(0 = none, + dtype), element counts and step numbers (>= 1, after increment). The gradient is "

@@ -20,6 +20,8 @@ OptimCoeffs optim_coeffs(const OptimOptions& o, const OptimTensor& t) {
   c.weight_decay = static_cast<float>(o.weight_decay);
   c.weight_scale = static_cast<float>(1.0 - o.lr * o.weight_decay);
   c.neg_lr = static_cast<float>(-o.lr);
+  c.predict = static_cast<float>(o.predict);
+  c.predicting = o.predict != 0.0;
   switch (o.kind) {
     case OptimKind::Sgd:
       c.momentum = o.momentum != 0.0;

@@ -50,6 +50,7 @@ struct OptimOptions {
   double beta1 = 0.9, beta2 = 0.99;
   bool maximize = false;
   double grad_mul = 1.0;       // gradient multiplier: clip_coef / loss_scale
+  double predict = 0.0;        // shadow = p + predict * (p - p_before): predicted next weights (0: p)
 };
 
 // One tensor of a group.  state is the momentum buffer (null for SGD without
@@ -73,8 +74,8 @@ struct OptimTensor {
 // beta1 and 1 - beta1 (c, d: beta2 and 1 - beta2).
 struct OptimCoeffs {
   OptimKind kind;
-  float grad_mul, weight_decay, weight_scale, neg_lr, eps, a, b, c, d;
-  bool maximize, decay, momentum, first, nesterov;
+  float grad_mul, weight_decay, weight_scale, neg_lr, eps, a, b, c, d, predict;
+  bool maximize, decay, momentum, first, nesterov, predicting;
 };
 
 OptimCoeffs optim_coeffs(const OptimOptions& opt, const OptimTensor& t);

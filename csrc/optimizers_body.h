@@ -17,10 +17,15 @@ struct OptimVecs {
   explicit OptimVecs(const rp::OptimCoeffs& c)
       : grad_mul(vset(c.grad_mul)), weight_decay(vset(c.weight_decay)), weight_scale(vset(c.weight_scale)),
         neg_lr(vset(c.neg_lr)), eps(vset(c.eps)), a(vset(c.a)), b(vset(c.b)), c(vset(c.c)), d(vset(c.d)),
-        minus_one(vset(-1.0f)), maximize(c.maximize), decay(c.decay), momentum(c.momentum), first(c.first),
-        nesterov(c.nesterov) {}
-  Vec grad_mul, weight_decay, weight_scale, neg_lr, eps, a, b, c, d, minus_one;
-  bool maximize, decay, momentum, first, nesterov;
+        minus_one(vset(-1.0f)), predict(vset(c.predict)), maximize(c.maximize), decay(c.decay),
+        momentum(c.momentum), first(c.first), nesterov(c.nesterov), predicting(c.predicting) {}
+  Vec grad_mul, weight_decay, weight_scale, neg_lr, eps, a, b, c, d, minus_one, predict;
+  bool maximize, decay, momentum, first, nesterov, predicting;
+
+  // What the shadow receives: the new weight, or with predict the predicted next one.
+  Vec shadow(Vec before, Vec after) const {
+    return predicting ? vfma(vsub(after, before), predict, after) : after;
+  }
 
   template <class GK>
   Vec grad(const typename GK::T* g) const {
@@ -41,29 +46,29 @@ struct OptimVecs {
 struct SgdOp {
   template <class GK, class SK>
   static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
-    Vec param = F32K::load(p);
-    Vec grad = k.l2_grad<GK>(g, param);
+    const Vec before = F32K::load(p);
+    Vec grad = k.l2_grad<GK>(g, before);
     if (k.momentum) {
       const Vec buf = k.first ? grad : vfma(grad, k.b, vmul(F32K::load(st), k.a));
       F32K::store(st, buf);
       grad = k.nesterov ? vfma(buf, k.a, grad) : buf;
     }
-    param = vfma(grad, k.neg_lr, param);
+    const Vec param = vfma(grad, k.neg_lr, before);
     F32K::store(p, param);
-    SK::store(s, param);
+    SK::store(s, k.shadow(before, param));
   }
 };
 
 struct AdagradOp {
   template <class GK, class SK>
   static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
-    Vec param = F32K::load(p);
-    const Vec grad = k.l2_grad<GK>(g, param);
+    const Vec before = F32K::load(p);
+    const Vec grad = k.l2_grad<GK>(g, before);
     const Vec sum = vfma(grad, grad, F32K::load(st));
     F32K::store(st, sum);
-    param = vadd(param, vdiv(vmul(k.neg_lr, grad), vadd(vsqrt(sum), k.eps)));
+    const Vec param = vadd(before, vdiv(vmul(k.neg_lr, grad), vadd(vsqrt(sum), k.eps)));
     F32K::store(p, param);
-    SK::store(s, param);
+    SK::store(s, k.shadow(before, param));
   }
 };
 
@@ -71,13 +76,13 @@ struct LionOp {
   template <class GK, class SK>
   static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
     const Vec grad = k.grad<GK>(g);
-    Vec param = F32K::load(p);
-    if (k.decay) param = vmul(param, k.weight_scale);
+    const Vec before = F32K::load(p);
+    Vec param = k.decay ? vmul(before, k.weight_scale) : before;
     const Vec m = F32K::load(st);
     param = vfma(vsign(vfma(grad, k.b, vmul(m, k.a))), k.neg_lr, param);
     F32K::store(st, vfma(grad, k.d, vmul(m, k.c)));
     F32K::store(p, param);
-    SK::store(s, param);
+    SK::store(s, k.shadow(before, param));
   }
 };
 

@@ -28,6 +28,7 @@ _LAZY = {
     "PlanningConfig": "roundpipe.engine.autoplan",
     "Precision": "roundpipe.engine.precision",
     "LossScale": "roundpipe.engine.loss_scale",
+    "StalenessCompensation": "roundpipe.engine.staleness",
     "hf": "roundpipe.hf",
 }
 

@@ -35,6 +35,7 @@ CASES = [
     dict(asynchronous=True, optimizer="torch", accum=2, dtype="bfloat16"),
     dict(asynchronous=True, dtype="float16"),                # the loss scale grows across the checkpoint
     dict(asynchronous=True, optimizer="torch", dtype="float16"),
+    dict(asynchronous=True, compensation=True, dtype="bfloat16"),   # workers read predicted weights
 ]
 
 

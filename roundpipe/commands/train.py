@@ -63,6 +63,7 @@ class TrainConfig:
                                          # "{step}" in it becomes the step number)
     checkpoint_every: int | None = None
     resume: str | None = None            # continue from this checkpoint (bitwise as if never stopped)
+    compensation: float | None = None    # asynchronous step: upload w + alpha (w - w_prev) (StalenessCompensation)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "microbatches", "layers", "hidden", "heads", "warmup",
@@ -78,6 +79,11 @@ class TrainConfig:
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be None or a finite number > 0")
         if (self.checkpoint is not None or self.resume is not None) and self.engine != "roundpipe":
             raise ValueError("checkpoint/resume need engine='roundpipe' (RoundPipe.save_checkpoint/load_checkpoint)")
+        if self.compensation is not None and not (isinstance(self.compensation, (int, float))
+                                                  and math.isfinite(self.compensation) and self.compensation >= 0):
+            raise ValueError(f"compensation={self.compensation!r} must be None or a finite number >= 0")
+        if self.compensation is not None and self.engine != "roundpipe":
+            raise ValueError("compensation needs engine='roundpipe' (it acts on the asynchronous step)")
         if self.checkpoint_every is not None and self.checkpoint is None:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} needs checkpoint (the directory to write)")
         if not isinstance(self.eval_batches, int) or self.eval_batches < 0:
@@ -276,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="and every N steps")
     t.add_argument("--resume", default=None, metavar="DIR", help="continue from the checkpoint in DIR "
                    "(same flags; the result equals an uninterrupted run bit for bit)")
+    t.add_argument("--compensation", type=float, default=None, metavar="ALPHA",
+                   help="with --async: upload predicted weights w + ALPHA (w - w_prev) (docs/staleness.md)")
     t.add_argument("--eval-batches", type=int, default=TrainConfig.eval_batches,
                    help=f"held-out batches evaluated before and after training, 0 for none (default {TrainConfig.eval_batches})")
     e = p.add_argument_group("engine")
@@ -309,7 +317,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        data_dir=args.data_dir, seed=args.seed, asynchronous=args.asynchronous,
                        engine=args.engine, dtype=args.dtype, eval_batches=args.eval_batches, trace=args.trace,
                        progress=not args.no_progress, hf=args.hf, max_grad_norm=args.max_grad_norm,
-                       checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume)
+                       checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                       compensation=args.compensation)
 
 
 def _describe(cfg: TrainConfig, corpus: ByteCorpus) -> str:

@@ -13,8 +13,9 @@ A checkpoint is a directory:
     engine.safetensors    gradients not yet applied: what the next step reads (`p.grad`, or a
                           held low-precision one, in its dtype) and the landing sums not yet
                           moved into it; the caller's CPU (and CUDA) RNG state
-    upload.safetensors    only when a step's whole-model update already ran but the calls of its
-                          stale window still read the old weights: those, in the compute dtype
+    upload.safetensors    what workers read when it is not the masters rounded (compute dtype):
+                          staleness compensation's predicted weights, or the old weights the
+                          calls of a stale window read after a whole-model update already ran
     optimizer.pt, lr_scheduler.pt   their state_dict()s (torch.save)
 
 What the asynchronous step leaves open (docs/async_step.md).  After `step(opt)`
@@ -110,7 +111,8 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
                              "lr_scheduler given to the last step()")
         step = {"kind": "copy" if pending.whole else "update", "window": pending.readers_left,
                 "max_grad_norm": info["max_grad_norm"], "scale_used": info["scale_used"] - pending.index,
-                "skipped": model.scaler is not None and pending.index in model.scaler.skipped}
+                "skipped": model.scaler is not None and pending.index in model.scaler.skipped,
+                "predict": info["predict"], "lr_factor": info["lr_factor"]}
     for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
         if obj is not None and not callable(getattr(obj, "state_dict", None)):
             raise TypeError(f"save_checkpoint: {name} has no state_dict() (a {type(obj).__name__}); pass a torch "
@@ -222,7 +224,9 @@ def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any
     items, aliases = _unique_state(model)
     sizes["model.safetensors"] = tensor_file.write(os.path.join(tmp, "model.safetensors"), items,
                                                    {"format": "pt", "aliases": json.dumps(aliases)})
-    if step is not None and step["kind"] == "copy":   # the old weights the window's calls still read
+    # what workers read when it is not the masters rounded: the old weights of a whole-model update's
+    # window, or predicted weights (staleness compensation)
+    if (step is not None and step["kind"] == "copy") or (model.compensation is not None and model.compensation.predict):
         uploads = [(f"{l}.{st.param_names[j]}", st.upload[j]) for l, st in enumerate(model.host.layers)
                    for j in st.owned if st.params[j].requires_grad]
         sizes["upload.safetensors"] = tensor_file.write(os.path.join(tmp, "upload.safetensors"), uploads)
@@ -326,6 +330,12 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
             for j in st.trainable:
                 st.gbuf[j], st.ghas[j] = None, False
             host.refresh(l)
+        if "upload.safetensors" in files:   # before any step could rewrite them: gates are closed
+            with TensorFile(os.path.join(path, "upload.safetensors")) as uf:
+                for l, st in enumerate(host.layers):
+                    for j in st.owned:
+                        if st.params[j].requires_grad:
+                            uf.read_into(f"{l}.{st.param_names[j]}", st.upload[j])
         if opt_state is not None:
             optimizer.load_state_dict(opt_state)
         if sched_state is not None:
@@ -340,11 +350,6 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
         if step is not None:
             model._reissue_step(step, optimizer, lr_scheduler)
         if step is not None and step["kind"] == "copy":
-            with TensorFile(os.path.join(path, "upload.safetensors")) as uf:
-                for l, st in enumerate(host.layers):
-                    for j in st.owned:
-                        if st.params[j].requires_grad:
-                            uf.read_into(f"{l}.{st.param_names[j]}", st.upload[j])
             _restore_step_grads(model, ef, step_grads)
         for (kind, l, j), name in grads.items():
             if kind == "landed":

@@ -44,6 +44,7 @@ from roundpipe.engine.precision import Precision, resolve as resolve_precision
 from roundpipe.engine.recompute import draw_base
 from roundpipe.engine.replica import Replica
 from roundpipe.engine.stage import CallContext
+from roundpipe.engine.staleness import StalenessCompensation
 from roundpipe.trace import Trace
 from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
 from roundpipe.workers.base import Handoff
@@ -112,7 +113,8 @@ class RoundPipe:
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
                  planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
                  loss_reduction: str = "mean", batchnorm: str = "per-microbatch", precision: Precision | None = None,
-                 process_group: Any = None, shard_optimizer: bool = False):
+                 process_group: Any = None, shard_optimizer: bool = False,
+                 compensation: StalenessCompensation | None = None):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
@@ -190,6 +192,10 @@ class RoundPipe:
         if shard_optimizer and self.dp is None:
             raise ValueError("shard_optimizer=True needs process_group= (the ranks the optimizer state is split over)")
         self.shards = OptimizerShards(self.host, self.dp) if shard_optimizer else None
+        if compensation is not None and not isinstance(compensation, StalenessCompensation):
+            raise TypeError(f"compensation must be a roundpipe.StalenessCompensation or None, got "
+                            f"{type(compensation).__name__}")
+        self.compensation = compensation   # asynchronous-step staleness compensation (engine/staleness.py)
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
                                               + self._host_threads(), self.sync.flush)
 
@@ -437,10 +443,13 @@ class RoundPipe:
             self._check_open()
             max_norm = check_step_args(asynchronous, lr_scheduler, max_grad_norm, optimizer)
             used = self._scale_index()
+            comp = self.compensation
+            predict = comp.predict if comp is not None and asynchronous else 0.0
+            factor = comp.lr_factor(self._counted[1] + self.sync.steps_issued) if comp is not None else 1.0
             fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
-                            self.scaler, self.sync.steps_issued + 1, used, self.shards)
+                            self.scaler, self.sync.steps_issued + 1, used, self.shards, predict, factor)
             self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
-                               "scale_used": used}
+                               "scale_used": used, "predict": predict, "lr_factor": factor}
             self._issue_step(fns, asynchronous)
 
     def _scale_index(self) -> int:
@@ -515,11 +524,12 @@ class RoundPipe:
         """A checkpoint's pending step, issued again with its stale window (checkpoint.load)."""
         index = self.sync.steps_issued + 1
         used = step["scale_used"] + index   # saved relative to the step's own index
-        self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler,
-                           "max_grad_norm": step["max_grad_norm"], "scale_used": used}
+        self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": step["max_grad_norm"],
+                           "scale_used": used, "predict": step["predict"], "lr_factor": step["lr_factor"]}
         if step["kind"] == "update":
             fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler,
-                            step["max_grad_norm"], self.scaler, index, used, self.shards)
+                            step["max_grad_norm"], self.scaler, index, used, self.shards, step["predict"],
+                            step["lr_factor"])
         else:
             fns = copy_step(optimizer, self.host, lr_scheduler, step["skipped"])
         self._issue_step(fns, True, window=step["window"])

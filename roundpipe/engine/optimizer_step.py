@@ -23,8 +23,9 @@ sched.step()` would; after a failed update it is not stepped.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -130,13 +131,16 @@ class _Scaling:
 
 def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, torch.nn.Parameter]],
               lr_scheduler: Any = None, max_grad_norm: float | None = None, scaler: Any = None,
-              step_index: int = 0, scale_used: int = 0, shards: Any = None) -> StepFns:
+              step_index: int = 0, scale_used: int = 0, shards: Any = None, predict: float = 0.0,
+              lr_factor: float = 1.0) -> StepFns:
     """The protocol's view of one step with this optimizer (TypeError/ValueError before anything runs).
 
     With a loss scaler, step `step_index`'s gradients carry the scale of its history entry
     `scale_used`: they are checked for inf/NaN over every layer before any layer is updated,
     an overflowed step updates nothing (the lr scheduler is not stepped), a good one reads
-    them divided by the scale."""
+    them divided by the scale.  Staleness compensation (roundpipe/engine/staleness.py): `predict`
+    makes the fused pass write the predicted next weights into the upload copies, `lr_factor`
+    scales every group's learning rate for this step only."""
     from roundpipe.optim.base import FusedOptimizer
 
     params = [p for _, p in named_params]
@@ -144,6 +148,12 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
 
     def all_grads() -> list[torch.Tensor]:
         return [g for l in range(len(host)) for g in host.step_grads(l) if g is not None]
+    if (predict or lr_factor != 1.0) and not isinstance(optimizer, FusedOptimizer):
+        raise ValueError(f"compensation needs a roundpipe.optim optimizer (the prediction is written in its fused "
+                         f"pass), got {type(optimizer).__name__}")
+    if predict and shards is not None:
+        raise ValueError("compensation with predict > 0 and shard_optimizer=True are not supported together (the "
+                         "sharded step rewrites the upload copies from the gathered masters)")
     if shards is not None:
         return _sharded_step(optimizer, host, named_params, lr_scheduler, max_grad_norm, scaling, all_grads, shards)
     if callable(getattr(optimizer, "step_layer", None)):
@@ -170,9 +180,9 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                 return
             params, upload = host.step_params(l)   # a shared master once, with its first layer
             mul = clip[0] / scaling.scale
-            with torch.no_grad():
+            with torch.no_grad(), _scaled_lr(optimizer, lr_factor):
                 if native_clip:   # reads held low-precision gradients as they are
-                    optimizer.step_layer(params, upload, clip_coef=mul, grads=host.step_grads(l))
+                    optimizer.step_layer(params, upload, clip_coef=mul, grads=host.step_grads(l), predict=predict)
                 else:
                     host.materialize(l)
                     if mul != 1.0:
@@ -212,6 +222,22 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
     return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after)
 
 
+@contextlib.contextmanager
+def _scaled_lr(optimizer: Any, factor: float) -> Iterator[None]:
+    """Every param group's lr times `factor` inside (the host thread is the only one stepping)."""
+    if factor == 1.0:
+        yield
+        return
+    saved = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = g["lr"] * factor
+    try:
+        yield
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr
+
+
 def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_scheduler: Any,
                   max_grad_norm: float | None, scaling: _Scaling, all_grads: Callable[[], list[torch.Tensor]],
                   shards: Any) -> StepFns:
@@ -225,8 +251,8 @@ def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_schedu
         check_optimizer_params(optimizer, named_params)
     shards.adopt(optimizer)
     fused = callable(getattr(optimizer, "step_layer", None))
-    from roundpipe.optim.adam import Adam
-    native = isinstance(optimizer, Adam)
+    from roundpipe.optim.base import FusedOptimizer
+    native = isinstance(optimizer, FusedOptimizer)
 
     def update() -> None:
         grads = all_grads()

@@ -72,8 +72,9 @@ def torch_grad(p: torch.Tensor, grad: torch.Tensor, grad_mul: float, maximize: b
 
 
 def native_buffers(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                   shadows: Sequence[torch.Tensor | None] | None) -> dict[str, list]:
-    """The address lists every native optimizer step takes (params, grads, shadows, numels).
+                   shadows: Sequence[torch.Tensor | None] | None, predict: float = 0.0) -> dict[str, Any]:
+    """The address lists every native optimizer step takes (params, grads, shadows, numels), and
+    `predict` (the shadows then receive the predicted next weights, see step_layer).
 
     Parameters and gradients were vetted by `native_ok`; a shadow is the caller's and is
     checked here (a ValueError naming it before anything runs)."""
@@ -85,7 +86,7 @@ def native_buffers(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
                 grad_dtypes=[NATIVE_DTYPES[g.dtype] for g in grads],
                 shadows=[t.data_ptr() if t is not None else 0 for t in shadows],
                 shadow_dtypes=[NATIVE_DTYPES[t.dtype] if t is not None else "bfloat16" for t in shadows],
-                numels=[p.numel() for p in params])
+                numels=[p.numel() for p in params], predict=float(predict))
 
 
 def native_ok(p: torch.Tensor, grad: torch.Tensor, buffers: Sequence[torch.Tensor]) -> bool:
@@ -126,7 +127,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         return out
 
     def _native_step(self, config: Any, params: list[torch.Tensor], grads: list[torch.Tensor],
-                     states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float) -> None:
+                     states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float,
+                     predict: float = 0.0) -> None:
         raise NotImplementedError
 
     def _torch_step(self, config: Any, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], bufs: Buffers,
@@ -217,12 +219,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_layer(self, params: Sequence[torch.Tensor], upload: Sequence[torch.Tensor | None] | None = None,
-                   clip_coef: float = 1.0, grads: Sequence[torch.Tensor | None] | None = None) -> None:
+                   clip_coef: float = 1.0, grads: Sequence[torch.Tensor | None] | None = None,
+                   predict: float = 0.0) -> None:
         """The engine's per-layer step: updates those of `params` that have a `.grad` and writes
         each updated weight into upload[i] (the copy workers upload, any float dtype) in the same pass.
         The gradients are read as grad * clip_coef (global-norm clipping folded into the pass);
         `grads` gives them explicitly (one per parameter, None: no update; fp32, bf16 or fp16,
         read as they are), else each parameter's `.grad`.
+
+        predict > 0: upload[i] receives the predicted next weights w + predict * (w - w_before)
+        instead of w, computed in the same pass (staleness compensation, roundpipe/engine/staleness.py).
 
         RoundPipe.step calls this once per layer as the layer's P-copy gate opens, so
         the update of shallow layers overlaps the next iteration's use of deep ones.
@@ -233,6 +239,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if len(upload) != len(params):
             raise ValueError(f"upload has {len(upload)} entries but params has {len(params)}; they must match")
         _check_clip_coef(clip_coef)
+        if isinstance(predict, bool) or not isinstance(predict, (int, float)) or not (0 <= predict < math.inf):
+            raise ValueError(f"predict={predict!r} must be a finite number >= 0")
         grads = [p.grad for p in params] if grads is None else list(grads)
         if len(grads) != len(params):
             raise ValueError(f"grads has {len(grads)} entries but params has {len(params)}; they must match")
@@ -244,7 +252,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for gi, idx in self._by_group([params[i] for i in live]).items():
             chosen = [live[i] for i in idx]
             self._update(self.param_groups[gi], [params[i] for i in chosen], [grads[i] for i in chosen],
-                         [upload[i] for i in chosen], clip_coef)
+                         [upload[i] for i in chosen], clip_coef, predict)
 
     # ---- shared machinery -----------------------------------------------------------------------
     def _by_group(self, params: Sequence[torch.Tensor]) -> dict[int, list[int]]:
@@ -258,7 +266,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return members
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                shadows: list[torch.Tensor | None] | None, grad_mul: float) -> None:
+                shadows: list[torch.Tensor | None] | None, grad_mul: float, predict: float = 0.0) -> None:
         if not params:
             return
         config = self._config(group)
@@ -267,11 +275,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         if native:
             pick = lambda seq: [seq[i] for i in native]  # noqa: E731
             self._native_step(config, pick(params), pick(grads), pick(states),
-                              pick(shadows) if shadows is not None else None, grad_mul)
+                              pick(shadows) if shadows is not None else None, grad_mul, predict)
         for i in sorted(set(range(len(params))) - set(native)):
+            shadow = shadows[i] if shadows is not None else None
+            before = params[i].detach().clone() if predict and shadow is not None else None
             self._torch_step(config, params[i], grads[i], *states[i], grad_mul)
-            if shadows is not None and shadows[i] is not None:
-                shadows[i].view(-1).copy_(params[i].view(-1))
+            if shadow is not None:
+                new = params[i].detach()
+                shadow.view(-1).copy_((new + predict * (new - before) if before is not None else new).view(-1))
         for state, bufs in states:
             self._commit(state, bufs)
 

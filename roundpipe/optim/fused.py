@@ -80,13 +80,15 @@ def adam_step(
     max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
     shadows: Sequence[torch.Tensor | None] | None = None,
     grad_mul: float = 1.0,
+    predict: float = 0.0,
 ) -> None:
     """One Adam/AdamW update of every tensor of a group, in place.
 
     `steps` is the step number of this update (1 for the first), one for all
     tensors or one per tensor.  `max_exp_avg_sqs` is required with amsgrad.
     `shadows[i]` (or None) receives params[i] converted to its dtype (bf16 RNE).
-    The gradients are read as `grad * grad_mul`.  All tensors must be
+    The gradients are read as `grad * grad_mul`.  predict > 0: the shadows receive
+    the predicted next weights p + predict * (p - p_before).  All tensors must be
     contiguous CPU tensors; params and moments fp32.
     """
     if not isinstance(config, AdamConfig):
@@ -107,6 +109,9 @@ def adam_step(
     grad_mul = check_real("grad_mul", grad_mul)
     if not math.isfinite(grad_mul):
         raise ValueError(f"grad_mul={grad_mul!r} must be finite")
+    predict = check_real("predict", predict)
+    if not 0 <= predict < math.inf:
+        raise ValueError(f"predict={predict!r} must be a finite number >= 0")
     grads, exp_avgs = tensor_list("grads", grads), tensor_list("exp_avgs", exp_avgs)
     exp_avg_sqs = tensor_list("exp_avg_sqs", exp_avg_sqs)
     for i, p in enumerate(params):
@@ -143,14 +148,15 @@ def adam_step(
             [p.numel() for p in params], [float(s) for s in step_list],
             lr=float(config.lr), beta1=float(beta1), beta2=float(beta2), eps=float(config.eps),
             weight_decay=float(config.weight_decay), decoupled=config.decoupled, amsgrad=config.amsgrad,
-            maximize=config.maximize, grad_mul=float(grad_mul))
+            maximize=config.maximize, grad_mul=float(grad_mul), predict=float(predict))
         return
     _check_no_overlap(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, shadow_list)
     for i, p in enumerate(params):
+        before = p.clone() if predict and shadow_list[i] is not None else None
         _torch_step(p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if config.amsgrad else None,
                     float(step_list[i]), config, grad_mul)
         if shadow_list[i] is not None:
-            shadow_list[i].view(-1).copy_(p.view(-1))
+            shadow_list[i].view(-1).copy_((p + predict * (p - before) if before is not None else p).view(-1))
 
 
 def _check_no_overlap(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, shadows) -> None:

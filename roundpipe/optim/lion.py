@@ -63,9 +63,10 @@ class Lion(FusedOptimizer):
         return ["exp_avg"]
 
     def _native_step(self, config: LionConfig, params: list[torch.Tensor], grads: list[torch.Tensor],
-                     states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float) -> None:
+                     states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float,
+                     predict: float = 0.0) -> None:
         beta1, beta2 = config.betas
-        _native._C.lion_step(**native_buffers(params, grads, shadows),
+        _native._C.lion_step(**native_buffers(params, grads, shadows, predict),
                              exp_avgs=[b["exp_avg"].data_ptr() for _, b in states], lr=config.lr, beta1=beta1,
                              beta2=beta2, weight_decay=config.weight_decay, maximize=config.maximize,
                              grad_mul=float(grad_mul))
