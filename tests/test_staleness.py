@@ -72,7 +72,6 @@ def test_async_training_with_prediction_equals_a_reference_loop():
     w = [p.detach().clone() for p in ref.parameters()]
     reads = [t.clone() for t in w]          # what the next call reads
     pending = None                          # the gradient of the call before, applied by the next step
-    history = [t.clone() for t in w]
     for x, y in data:
         with torch.no_grad():
             for p, r in zip(ref.parameters(), reads):
@@ -83,7 +82,7 @@ def test_async_training_with_prediction_equals_a_reference_loop():
         if pending is not None:   # the step issued after the previous call updates w with its gradient
             w_new = [t - 0.1 * g for t, g in zip(w, pending)]
             reads = [n + (n - o) for n, o in zip(w_new, w)]
-            history, w = w, w_new
+            w = w_new
         pending = grad
     w = [t - 0.1 * g for t, g in zip(w, pending)]
     for a, b in zip(got, w):

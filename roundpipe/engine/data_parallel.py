@@ -38,7 +38,7 @@ on after that: restart it from the last checkpoint.
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -164,6 +164,16 @@ class DataParallel:
                 st.gbuf[j], st.ghas[j] = views[k].view(st.params[j].shape).clone(), True
             else:
                 st.gbuf[j], st.ghas[j] = None, False
+
+    def reducer(self, host: "HostState") -> Callable[[], None]:
+        """The G-copy's reduction: on failure the local sums are dropped and the error names the all_reduce."""
+        def reduce() -> None:
+            try:
+                self.reduce_landed(host)
+            except BaseException as e:
+                self.drop_landed(host)
+                raise reduction_failed(e, self.world)
+        return reduce
 
     def drop_landed(self, host: "HostState") -> None:
         """After a failed reduction: the local, unreduced sums are dropped (no rank steps them)."""

@@ -34,7 +34,7 @@ from roundpipe.engine import batchnorm as batchnorm_stats
 from roundpipe.engine import checkpoint, loss_scale
 from roundpipe.engine.board import Board
 from roundpipe.engine.device_memory import check_schedule, resolve_caps
-from roundpipe.engine.data_parallel import DataParallel, OptimizerShards, reduction_failed
+from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_collected
 from roundpipe.engine.host_state import HostState
@@ -413,14 +413,7 @@ class RoundPipe:
             return
         self._grads_pending = False
         sync, host, dp = self.sync, self.host, self.dp   # a queued job must not keep the model alive
-        reduce = None
-        if dp is not None:
-            def reduce() -> None:
-                try:
-                    dp.reduce_landed(host)
-                except BaseException as e:
-                    dp.drop_landed(host)
-                    raise reduction_failed(e, dp.world)
+        reduce = dp.reducer(host) if dp is not None else None
         _register_then_queue(sync.issue_gcopy, lambda after: self.gcopy_thread.submit(
             lambda: run_gcopy(sync, after, host.gcopy, reduce)))
 
