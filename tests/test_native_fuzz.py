@@ -160,6 +160,24 @@ def gen_cpu(draw, _):
     return op, [], {}
 
 
+def optim_tensors(draw, count):
+    """Per tensor of an optimizer step: (grad dtype, shadow dtype, numel, addr), addr(role) a slice of a
+    distinct pool buffer per role and tensor, so that the kernel runs (a random one may overlap)."""
+    bufs = draw(st.permutations(range(POOL)))
+    for i in range(count):
+        gd, sd = dtype_name(draw), dtype_name(draw)
+        kind, n = buffer_arg(draw, [4, elem_of(gd), elem_of(sd)])
+        if kind == "pool" and isinstance(n, int) and 0 <= n < U64:
+            n = min(n, POOL_BYTES // 4 // max(count, 1))
+
+        def addr(role, kind=kind, i=i):
+            if kind != "pool":
+                return address(draw, kind)
+            slot = {"$buf": bufs[role], "off": i * (POOL_BYTES // max(count, 1))}
+            return mostly(draw, st.just(slot), st.just(pool_addr(draw)), 1)
+        yield gd, sd, n, addr
+
+
 def gen_kernels(draw, _):
     op = draw(st.sampled_from(["convert", "accumulate", "grad_sumsq", "adam_step", "sgd_step", "adagrad_step",
                                "lion_step"]))
@@ -188,24 +206,11 @@ def gen_kernels(draw, _):
         return op, [lists["grads"], lists["dtypes"], lists["numels"]], {}
     if op != "adam_step":
         return gen_optim(draw, op, count)
-    # adam_step: a slice of a distinct pool buffer per role and tensor, so that the kernel runs
     amsgrad = draw(st.booleans())
     keys = ("params", "grads", "grad_dtypes", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "shadows",
             "shadow_dtypes", "numels", "steps")
     lists = {k: [] for k in keys}
-    bufs = draw(st.permutations(range(POOL)))
-    for i in range(count):
-        gd, sd = dtype_name(draw), dtype_name(draw)
-        kind, n = buffer_arg(draw, [4, elem_of(gd), elem_of(sd)])
-        if kind == "pool" and isinstance(n, int) and 0 <= n < U64:
-            n = min(n, POOL_BYTES // 4 // max(count, 1))
-
-        def addr(role):
-            if kind != "pool":
-                return address(draw, kind)
-            slot = {"$buf": bufs[role], "off": i * (POOL_BYTES // max(count, 1))}
-            return mostly(draw, st.just(slot), st.just(pool_addr(draw)), 1)  # a random one may overlap
-
+    for gd, sd, n, addr in optim_tensors(draw, count):
         lists["params"].append(addr(0))
         lists["grads"].append(addr(1))
         lists["grad_dtypes"].append(gd)
@@ -219,7 +224,8 @@ def gen_kernels(draw, _):
         lists["steps"].append(mostly(draw, st.sampled_from([1.0, 2.0, 1e9]), floats))
     lists = perturb(draw, lists)
     kwargs = {k: mostly(draw, st.just(v), floats, 1) for k, v in
-              {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "grad_mul": 1.0}.items()}
+              {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "grad_mul": 1.0,
+               "predict": 0.5}.items()}
     kwargs.update(decoupled=draw(st.booleans()), amsgrad=mostly(draw, st.just(amsgrad), st.just(not amsgrad), 1),
                   maximize=draw(st.booleans()))
     return op, [lists[k] for k in keys], kwargs
@@ -228,12 +234,13 @@ def gen_kernels(draw, _):
 # sgd_step / adagrad_step / lion_step: their state list, per-tensor extras and options
 OPTIM = {
     "sgd_step": ("momentum_buffers", "firsts",
-                 {"lr": 1e-2, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "grad_mul": 1.0},
+                 {"lr": 1e-2, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "grad_mul": 1.0,
+                  "predict": 0.5},
                  ("nesterov", "maximize")),
     "adagrad_step": ("sums", "steps", {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.01, "eps": 1e-10,
-                                       "grad_mul": 1.0}, ("maximize",)),
+                                       "grad_mul": 1.0, "predict": 0.5}, ("maximize",)),
     "lion_step": ("exp_avgs", None, {"lr": 1e-4, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.01,
-                                     "grad_mul": 1.0}, ("maximize",)),
+                                     "grad_mul": 1.0, "predict": 0.5}, ("maximize",)),
 }
 
 
@@ -243,19 +250,7 @@ def gen_optim(draw, op, count):
     state, extra, options, flags = OPTIM[op]
     keys = ("params", "grads", "grad_dtypes", state, "shadows", "shadow_dtypes", "numels") + ((extra,) if extra else ())
     lists = {k: [] for k in keys}
-    bufs = draw(st.permutations(range(POOL)))
-    for i in range(count):
-        gd, sd = dtype_name(draw), dtype_name(draw)
-        kind, n = buffer_arg(draw, [4, elem_of(gd), elem_of(sd)])
-        if kind == "pool" and isinstance(n, int) and 0 <= n < U64:
-            n = min(n, POOL_BYTES // 4 // max(count, 1))
-
-        def addr(role):
-            if kind != "pool":
-                return address(draw, kind)
-            slot = {"$buf": bufs[role], "off": i * (POOL_BYTES // max(count, 1))}
-            return mostly(draw, st.just(slot), st.just(pool_addr(draw)), 1)
-
+    for gd, sd, n, addr in optim_tensors(draw, count):
         lists["params"].append(addr(0))
         lists["grads"].append(addr(1))
         lists["grad_dtypes"].append(gd)

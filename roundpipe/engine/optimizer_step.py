@@ -162,13 +162,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         native_clip = isinstance(optimizer, FusedOptimizer)   # rp Adam/AdamW, SGD, Adagrad, Lion
         clip = [1.0]
 
-        def finish() -> None:
-            if scaling.skipped:
-                return
-            # step() never ran, so tell an lr scheduler the update happened (its own wrapper's flag)
-            optimizer._opt_called = True
-            if lr_scheduler is not None:
-                lr_scheduler.step()
+        finish = _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped)
 
         def measure() -> None:
             grads = all_grads()
@@ -277,24 +271,26 @@ def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_schedu
                     p.grad = None
         shards.gather()
 
-    def after() -> None:
-        if scaling.skipped:
-            return
-        optimizer._opt_called = True
-        if lr_scheduler is not None:
-            lr_scheduler.step()
-    return StepFns(update, True, host.pcopy, host.pcopy, host.clear_grads, after)
+    return StepFns(update, True, host.pcopy, host.pcopy, host.clear_grads,
+                   _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped))
 
 
 def copy_step(optimizer: Any, host: HostState, lr_scheduler: Any = None, skipped: bool = False) -> StepFns:
     """A step whose whole-model update already happened (restored from a checkpoint saved while its
     stale window was open): each layer's upload copy is rewritten as its gate opens, then the lr
     scheduler steps, as the original step would have done (not if it was skipped for overflow)."""
+    return StepFns(lambda: None, True, host.pcopy, host.pcopy, host.clear_grads,
+                   _scheduler_step(optimizer, lr_scheduler, lambda: skipped))
+
+
+def _scheduler_step(optimizer: Any, lr_scheduler: Any, skipped: Callable[[], bool]) -> Callable[[], None]:
+    """The step's end: the lr scheduler stepped unless the step was skipped for overflow.  optimizer.step()
+    never ran here, so the scheduler is told the update happened (its own wrapper's flag)."""
     def after() -> None:
-        if skipped:
+        if skipped():
             return
         if optimizer is not None:
-            optimizer._opt_called = True   # the scheduler's own check that the optimizer stepped first
+            optimizer._opt_called = True
         if lr_scheduler is not None:
             lr_scheduler.step()
-    return StepFns(lambda: None, True, host.pcopy, host.pcopy, host.clear_grads, after)
+    return after
