@@ -144,16 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    hf = run_hf(steps, a.hf, seeds, a.alpha, a.batch_size, a.seq_len) if a.hf is not None else None
     head = (f"bench/convergence.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
             f"{datetime.date.today()}, commit {commit}, {cpu}, torch {torch.__version__}\n"
-            f"default decoder, {steps} steps x {a.batch_size} x {a.seq_len} bytes, one CPU worker, alpha {a.alpha}, "
-            f"{seeds} seeds; {time.perf_counter() - t0:.0f} s\n")
-    text = head + ("" if a.no_decoder else table(results, lrs, seeds))
-    hf = None
-    if a.hf is not None:
-        hf = run_hf(steps, a.hf, seeds, a.alpha, a.batch_size, a.seq_len)
-        text += (f"\n\ntiny HF Llama (4 layers, hidden 64, byte vocabulary) through rp.hf.wrap, constant lr, "
-                 f"{steps} steps:\n" + table(hf, [a.hf], seeds))
+            f"{steps} steps x {a.batch_size} x {a.seq_len} bytes, one CPU worker, alpha {a.alpha}, {seeds} seeds; "
+            f"{time.perf_counter() - t0:.0f} s\n")
+    text = head
+    if not a.no_decoder:
+        text += "\nroundpipe train's default decoder, warmup + cosine schedule:\n" + table(results, lrs, seeds)
+    if hf is not None:
+        text += ("\ntiny HF Llama (4 layers, hidden 64, byte vocabulary) through rp.hf.wrap, constant lr:\n"
+                 + table(hf, [a.hf], seeds))
     print(text)
     if a.png:
         if results:
