@@ -57,10 +57,10 @@ def test_an_injected_overflow_skips_exactly_that_step(asynchronous, optimizer):
             Poison.armed = s == 3
             try:
                 loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                model.synchronize()   # the call's last backward stages run after it returned: armed until then
             finally:
                 Poison.armed = False
             assert torch.isfinite(loss)   # the loss itself is unscaled and finite
-            model.synchronize()
             before[s] = snapshot(model)
             model.step(opt, asynchronous=asynchronous, lr_scheduler=sched)
             model.synchronize()
