@@ -257,3 +257,43 @@ def test_saving_streams_without_a_second_copy(tmp_path):
     print(r, {k: r[k] / n for k in ("save", "load")})
     assert r["save"] <= 16 * n / 10, r
     assert r["load"] <= 14 * n, r
+
+
+def test_a_wrapped_hf_model_with_lora_and_tied_embeddings_resumes_and_keeps_hf_names(tmp_path):
+    """rp.hf.wrap of a PEFT LoRA model with tied embeddings, bf16, asynchronous step: the checkpoint's
+    model.safetensors holds the HF model's own names (tied weight once) and a resumed run equals the
+    uninterrupted one bit for bit."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, tie_word_embeddings=True)).float()
+        model = rp.hf.wrap(get_peft_model(hf, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])),
+                           devices=["cpu"] * 2, compute_dtype=torch.bfloat16)
+        return model, rp.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    ids = torch.randint(1, 32, (4, 9), generator=torch.Generator().manual_seed(1))
+    model, opt = build()
+    with model:
+        hf_names = set(model.hf_model.state_dict())
+        for step in range(5):
+            model.forward_backward(ids, labels=ids)
+            model.step(opt)
+            if step == 2:
+                model.save_checkpoint(tmp_path / "c", opt)
+        model.synchronize()
+        uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
+    with tensor_file.TensorFile(str(tmp_path / "c" / "model.safetensors")) as f:
+        assert set(f.entries) <= hf_names and len(f.entries) == len(hf_names) - 1   # lm_head.weight is tied
+    model, opt = build()
+    with model:
+        model.load_checkpoint(tmp_path / "c", opt)
+        for _ in range(2):
+            model.forward_backward(ids, labels=ids)
+            model.step(opt)
+        model.synchronize()
+        assert all(torch.equal(v, uninterrupted[k]) for k, v in model.state_dict().items())

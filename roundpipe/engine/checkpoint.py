@@ -67,7 +67,7 @@ def _unique_state(model: "RoundPipe") -> tuple[list[tuple[str, torch.Tensor]], d
     """The module's state_dict with each shared tensor once: (name, tensor) pairs and alias -> name."""
     first: dict[tuple, str] = {}
     items, aliases = [], {}
-    for name, t in model.module.state_dict(keep_vars=True).items():
+    for name, t in model._named_state().items():
         t = t.detach()
         key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if t.numel() and key in first:
@@ -308,7 +308,7 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
     with TensorFile(os.path.join(path, "model.safetensors")) as mf, \
             TensorFile(os.path.join(path, engine_file(rank, world))) as ef:
         aliases = json.loads(mf.metadata.get("aliases", "{}"))
-        state = {n: t for n, t in model.module.state_dict(keep_vars=True).items() if n not in aliases}
+        state = {n: t for n, t in model._named_state().items() if n not in aliases}
         for name, t in state.items():
             mf.check(name, t.dtype, tuple(t.shape))
         extra = sorted(set(mf.entries) - set(state))

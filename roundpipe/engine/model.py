@@ -226,6 +226,10 @@ class RoundPipe:
             self._drain()
             return self.module.state_dict(*args, **kwargs)
 
+    def _named_state(self) -> dict[str, torch.Tensor]:
+        """Every master and buffer under the names a checkpoint stores them by (state_dict's)."""
+        return self.module.state_dict(keep_vars=True)
+
     def load_state_dict(self, state_dict, strict: bool = True):
         with self._api:
             self._check_open()

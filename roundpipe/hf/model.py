@@ -126,6 +126,16 @@ class HFRoundPipe(RoundPipe):
             self._drain()
             return self.hf_model.state_dict(*args, **kwargs)
 
+    def _named_state(self) -> dict[str, torch.Tensor]:
+        """The HF model's names (a checkpoint's model.safetensors reads like the HF model's own), plus any
+        tensor of the wrapped layers the HF state dict does not hold, under its layer name."""
+        named = dict(self.hf_model.state_dict(keep_vars=True))
+        held = {(t.data_ptr(), t.dtype, tuple(t.shape)) for t in named.values()}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if (t.data_ptr(), t.dtype, tuple(t.shape)) not in held:
+                named[f"roundpipe.layers.{name}"] = t
+        return named
+
     def load_state_dict(self, state_dict, strict: bool = True):
         with self._api:
             self._check_open()
