@@ -183,3 +183,14 @@ def test_fp16_scales_the_loss_in_both_engines():
 def test_checkpoint_and_clipping_flags_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         rt.TrainConfig(**kwargs)
+
+
+def test_main_resume_prints_the_steps_it_ran(capsys, tmp_path):
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    base = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--steps", "4",
+            "--data-dir", str(tmp_path), "--no-progress", "--eval-batches", "1"]
+    assert rt.main(base + ["--checkpoint", str(tmp_path / "c{step}"), "--checkpoint-every", "3"]) == 0
+    capsys.readouterr()
+    assert rt.main(base + ["--resume", str(tmp_path / "c3")]) == 0
+    out = capsys.readouterr().out
+    assert "1 steps (resumed after step 3), 64 tokens" in out and "mean of the last 1 steps" in out

@@ -357,9 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     result = train(cfg, corpus)
     val = ("" if result.val_start is None else
            f"\nheld-out loss: start {result.val_start:.3f}  end {result.val_end:.3f}  ({cfg.eval_batches} batches)")
+    ran = len(result.losses)
+    resumed = f" (resumed after step {cfg.steps - ran})" if cfg.resume else ""
     print(f"loss: start {result.start_loss:.3f}  end {result.end_loss:.3f}  "
-          f"(nats/byte; end = mean of the last {min(10, cfg.steps)} steps){val}\n"
-          f"{cfg.steps} steps, {result.tokens:,} tokens in {result.seconds:.1f} s: "
+          f"(nats/byte; end = mean of the last {min(10, ran)} steps){val}\n"
+          f"{ran} steps{resumed}, {result.tokens:,} tokens in {result.seconds:.1f} s: "
           f"{result.tokens_per_s:,.0f} tokens/s on {','.join(result.devices)}")
     if cfg.trace:
         print(f"trace written to {cfg.trace}")
