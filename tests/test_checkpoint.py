@@ -347,3 +347,12 @@ def test_a_checkpoint_anywhere_in_a_random_call_sequence_resumes_exactly(tmp_pat
     resumed = _random_run(seed, ops, load=save_at, path=path)
     assert all(torch.equal(a, b) for a, b in zip(saved, never)), (ops, save_at)
     assert all(torch.equal(a, b) for a, b in zip(resumed, never)), (ops, save_at)
+
+
+def test_a_bad_path_is_a_type_error_naming_it():
+    with small_model() as model:
+        for bad in (None, "", 3):
+            with pytest.raises(TypeError, match="save_checkpoint: path must be"):
+                model.save_checkpoint(bad)
+            with pytest.raises(TypeError, match="load_checkpoint: path must be"):
+                model.load_checkpoint(bad)

@@ -142,3 +142,13 @@ def test_rp_hf_trainer_under_torchrun_equals_transformers_trainer_with_ddp(tmp_p
         assert r["world"] == 2
         assert_close(r["final"], r["ref"], rel=1e-4)
     assert all(torch.equal(x, y) for x, y in zip(ranks[0]["final"], ranks[1]["final"]))
+
+
+def test_process_group_must_be_a_process_group():
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup"):
+        torch.manual_seed(0)
+        import roundpipe as rp
+        rp.RoundPipe([torch.nn.Linear(2, 2)], devices=["cpu"], process_group="world")
+    with pytest.raises(ValueError, match="shard_optimizer=True needs process_group"):
+        import roundpipe as rp
+        rp.RoundPipe([torch.nn.Linear(2, 2)], devices=["cpu"], shard_optimizer=True)

@@ -89,7 +89,7 @@ def _save_obj(obj: Any, path: str) -> int:
 def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer: Any, lr_scheduler: Any,
          extra: dict | None = None) -> None:
     """Writes the checkpoint of a settled model (LayerSync.wait_settled); `pending` is its open step."""
-    path = os.fspath(path)
+    path = checked_path(path, "save_checkpoint")
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"save_checkpoint: extra must be a dict or None, got {type(extra).__name__}")
     try:
@@ -175,6 +175,13 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
     finally:
         if dp is not None:
             dp.barrier()   # the checkpoint is in place on every rank's return
+
+
+def checked_path(path: Any, what: str) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"{what}: path must be a non-empty str or os.PathLike (the checkpoint directory), got "
+                        f"{path!r}")
+    return os.fspath(path)
 
 
 def engine_file(rank: int, world: int) -> str:
@@ -278,7 +285,7 @@ def _load_obj(path: str) -> Any:
 
 def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> dict:
     """Restores a checkpoint into a drained model (every check before any change)."""
-    path = os.fspath(path)
+    path = checked_path(path, "load_checkpoint")
     manifest = read_manifest(path)
     files = manifest["files"]
     rank, world = (model.dp.rank, model.dp.world) if model.dp is not None else (0, 1)

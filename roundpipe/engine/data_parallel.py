@@ -62,6 +62,9 @@ class DataParallel:
     def __init__(self, process_group: Any, num_layers: int, reduction: str, bucket_bytes: int = BUCKET_BYTES,
                  timeout: datetime.timedelta | None = None):
         dist = _dist()
+        if dist.is_available() and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD), got "
+                            f"{type(process_group).__name__}")
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("process_group was given but torch.distributed is not initialized; call "
                              "torch.distributed.init_process_group() first (torchrun sets its environment)")

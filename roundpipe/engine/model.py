@@ -157,6 +157,18 @@ class RoundPipe:
         self._cuda = self.devices[0].type == "cuda"
         layers = list(self.module)
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda)
+        # data parallelism over torch.distributed (roundpipe/engine/data_parallel.py), None: this process
+        # alone; checked before any thread starts, so a bad argument leaves nothing running
+        self.dp = DataParallel(process_group, L, loss_reduction) if process_group is not None else None
+        if not isinstance(shard_optimizer, bool):
+            raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+        if shard_optimizer and self.dp is None:
+            raise ValueError("shard_optimizer=True needs process_group= (the ranks the optimizer state is split over)")
+        self.shards = OptimizerShards(self.host, self.dp) if shard_optimizer else None
+        if compensation is not None and not isinstance(compensation, StalenessCompensation):
+            raise TypeError(f"compensation must be a roundpipe.StalenessCompensation or None, got "
+                            f"{type(compensation).__name__}")
+        self.compensation = compensation   # asynchronous-step staleness compensation (engine/staleness.py)
         self.sync = LayerSync(L, self.host.groups())
         self.host_thread = SerialExecutor("roundpipe-step")      # optimizer steps and P-copies
         self.gcopy_thread = SerialExecutor("roundpipe-gcopy")    # G-copies
@@ -185,17 +197,6 @@ class RoundPipe:
         self._counted = (0, 0)   # calls and steps of the runs this one resumes (checkpoint.load)
         # A model dropped without close() (a notebook cell re-run) still lets its threads exit, and
         # none outlives the interpreter's exit (roundpipe/engine/executor.py); flush lets a pending step run.
-        # data parallelism over torch.distributed (roundpipe/engine/data_parallel.py), None: this process alone
-        self.dp = DataParallel(process_group, L, loss_reduction) if process_group is not None else None
-        if not isinstance(shard_optimizer, bool):
-            raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
-        if shard_optimizer and self.dp is None:
-            raise ValueError("shard_optimizer=True needs process_group= (the ranks the optimizer state is split over)")
-        self.shards = OptimizerShards(self.host, self.dp) if shard_optimizer else None
-        if compensation is not None and not isinstance(compensation, StalenessCompensation):
-            raise TypeError(f"compensation must be a roundpipe.StalenessCompensation or None, got "
-                            f"{type(compensation).__name__}")
-        self.compensation = compensation   # asynchronous-step staleness compensation (engine/staleness.py)
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
                                               + self._host_threads(), self.sync.flush)
 
