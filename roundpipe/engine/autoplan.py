@@ -356,6 +356,11 @@ class AutoPlanner:
             self._switch(pending)
         return self.plan
 
+    def follow(self, plan: Plan) -> Plan:
+        """Runs `plan` from this call on (data parallelism: rank 0's choice on every rank); returns it."""
+        self._switch(plan)
+        return plan
+
     def _switch(self, plan: Plan, count: bool = True) -> None:
         if plan != self.plan:
             self.plan = plan

@@ -154,7 +154,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
                         "calls": model._counted[0] + model.sync.iteration,
                         "steps": model._counted[1] + model.sync.steps_issued, "extra": extra or {},
                         "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
-                        "pending_step": step, "loss_scale": model._scaler_state(pending),
+                        "pending_step": step, "loss_scale": _scaler_state(model, pending),
                         "latest_asynchronous": model._latest_async,
                         "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
                                  "backward": [[r.start, r.stop] for r in model.plan.backward]}}
@@ -177,6 +177,17 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
             dp.barrier()   # the checkpoint is in place on every rank's return
 
 
+def _scaler_state(model: "RoundPipe", pending: "StepRecord | None") -> dict | None:
+    """The loss scaler's history relative to the last issued step, without the entry of a pending
+    step that loading re-issues (it checks its gradients again)."""
+    if model.scaler is None:
+        return None
+    state = model.scaler.state(model.sync.steps_issued)
+    if pending is not None and not pending.whole:
+        state["history"].pop("0", None)
+    return state
+
+
 def checked_path(path: Any, what: str) -> str:
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"{what}: path must be a non-empty str or os.PathLike (the checkpoint directory), got "
@@ -196,6 +207,12 @@ def optimizer_file(rank: int, sharded: bool) -> str:
 
 def rank_files(rank: int, world: int, sharded_optimizer: bool) -> list[str]:
     return [engine_file(rank, world)] + ([optimizer_file(rank, True)] if sharded_optimizer else [])
+
+
+def _uploads(model: "RoundPipe") -> list[tuple[str, torch.Tensor]]:
+    """The upload copies of the trained masters, named `<layer>.<param>`."""
+    return [(f"{l}.{st.param_names[j]}", st.upload[j]) for l, st in enumerate(model.host.layers)
+            for j in st.owned if st.params[j].requires_grad]
 
 
 def _grad_entries(model: "RoundPipe") -> list[tuple[str, torch.Tensor]]:
@@ -234,9 +251,7 @@ def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any
     # what workers read when it is not the masters rounded: the old weights of a whole-model update's
     # window, or predicted weights (staleness compensation)
     if (step is not None and step["kind"] == "copy") or (model.compensation is not None and model.compensation.predict):
-        uploads = [(f"{l}.{st.param_names[j]}", st.upload[j]) for l, st in enumerate(model.host.layers)
-                   for j in st.owned if st.params[j].requires_grad]
-        sizes["upload.safetensors"] = tensor_file.write(os.path.join(tmp, "upload.safetensors"), uploads)
+        sizes["upload.safetensors"] = tensor_file.write(os.path.join(tmp, "upload.safetensors"), _uploads(model))
     if optimizer is not None and model.shards is None:
         sizes["optimizer.pt"] = _save_obj(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     if lr_scheduler is not None:
@@ -324,9 +339,14 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
         grads = _check_grads(model, ef)
         if opt_state is not None:
             _check_optimizer(optimizer, opt_state, os.path.join(path, opt_file))
-        model._set_scaler_state(manifest["loss_scale"], step is not None)   # the last check
+        if (manifest["loss_scale"] is None) != (model.scaler is None):   # the last check
+            raise ValueError(f"load_checkpoint: the checkpoint {'has no' if manifest['loss_scale'] is None else 'has'} "
+                             f"loss-scaling state but this model {'scales' if model.scaler else 'does not scale'} its "
+                             f"loss (compute_dtype={model.compute_dtype}); build it with the same precision policy")
         # ---- every check passed: restore
         model._latest_async = manifest["latest_asynchronous"]
+        if model.scaler is not None:   # indices relative to the last issued step, a pending one re-issued below
+            model.scaler.load(manifest["loss_scale"], 1 if step is not None else 0)
         with torch.no_grad():
             for name, t in state.items():
                 mf.read_into(name, t.data if isinstance(t, torch.nn.Parameter) else t)
@@ -339,10 +359,8 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
             host.refresh(l)
         if "upload.safetensors" in files:   # before any step could rewrite them: gates are closed
             with TensorFile(os.path.join(path, "upload.safetensors")) as uf:
-                for l, st in enumerate(host.layers):
-                    for j in st.owned:
-                        if st.params[j].requires_grad:
-                            uf.read_into(f"{l}.{st.param_names[j]}", st.upload[j])
+                for name, upload in _uploads(model):
+                    uf.read_into(name, upload)
         if opt_state is not None:
             optimizer.load_state_dict(opt_state)
         if sched_state is not None:
@@ -351,13 +369,13 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
         cuda = sorted(n for n in ef.entries if n.startswith("rng.cuda."))
         if cuda and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([ef.read(n) for n in cuda])
-        step_grads = {k: v for k, v in grads.items() if k[0] == "step"}
-        if step is None or step["kind"] == "update":
-            _restore_step_grads(model, ef, step_grads)
-        if step is not None:
-            model._reissue_step(step, optimizer, lr_scheduler)
+        # a restored whole-model update clears p.grad when re-issued: the later gradients return after it;
+        # a restored per-layer update reads them, so they return before it
         if step is not None and step["kind"] == "copy":
-            _restore_step_grads(model, ef, step_grads)
+            model._reissue_step(step, optimizer, lr_scheduler)
+        _restore_step_grads(model, ef, {k: v for k, v in grads.items() if k[0] == "step"})
+        if step is not None and step["kind"] == "update":
+            model._reissue_step(step, optimizer, lr_scheduler)
         for (kind, l, j), name in grads.items():
             if kind == "landed":
                 st = host.layers[l]

@@ -38,7 +38,7 @@ on after that: restart it from the last checkpoint.
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -98,8 +98,7 @@ class DataParallel:
         nf, nb = int(buf[0]), int(buf[1])
         pairs = buf[2:2 + 2 * (nf + nb)].view(-1, 2).tolist()
         ranges = [range(a, b) for a, b in pairs]
-        agreed = Plan(forward=ranges[:nf], backward=ranges[nf:])
-        return plan if agreed == plan else agreed
+        return Plan(forward=ranges[:nf], backward=ranges[nf:])
 
     def sum_over_ranks(self, value: float) -> float:
         """value summed over the ranks (a batch's token count), on the control group."""
@@ -131,19 +130,9 @@ class DataParallel:
         """Averages (or sums) every layer's landed gradient sums over the group, in place of them:
         fp32, layers last to first in buckets of about bucket_bytes, one all_reduce each.  A
         parameter no rank has a gradient for keeps none; one some ranks lack counts as zero there."""
-        entries: list[tuple[int, int]] = []   # (layer, param index) in bucket order
-        for l in reversed(range(len(host))):
-            st = host.layers[l]
-            entries += [(l, j) for j in st.trainable]
-        start = 0
-        while start < len(entries):
-            stop, nbytes = start, 0
-            while stop < len(entries) and (stop == start or nbytes < self.bucket_bytes):
-                l, j = entries[stop]
-                nbytes += host.layers[l].params[j].numel() * 4
-                stop += 1
-            self._reduce_bucket(host, entries[start:stop])
-            start = stop
+        entries = [(l, j) for l in reversed(range(len(host))) for j in host.layers[l].trainable]
+        for bucket in buckets(entries, lambda e: host.layers[e[0]].params[e[1]].numel() * 4, self.bucket_bytes):
+            self._reduce_bucket(host, bucket)
 
     def _reduce_bucket(self, host: "HostState", entries: list[tuple[int, int]]) -> None:
         sizes = [host.layers[l].params[j].numel() for l, j in entries]
@@ -161,12 +150,9 @@ class DataParallel:
             flat.copy_(work)
         if self.reduction == "mean":
             flat[:sum(sizes)].div_(self.world)
-        for k, (l, j) in enumerate(entries):
+        for k, ((l, j), got) in enumerate(zip(entries, has.tolist())):   # views of the bucket: no copy
             st = host.layers[l]
-            if has[k] > 0:
-                st.gbuf[j], st.ghas[j] = views[k].view(st.params[j].shape).clone(), True
-            else:
-                st.gbuf[j], st.ghas[j] = None, False
+            st.gbuf[j], st.ghas[j] = (views[k].view(st.params[j].shape), True) if got > 0 else (None, False)
 
     def reducer(self, host: "HostState") -> Callable[[], None]:
         """The G-copy's reduction: on failure the local sums are dropped and the error names the all_reduce."""
@@ -183,6 +169,19 @@ class DataParallel:
         for st in host.layers:
             for j in st.trainable:
                 st.gbuf[j], st.ghas[j] = None, False
+
+
+def buckets(items: list, nbytes: Callable[[Any], int], limit: int) -> Iterator[list]:
+    """Consecutive runs of items, each closed once it holds at least `limit` bytes (as DDP's)."""
+    bucket, size = [], 0
+    for item in items:
+        bucket.append(item)
+        size += nbytes(item)
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
 
 
 def reduction_failed(exc: BaseException, world: int) -> BaseException:
@@ -259,15 +258,9 @@ class OptimizerShards:
         """Every rank's updated slices into every rank's masters (fp32 all_gather, bucketed)."""
         if self.dp.world == 1:
             return
-        keys = sorted(self.slices)
-        start = 0
-        while start < len(keys):
-            stop, nbytes = start, 0
-            while stop < len(keys) and (stop == start or nbytes < self.dp.bucket_bytes):
-                nbytes += self.slices[keys[stop]][2] * 4 * self.dp.world
-                stop += 1
-            self._gather_bucket(keys[start:stop])
-            start = stop
+        for bucket in buckets(sorted(self.slices), lambda k: self.slices[k][2] * 4 * self.dp.world,
+                              self.dp.bucket_bytes):
+            self._gather_bucket(bucket)
 
     def _gather_bucket(self, keys: list[tuple[int, int]]) -> None:
         chunks = [self.slices[k][2] for k in keys]

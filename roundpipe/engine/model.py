@@ -209,39 +209,52 @@ class RoundPipe:
         return [self.host_thread, self.gcopy_thread]
 
     # ---- state of the wrapped module
+    @property
+    def _owner(self) -> nn.Module:
+        """The module whose parameters, names and state dict this model presents: the wrapped
+        layers (an rp.hf.wrap model: the HF model, which holds the same tensors)."""
+        return self.module
+
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.module.parameters(recurse)
+        return self._owner.parameters(recurse)
 
     def named_parameters(self, *args, **kwargs):
-        return self.module.named_parameters(*args, **kwargs)
+        return self._owner.named_parameters(*args, **kwargs)
 
     def buffers(self, recurse: bool = True):
-        return self.module.buffers(recurse)
+        return self._owner.buffers(recurse)
 
     def named_buffers(self, *args, **kwargs):
-        return self.module.named_buffers(*args, **kwargs)
+        return self._owner.named_buffers(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         with self._api:
             self._check_open()
             self._drain()
-            return self.module.state_dict(*args, **kwargs)
+            return self._owner.state_dict(*args, **kwargs)
 
     def _named_state(self) -> dict[str, torch.Tensor]:
-        """Every master and buffer under the names a checkpoint stores them by (state_dict's)."""
-        return self.module.state_dict(keep_vars=True)
+        """Every master and buffer under the names a checkpoint stores them by: the owner's state_dict
+        names, plus any tensor of the layers that state dict does not hold, under its layer name."""
+        named = dict(self._owner.state_dict(keep_vars=True))
+        if self._owner is not self.module:
+            held = {(t.data_ptr(), t.dtype, tuple(t.shape)) for t in named.values()}
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                if (t.data_ptr(), t.dtype, tuple(t.shape)) not in held:
+                    named[f"roundpipe.layers.{name}"] = t
+        return named
 
     def load_state_dict(self, state_dict, strict: bool = True):
         with self._api:
             self._check_open()
             self._drain()
-            result = self.module.load_state_dict(state_dict, strict=strict)
+            result = self._owner.load_state_dict(state_dict, strict=strict)
             for l in range(len(self.host)):
                 self.host.refresh(l)
             return result
 
     def train(self, mode: bool = True) -> "RoundPipe":
-        self.module.train(mode)
+        self._owner.train(mode)
         return self
 
     def eval(self) -> "RoundPipe":
@@ -325,8 +338,7 @@ class RoundPipe:
         self._refresh_edited()
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
         if training and self.dp is not None:
-            plan = self.dp.agree_plan(plan)   # rank 0's
-            self.autoplan._switch(plan)
+            plan = self.autoplan.follow(self.dp.agree_plan(plan))   # rank 0's
         if self._inflight and plan != self._inflight[-1].plan:
             self._retire(block=True)   # a new plan starts from an empty pipeline
         self._retire(block=True, keep=1)   # at most one earlier call still draining
@@ -440,15 +452,19 @@ class RoundPipe:
         with self._api:
             self._check_open()
             max_norm = check_step_args(asynchronous, lr_scheduler, max_grad_norm, optimizer)
-            used = self._scale_index()
             comp = self.compensation
-            predict = comp.predict if comp is not None and asynchronous else 0.0
-            factor = comp.lr_factor(self._counted[1] + self.sync.steps_issued) if comp is not None else 1.0
-            fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
-                            self.scaler, self.sync.steps_issued + 1, used, self.shards, predict, factor)
-            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
-                               "scale_used": used, "predict": predict, "lr_factor": factor}
+            fns = self._make_step(optimizer, lr_scheduler, max_norm, self._scale_index(),
+                                  comp.predict if comp is not None and asynchronous else 0.0,
+                                  comp.lr_factor(self._counted[1] + self.sync.steps_issued) if comp else 1.0)
             self._issue_step(fns, asynchronous)
+
+    def _make_step(self, optimizer, lr_scheduler, max_norm: float | None, scale_used: int, predict: float,
+                   lr_factor: float):
+        """The next step's StepFns; what it was given is kept for a checkpoint saved while it is pending."""
+        self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
+                           "scale_used": scale_used, "predict": predict, "lr_factor": lr_factor}
+        return make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
+                         self.scaler, self.sync.steps_issued + 1, scale_used, self.shards, predict, lr_factor)
 
     def _scale_index(self) -> int:
         """The loss-scale history entry of the calls issued now and of the step after them."""
@@ -520,36 +536,16 @@ class RoundPipe:
 
     def _reissue_step(self, step: dict, optimizer, lr_scheduler) -> None:
         """A checkpoint's pending step, issued again with its stale window (checkpoint.load)."""
-        index = self.sync.steps_issued + 1
-        used = step["scale_used"] + index   # saved relative to the step's own index
-        self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": step["max_grad_norm"],
-                           "scale_used": used, "predict": step["predict"], "lr_factor": step["lr_factor"]}
+        used = step["scale_used"] + self.sync.steps_issued + 1   # saved relative to the step's own index
         if step["kind"] == "update":
-            fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler,
-                            step["max_grad_norm"], self.scaler, index, used, self.shards, step["predict"],
-                            step["lr_factor"])
+            fns = self._make_step(optimizer, lr_scheduler, step["max_grad_norm"], used, step["predict"],
+                                  step["lr_factor"])
         else:
+            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": None,
+                               "scale_used": used, "predict": 0.0, "lr_factor": 1.0}
             fns = copy_step(optimizer, self.host, lr_scheduler, step["skipped"])
         self._issue_step(fns, True, window=step["window"])
         self.sync.wait_settled()   # a restored whole update clears p.grad before the gradients return
-
-    def _scaler_state(self, pending) -> dict | None:
-        """The loss scaler's history relative to the last issued step, without the entry of a
-        pending step that loading re-issues (it checks its gradients again)."""
-        if self.scaler is None:
-            return None
-        state = self.scaler.state(self.sync.steps_issued)
-        if pending is not None and not pending.whole:
-            state["history"].pop("0", None)
-        return state
-
-    def _set_scaler_state(self, state: dict | None, pending: bool) -> None:
-        if (state is None) != (self.scaler is None):
-            raise ValueError(f"load_checkpoint: the checkpoint {'has no' if state is None else 'has'} loss-scaling "
-                             f"state but this model {'scales' if self.scaler else 'does not scale'} its loss "
-                             f"(compute_dtype={self.compute_dtype}); build it with the same precision policy")
-        if state is not None:
-            self.scaler.load(state, 1 if pending else 0)
 
     def wait_calls(self) -> None:
         """Waits until the training calls still running after they returned (their last backward

@@ -257,7 +257,7 @@ def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_schedu
         with torch.no_grad():
             slices = [shards.layer(l) for l in range(len(host))]
             for ps, gs in slices:
-                if fused and native:   # reads held low-precision slices as they are
+                if native:   # reads held low-precision slices as they are
                     optimizer.step_layer(ps, None, clip_coef=mul, grads=gs)
                     continue
                 for p, g in zip(ps, gs):

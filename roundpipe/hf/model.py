@@ -107,47 +107,10 @@ class HFRoundPipe(RoundPipe):
     def config(self):
         return causal_lm(self.hf_model).config
 
-    # ---- state: the HF model's own
-    def parameters(self, recurse: bool = True):
-        return self.hf_model.parameters(recurse)
-
-    def named_parameters(self, *args, **kwargs):
-        return self.hf_model.named_parameters(*args, **kwargs)
-
-    def buffers(self, recurse: bool = True):
-        return self.hf_model.buffers(recurse)
-
-    def named_buffers(self, *args, **kwargs):
-        return self.hf_model.named_buffers(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        with self._api:
-            self._check_open()
-            self._drain()
-            return self.hf_model.state_dict(*args, **kwargs)
-
-    def _named_state(self) -> dict[str, torch.Tensor]:
-        """The HF model's names (a checkpoint's model.safetensors reads like the HF model's own), plus any
-        tensor of the wrapped layers the HF state dict does not hold, under its layer name."""
-        named = dict(self.hf_model.state_dict(keep_vars=True))
-        held = {(t.data_ptr(), t.dtype, tuple(t.shape)) for t in named.values()}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if (t.data_ptr(), t.dtype, tuple(t.shape)) not in held:
-                named[f"roundpipe.layers.{name}"] = t
-        return named
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        with self._api:
-            self._check_open()
-            self._drain()
-            result = self.hf_model.load_state_dict(state_dict, strict=strict)
-            for l in range(len(self.host)):
-                self.host.refresh(l)
-            return result
-
-    def train(self, mode: bool = True) -> "HFRoundPipe":
-        self.hf_model.train(mode)
-        return self
+    # ---- state: the HF model's own (parameters, state dicts, train/eval, checkpoint names)
+    @property
+    def _owner(self) -> nn.Module:
+        return self.hf_model
 
     # ---- calls
     @staticmethod
