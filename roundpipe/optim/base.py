@@ -277,14 +277,20 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._native_step(config, pick(params), pick(grads), pick(states),
                               pick(shadows) if shadows is not None else None, grad_mul, predict)
         for i in sorted(set(range(len(params))) - set(native)):
-            shadow = shadows[i] if shadows is not None else None
-            before = params[i].detach().clone() if predict and shadow is not None else None
-            self._torch_step(config, params[i], grads[i], *states[i], grad_mul)
-            if shadow is not None:
-                new = params[i].detach()
-                shadow.view(-1).copy_((new + predict * (new - before) if before is not None else new).view(-1))
+            with_shadow(params[i], shadows[i] if shadows is not None else None, predict,
+                        lambda i=i: self._torch_step(config, params[i], grads[i], *states[i], grad_mul))
         for state, bufs in states:
             self._commit(state, bufs)
+
+
+def with_shadow(p: torch.Tensor, shadow: torch.Tensor | None, predict: float, update: Callable[[], None]) -> None:
+    """The torch-ops path's update of p, then its shadow written as the native pass writes it: the new
+    weight, or with predict the predicted next one p + predict * (p - p_before)."""
+    before = p.detach().clone() if predict and shadow is not None else None
+    update()
+    if shadow is not None:
+        new = p.detach()
+        shadow.view(-1).copy_((new + predict * (new - before) if before is not None else new).view(-1))
 
 
 def _check_clip_coef(clip_coef: float) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from roundpipe import _native
 from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real, tensor_list
-from roundpipe.optim.base import check_betas, check_flags, check_nonneg, torch_grad
+from roundpipe.optim.base import check_betas, check_flags, check_nonneg, torch_grad, with_shadow
 
 _F32 = {torch.float32: "float32"}
 
@@ -152,11 +152,9 @@ def adam_step(
         return
     _check_no_overlap(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, shadow_list)
     for i, p in enumerate(params):
-        before = p.clone() if predict and shadow_list[i] is not None else None
-        _torch_step(p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if config.amsgrad else None,
-                    float(step_list[i]), config, grad_mul)
-        if shadow_list[i] is not None:
-            shadow_list[i].view(-1).copy_((p + predict * (p - before) if before is not None else p).view(-1))
+        with_shadow(p, shadow_list[i], predict, lambda i=i, p=p: _torch_step(
+            p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if config.amsgrad else None,
+            float(step_list[i]), config, grad_mul))
 
 
 def _check_no_overlap(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, shadows) -> None:
