@@ -139,19 +139,31 @@ def check_same(name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor
 # and caches are not safe against the same kernel being compiled from several threads at once,
 # which is what several GPU workers reaching a new shape together would do.  So a launch whose
 # specialisation key was never seen runs under one lock; later ones do not take it.  The key is
-# coarser than Triton's own only in the safe direction (it may lock a launch that is warm).
+# finer than Triton's own only in the safe direction (it may lock a launch that is warm), never
+# coarser: two launches Triton compiles separately must never share a key.
 _first_launch = threading.Lock()
 _warm: set = set()
 
 
+def _int_type(a: int) -> str:
+    """The integer type Triton gives a Python int argument: i32 when it fits, else u64 or i64 (Triton 3.x)."""
+    if -2**31 <= a < 2**31:
+        return "i32"
+    return "u64" if 2**63 <= a < 2**64 else "i64"
+
+
+def _arg_key(a):
+    """What Triton specialises an argument on: a tensor's dtype and 16-byte alignment; an int's width
+    (i32/i64/u64), whether it is 1 (then a constant) and whether it divides by 16."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, int) and not isinstance(a, bool):
+        return (_int_type(a), a == 1, a % 16 == 0)
+    return type(a).__name__
+
+
 def _specialisation(kernel, device: torch.device, args: tuple, meta: dict) -> tuple:
-    def arg_key(a):
-        if isinstance(a, torch.Tensor):
-            return (a.dtype, a.data_ptr() % 16 == 0)
-        if isinstance(a, int) and not isinstance(a, bool):
-            return (a == 1, a % 16 == 0)
-        return type(a).__name__
-    return (id(kernel), device, tuple(arg_key(a) for a in args), tuple(sorted(meta.items())))
+    return (id(kernel), device, tuple(_arg_key(a) for a in args), tuple(sorted(meta.items())))
 
 
 def launch(kernel, grid: tuple, *args, **meta) -> None:

@@ -58,11 +58,13 @@ def test_importable_and_usable_without_triton():
     assert run.stdout.startswith("OK roundpipe.kernels: using the PyTorch reference path because Triton is not")
 
 
-def test_first_launch_of_a_specialisation_is_serialised():
+def test_first_launch_of_a_specialisation_is_serialised(monkeypatch):
     """Several worker threads reaching a new kernel specialisation at once launch (and so compile) it one at
     a time; once it is warm they launch side by side."""
     import threading
     import time
+
+    monkeypatch.setattr(_triton, "_warm", set())   # a dead fake kernel's id may be reused by this one
 
     state = {"inside": 0, "most": 0, "meet": None}
     lock = threading.Lock()
@@ -103,3 +105,38 @@ def test_first_launch_of_a_specialisation_is_serialised():
     for t in threads:
         t.join()
     assert state["most"] == 4   # warm: no lock
+
+
+# Pairs of int arguments that Triton compiles separately: width (i32 / i64 / u64), ==1 (a constant), %16.
+_DISTINCT_INTS = [(16, 2**31 + 16), (16, -2**31 - 16), (2**32, 2**63), (-16, 2**40), (1, 17), (16, 17),
+                  (2**31 - 1, 2**31 + 1)]
+
+
+def test_specialisation_key_separates_what_triton_compiles_separately():
+    """Ints differing only in Triton's width (int32/int64/uint64), ==1 or divisibility by 16 give different keys;
+    ints Triton treats alike share one."""
+    def key(n):
+        return _triton._specialisation("kernel", torch.device("cpu"), (torch.zeros(4), n), {"BLOCK": 16})
+    for a, b in _DISTINCT_INTS:
+        assert key(a) != key(b), (a, b)
+    assert key(32) == key(2**31 - 16) and key(2**31 + 16) == key(2**40) and key(3) == key(2**31 - 3)
+    if _triton.triton is not None:   # cross-check the width with Triton's own mangling of the argument
+        from triton.runtime.jit import mangle_type
+        for n in (5, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**62, 2**63, 2**64 - 1):
+            assert _triton._int_type(n) == mangle_type(n), n
+
+
+def test_first_launch_of_a_wider_int_takes_the_lock_again(monkeypatch):
+    """After a launch with n=16 is warm, the same launch with n=2**31+16 (an int64 specialisation) compiles anew,
+    so it runs under the first-launch lock; a repeat of either does not."""
+    monkeypatch.setattr(_triton, "_warm", set())   # a dead fake kernel's id may be reused by this one
+    held = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: held.append(_triton._first_launch.locked())
+
+    kernel, x = FakeKernel(), torch.zeros(16)
+    for n in (16, 16, 2**31 + 16, 2**31 + 16, 16):
+        _triton.launch(kernel, (1,), x, n, BLOCK=16)
+    assert held == [True, False, True, False, False]
