@@ -152,3 +152,46 @@ def test_process_group_must_be_a_process_group():
     with pytest.raises(ValueError, match="shard_optimizer=True needs process_group"):
         import roundpipe as rp
         rp.RoundPipe([torch.nn.Linear(2, 2)], devices=["cpu"], shard_optimizer=True)
+
+
+def test_nccl_reduce_device_follows_the_workers_and_local_rank(monkeypatch):
+    """Under NCCL each rank of a node reduces on a GPU of its own: ranks sharing cuda:0..3 (devices=None under
+    torchrun) spread by LOCAL_RANK, a rank with one worker stays on it, never cuda:0 for all; gloo is the CPU."""
+    from roundpipe.engine.data_parallel import reduce_device
+    cuda = [torch.device("cuda", i) for i in range(4)]
+    assert [reduce_device("nccl", cuda, str(r)) for r in range(4)] == cuda
+    assert reduce_device("nccl", [torch.device("cuda", 2)] * 2, "1") == torch.device("cuda", 2)
+    assert reduce_device("nccl", [torch.device("cuda", 3), torch.device("cpu")], None) == torch.device("cuda", 3)
+    assert reduce_device("gloo", cuda, "1") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)   # CPU workers on an NCCL group
+    assert reduce_device("nccl", [torch.device("cpu")], "3") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="LOCAL_RANK='x' must be a non-negative integer"):
+        reduce_device("nccl", cuda, "x")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="NCCL backend but no CUDA device"):
+        reduce_device("nccl", [torch.device("cpu")], "0")
+
+
+def test_reduced_buckets_live_in_the_models_host_memory(monkeypatch):
+    """A gradient bucket is staged in the model's host memory (its arena: pinned on GPUs, so the copies to and
+    from the GPU are DMA) and the reduced gradients are views of it, with the missing ones left out."""
+    from roundpipe import _native
+    from roundpipe.engine import data_parallel
+    from roundpipe.engine.host_state import HostState
+    if not _native.available():
+        pytest.skip("needs the native core (the arena)")
+    calls = []
+    monkeypatch.setattr(data_parallel, "_dist", lambda: type("D", (), {
+        "all_reduce": staticmethod(lambda t, group: calls.append(t.clone()))}))
+    layers = [torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)]
+    host = HostState(layers, torch.float32, pinned=False)
+    dp = data_parallel.DataParallel.__new__(data_parallel.DataParallel)
+    dp.device, dp.world, dp.reduction, dp.group, dp.bucket_bytes = torch.device("cpu"), 2, "mean", None, 1 << 20
+    for j, p in enumerate(host.layers[0].params):
+        host.layers[0].gbuf[j], host.layers[0].ghas[j] = torch.full(p.shape, 4.0), True
+    dp.reduce_landed(host)
+    assert len(calls) == 1 and calls[0].numel() == (6 + 2) + (4 + 2) + 4   # weights, biases, one "has" flag each
+    for j, p in enumerate(host.layers[0].params):
+        g = host.layers[0].gbuf[j]
+        assert host.owns(g) and torch.equal(g, torch.full(p.shape, 2.0))
+    assert host.layers[1].gbuf == [None, None] and host.layers[1].ghas == [False, False]

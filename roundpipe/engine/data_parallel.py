@@ -34,11 +34,19 @@ thread timing).  A rank that raises or dies makes the others' next collective
 fail within the group's timeout (`init_process_group(timeout=...)`); the error
 is raised by their next engine call and names the all-reduce.  The job cannot go
 on after that: restart it from the last checkpoint.
+
+Under NCCL each rank all-reduces on a GPU of its own (`reduce_device`): one of its
+workers' devices, picked by LOCAL_RANK when the ranks of a node share them, never
+`torch.cuda.current_device()` alone (cuda:0 on every rank that did not call
+`set_device`, which NCCL refuses: "Duplicate GPU detected").  A bucket is staged
+in the model's host memory (`HostState.alloc`: the pinned arena on GPUs), so its
+copies to and from the GPU are asynchronous DMA, not staged pageable copies.
 """
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -60,7 +68,7 @@ class DataParallel:
     """One model's place in a process group: its rank, the groups it talks on, the reductions."""
 
     def __init__(self, process_group: Any, num_layers: int, reduction: str, bucket_bytes: int = BUCKET_BYTES,
-                 timeout: datetime.timedelta | None = None):
+                 timeout: datetime.timedelta | None = None, devices: Sequence[torch.device] = ()):
         dist = _dist()
         if dist.is_available() and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD), got "
@@ -81,7 +89,7 @@ class DataParallel:
         # G-copy thread may be inside a gradient all_reduce on `group`
         ranks = dist.get_process_group_ranks(process_group)
         self.control = dist.new_group(ranks, backend="gloo", timeout=timeout) if self.world > 1 else process_group
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = reduce_device(self.backend, devices, os.environ.get("LOCAL_RANK"))
 
     # ---- plans (caller thread)
     def agree_plan(self, plan: Plan) -> Plan:
@@ -136,20 +144,30 @@ class DataParallel:
 
     def _reduce_bucket(self, host: "HostState", entries: list[tuple[int, int]]) -> None:
         sizes = [host.layers[l].params[j].numel() for l, j in entries]
-        flat = torch.zeros(sum(sizes) + len(entries), dtype=torch.float32)
-        views = list(flat[:sum(sizes)].split(sizes))
-        has = flat[sum(sizes):]
+        n = sum(sizes)
+        # the model's host memory (pinned on GPUs): an exact-size arena block, returned when the
+        # last gradient viewing it is dropped; only what no landed gradient overwrites is zeroed
+        flat = host.alloc((n + len(entries),), torch.float32)
+        views = list(flat[:n].split(sizes))
+        has = flat[n:]
+        has.zero_()
         for k, (l, j) in enumerate(entries):
             st = host.layers[l]
             if st.ghas[j]:
                 views[k].copy_(st.gbuf[j].reshape(-1))
                 has[k] = 1.0
-        work = flat if self.device.type == "cpu" else flat.to(self.device)
-        _dist().all_reduce(work, group=self.group)
-        if work is not flat:
-            flat.copy_(work)
+            else:
+                views[k].zero_()
+        if self.device.type == "cpu":
+            _dist().all_reduce(flat, group=self.group)
+        else:
+            with torch.cuda.device(self.device):
+                work = flat.to(self.device, non_blocking=True)   # from pinned memory: DMA, the host goes on
+                _dist().all_reduce(work, group=self.group)      # the current stream waits for NCCL's
+                flat.copy_(work, non_blocking=True)
+                torch.cuda.current_stream(self.device).synchronize()   # before the host reads `flat`
         if self.reduction == "mean":
-            flat[:sum(sizes)].div_(self.world)
+            flat[:n].div_(self.world)
         for k, ((l, j), got) in enumerate(zip(entries, has.tolist())):   # views of the bucket: no copy
             st = host.layers[l]
             st.gbuf[j], st.ghas[j] = (views[k].view(st.params[j].shape), True) if got > 0 else (None, False)
@@ -169,6 +187,35 @@ class DataParallel:
         for st in host.layers:
             for j in st.trainable:
                 st.gbuf[j], st.ghas[j] = None, False
+
+
+def reduce_device(backend: str, devices: Sequence[torch.device], local_rank: str | None) -> torch.device:
+    """The device this rank's gradient all_reduce runs on: the CPU unless the backend is NCCL.
+
+    Under NCCL two ranks of a node must not use the same GPU.  The candidates are the rank's
+    CUDA workers (distinct, in order); LOCAL_RANK (torchrun sets it) picks among them, so ranks
+    sharing the same workers (devices=None under torchrun) land on different GPUs and a rank with
+    workers of its own stays on one of them.  Without CUDA workers (CPU workers, NCCL group)
+    LOCAL_RANK picks among the visible GPUs; without LOCAL_RANK the first worker, else the
+    current device (the caller's torch.cuda.set_device)."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    rank = None
+    if local_rank is not None and local_rank != "":
+        try:
+            rank = int(local_rank)
+        except ValueError:
+            rank = -1
+        if rank < 0:
+            raise ValueError(f"LOCAL_RANK={local_rank!r} must be a non-negative integer (torchrun sets it)")
+    cuda = list(dict.fromkeys(torch.device(d) for d in devices if torch.device(d).type == "cuda"))
+    if cuda:
+        return cuda[0] if rank is None else cuda[rank % len(cuda)]
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError("process_group uses the NCCL backend but no CUDA device is visible; use a gloo group "
+                         "(init_process_group('gloo')) for CPU workers")
+    return torch.device("cuda", torch.cuda.current_device() if rank is None else rank % count)
 
 
 def buckets(items: list, nbytes: Callable[[Any], int], limit: int) -> Iterator[list]:

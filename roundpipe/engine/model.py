@@ -159,7 +159,8 @@ class RoundPipe:
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda)
         # data parallelism over torch.distributed (roundpipe/engine/data_parallel.py), None: this process
         # alone; checked before any thread starts, so a bad argument leaves nothing running
-        self.dp = DataParallel(process_group, L, loss_reduction) if process_group is not None else None
+        self.dp = (DataParallel(process_group, L, loss_reduction, devices=self.devices)
+                   if process_group is not None else None)
         if not isinstance(shard_optimizer, bool):
             raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
         if shard_optimizer and self.dp is None:
@@ -270,7 +271,6 @@ class RoundPipe:
                                "loss_fn or step callable run by a RoundPipe); RoundPipes cannot be nested")
         for t in self._host_threads():
             t.raise_error()
-        self._retire(block=False)
 
     def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
         """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor."""
@@ -378,18 +378,29 @@ class RoundPipe:
                     run.ctx.bn_stats.apply(bn)   # whole-batch BatchNorm statistics, once per call
             finally:
                 sync.end_call(run.ctx.call)
+        earlier = [rec.run for rec in self._inflight]   # training calls still draining (they end first)
         run = self.dispatcher.start(ctx, sched, on_end)
+        for e in earlier:
+            run.watch(e)
+
+        def may_return() -> bool:
+            """Its loss (outputs) known and the calls before it ended, or one of those failed."""
+            if any(e.failed for e in earlier):
+                return True
+            return (not training or ctx.losses_known.is_set()) and all(e.finished for e in earlier)
         try:
-            self.dispatcher.wait(run, ctx.losses_known.is_set if training else None)
             try:
+                self.dispatcher.wait(run, may_return)
                 for t in self._host_threads():   # a step that failed meanwhile: this call then has no effect
                     t.raise_error()
+                self._raise_earlier_failure(earlier)
             except BaseException:
-                ctx.board.abort()
+                ctx.board.abort()   # cancelled: no worker goes on with a call that raises
                 run.wait_end()
                 raise
-        except BaseException:
+        except BaseException as e:
             self.autoplan.after_call(key, plan, training, False)
+            self._fold_inflight(e, key)
             raise
         if training:   # retired (timings folded, late error raised) at a fixed later point
             self._inflight.append(_InFlight(key, plan, run))
@@ -403,26 +414,53 @@ class RoundPipe:
                 self._issue_gcopy()
         return ctx
 
-    def _retire(self, block: bool = True, keep: int = 0) -> None:
+    def _retire(self, keep: int = 0) -> None:
         """Forgets the earlier calls in flight but the newest `keep`, waiting for their ends, and
-        folds their timings into the planner; with `block=False` only calls that ended with an
-        error (none is waited for).  Raises the first error one of them met after it returned
-        (its gradients were dropped).  Timings are folded at fixed points (the start of the call
-        after next, a sync point), so re-planning does not depend on thread timing."""
-        error = None
+        folds their timings into the planner.  Raises the first error one of them met after it
+        returned (its gradients were dropped), the others' as notes.  Timings are folded at fixed
+        points (the start of the call after next, a sync point), so re-planning does not depend on
+        thread timing."""
+        errors = self._retire_collect(keep)
+        if errors:
+            raise _folded(errors[0], errors[1:])
+
+    def _retire_collect(self, keep: int = 0) -> list[BaseException]:
+        """`_retire` without the raise: the errors of the calls it retired, each with a note naming its call."""
+        errors = []
         while len(self._inflight) > keep:
             rec = self._inflight[0]
-            if not block and not (rec.run.finished and rec.run.error is not None):
-                break
             rec.run.wait_end()
             self._inflight.pop(0)
             self.autoplan.after_call(rec.key, rec.plan, True, rec.run.ok)
-            if rec.run.error is not None and error is None:
+            if rec.run.error is not None:
                 error = rec.run.error
                 error.add_note(f"[roundpipe] raised after forward_backward returned, in the rest of training call "
                                f"{rec.key} (its last backward stages); that call's gradients were dropped")
-        if error is not None:
-            raise error
+                errors.append(error)
+        return errors
+
+    def _raise_earlier_failure(self, earlier: list[CallRun]) -> None:
+        """At a call's return: an earlier training call that failed after it returned is raised here
+        (the calling call is then cancelled: it raises, so it has no effect)."""
+        if any(e.failed for e in earlier):
+            raise _LateFailure()
+
+    def _fold_inflight(self, e: BaseException, key: int) -> None:
+        """A call raises `e`: the calls still draining before it ended first (every worker runs them
+        before this one); their errors are folded into the one raised, as notes, never raised again."""
+        if not self._inflight:
+            return
+        errors = self._retire_collect()
+        if isinstance(e, _LateFailure):
+            e.errors, late = errors, errors[0]
+            late.add_note(f"[roundpipe] raised by training call {key}, which was cancelled: it had no effect "
+                          "(its loss and gradients were dropped; pass its batch again)")
+            for other in errors[1:]:
+                late.add_note(f"[roundpipe] also: {other!r}")
+            return
+        for other in errors:
+            e.add_note(f"[roundpipe] training call {self._key_of(other)} also failed after it returned (its "
+                       f"gradients were dropped): {other!r}")
 
     def _issue_gcopy(self) -> None:
         """Moves the gradients landed since the last G-copy into p.grad (after earlier steps read it)."""
