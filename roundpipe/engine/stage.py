@@ -117,15 +117,16 @@ class StageRun:
         return self.w.use(arrival)
 
     def _input(self, m: int) -> Any:
+        # a backward stage recomputes from the host copy, never from the forward consumer's tensors
         x = self._use(self.early.pop(m)) if m in self.early else \
-            self._use(self.w.receive(self._get(("act", self.task.layers.start, m))))
+            self._use(self.w.receive(self._get(("act", self.task.layers.start, m)), self.task.kind != "B"))
         return self.ctx.precision.cast_call_inputs(x) if self.task.layers.start == 0 else x
 
     def upload_input_early(self, m: int) -> None:
         """Issues microbatch m's input upload now if it has arrived (it then overlaps m-1's compute)."""
         found, h = self.ctx.board.poll(("act", self.task.layers.start, m))
         if found:
-            self.early[m] = self.w.receive(h)
+            self.early[m] = self.w.receive(h, self.task.kind != "B")
 
     def upload(self, prefetched: Upload | None) -> None:
         ctx, task, w = self.ctx, self.task, self.w

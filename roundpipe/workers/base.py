@@ -248,10 +248,15 @@ class Worker(ABC):
                 h.host_ready = self.copies.activation("act_down", dsts, srcs, [compute])
         return h
 
-    def receive(self, handoff: Handoff) -> Arrival:
-        """Starts moving the handoff's tensors here; `use` them once they are needed."""
-        if handoff.device_value is not None and handoff.device == self.device:
-            return Arrival(handoff.device_value, [handoff.device_ready])
+    def receive(self, handoff: Handoff, forward: bool = True) -> Arrival:
+        """Starts moving the handoff's tensors here; `use` them once they are needed.
+
+        forward=False: a backward stage's recompute input, always taken from the host copy (the
+        stage input the design keeps in host memory), never from the producer's device tensors:
+        the forward consumer may have written those in place, and the board would otherwise keep
+        them on the device until the backward stage ran."""
+        if forward and handoff.device_value is not None and handoff.device == self.device:
+            return self._take_device_value(handoff)
         dsts, srcs, value = [], [], []
         for t in tree_leaves(handoff.host):
             if isinstance(t, torch.Tensor):
@@ -265,6 +270,31 @@ class Worker(ABC):
             value.append(t)
         fence = self.copies.activation("act_up", dsts, srcs, [handoff.host_ready]) if dsts else None
         return Arrival(tree_unflatten(handoff.host, value), [fence])
+
+    def _take_device_value(self, handoff: Handoff) -> Arrival:
+        """The producer's device tensors for their one forward consumer (issue 26 part 2, item 2).
+
+        The board entry lets go of them (only the backward stage is left to read it, from the
+        host copy).  While their download to that host copy is still pending, the consumer gets
+        a device copy of its own instead: ReLU(inplace=True) or `x += ...` in its first layer
+        would otherwise change what lands on the host for the recompute (the download is
+        ordered after the producer's compute only).  A copy, not a wait for the download: a
+        device-to-device copy runs at memory bandwidth (~2-3 TB/s on an H100), the download at
+        PCIe's (~25 GB/s), so waiting would put ~100x more time in front of the consumer's
+        compute; the copy costs one activation of device memory until the download completed."""
+        value, fences = handoff.device_value, [handoff.device_ready]
+        handoff.device_value = None
+        ready = handoff.host_ready
+        if ready is None or ready.state == "done":
+            return Arrival(value, fences)
+        self._compute_waits(fences)
+        leaves = tree_leaves(value)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        self._used_by_compute(tensors)   # the producer's tensors are read by this compute stream
+        with self.compute():
+            own = [self.ledger.track(t.clone(), "activations") if isinstance(t, torch.Tensor) else t
+                   for t in leaves]
+        return Arrival(tree_unflatten(value, own), [])
 
     def _staged(self, t: torch.Tensor) -> torch.Tensor:
         """t itself when it is a contiguous staging block (pinned on CUDA), else a copy made into one
