@@ -220,8 +220,12 @@ class HostState:
             return self.arena.owns(t)
         return t.is_pinned() if self.pinned else True
 
-    def staged(self, t: object) -> object:
-        """A copy of a host tensor in this state's (pinned) memory; anything else unchanged."""
+    def staged(self, t: object, snapshot: Callable[[torch.Tensor], torch.Tensor] | None = None) -> object:
+        """A copy of a host tensor in this state's (pinned) memory; a device tensor through `snapshot`
+        when given (a training call's device-side copy of its GPU inputs: roundpipe/workers/base.py
+        `gpu_input_snapshots`), else unchanged; anything else unchanged."""
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu" and snapshot is not None:
+            return snapshot(t)
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             return t
         out = self.alloc(t.shape, t.dtype)

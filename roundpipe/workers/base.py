@@ -85,6 +85,25 @@ class Upload:
     bulk: Bulk
 
 
+def gpu_input_snapshots(workers: Sequence["Worker"]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a training call stages an input already on a GPU (HostState.staged): a copy owned by the call.
+
+    The copy is made on the caller's current stream of the tensor's device, so after the work that
+    produced the tensor and before anything the caller queues next (`x.copy_(next_batch)`); the
+    backward stage of the first layers recomputes from it after forward_backward returned.  It dies
+    when its last consumer is done (the board drops the entry) and counts as activations in the
+    ledger of the first worker on its device, if any."""
+    ledgers: dict[torch.device, DeviceLedger] = {}
+    for w in workers:
+        ledgers.setdefault(w.device, w.ledger)
+
+    def snapshot(t: torch.Tensor) -> torch.Tensor:
+        own = t.detach().clone()
+        ledger = ledgers.get(own.device)
+        return own if ledger is None else ledger.track(own, "activations")
+    return snapshot
+
+
 class Worker(ABC):
     """A device plus the thread that drives it."""
 
@@ -312,7 +331,9 @@ class Worker(ABC):
 
         `ready` is the event recorded on the caller's current stream of t's device at the call's
         start (None if t is not a call input).  Here it is waited for on the host; a CUDA worker on
-        t's own device makes its compute stream wait instead (roundpipe/workers/cuda.py)."""
+        t's own device makes its compute stream wait instead (roundpipe/workers/cuda.py).  Either
+        way the consumer gets a copy of its own (`use` promises a private value): an in-place first
+        layer never writes the call's snapshot, which a later backward stage recomputes from."""
         if ready is not None:
             ready.synchronize()
         return t.to(self.device)

@@ -70,13 +70,19 @@ class CudaWorker(Worker):
 
     def _from_gpu(self, t: torch.Tensor, ready: Any) -> torch.Tensor:
         if t.device != self.device:
+            # A copy between devices reads t on this thread's current stream of t's device: t's
+            # block (allocated on the caller's stream) may not be reused before that stream is done.
+            t.record_stream(torch.cuda.current_stream(t.device))
             return super()._from_gpu(t, ready)
-        # Same device: the compute stream (current here) waits for the caller's stream on the GPU,
-        # and the caching allocator may not reuse t's block before this stream is done with it.
+        # Same device: the compute stream waits for the caller's stream on the GPU, and the caching
+        # allocator may not reuse t's block before this stream is done with it.  The consumer gets
+        # a copy of its own, made on the compute stream (issue 26 part 2, item 1): an in-place first
+        # layer would otherwise write the call's snapshot (a forward-only call: the caller's tensor).
         if ready is not None:
             self.s_compute.wait_event(ready)
         t.record_stream(self.s_compute)
-        return t
+        with torch.cuda.stream(self.s_compute):
+            return self.ledger.track(t.clone(), "activations")
 
     def _compute_fence(self) -> Any:
         from roundpipe.offload import stream_fence
