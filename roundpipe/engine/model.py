@@ -47,7 +47,7 @@ from roundpipe.engine.stage import CallContext
 from roundpipe.engine.staleness import StalenessCompensation
 from roundpipe.trace import Trace
 from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
-from roundpipe.workers.base import Handoff, gpu_input_snapshots
+from roundpipe.workers.base import Handoff
 
 TimingFn = Callable[[str, str, int, int, float, float], None]
 
@@ -69,8 +69,7 @@ def _as_layers(layers: object) -> nn.Sequential:
 
 def _gpu_input_events(mb) -> dict | None:
     """For call inputs already on a GPU: an event on the caller's current stream of each such device,
-    so that workers read them (a training call: its snapshots of them) only after the work the caller
-    queued to produce them."""
+    so that workers read them only after the work the caller queued to produce them."""
     devices = {t.device for m in range(len(mb)) for t in tensors((mb.args[m], mb.kwargs[m], mb.labels[m]))
                if t.device.type == "cuda"}
     return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
@@ -272,6 +271,7 @@ class RoundPipe:
                                "loss_fn or step callable run by a RoundPipe); RoundPipes cannot be nested")
         for t in self._host_threads():
             t.raise_error()
+        self._retire(block=False)
 
     def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
         """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor."""
@@ -362,16 +362,13 @@ class RoundPipe:
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
                           bn_stats=batchnorm_stats.BatchStats() if self._bn else None, bn_skip=self._bn_skip,
                           precision=self.precision)
-        # A training call's inputs already on a GPU are copied on the caller's stream, owned by the call:
-        # its last backward stages recompute from them after it returned (labels are read before it returns).
-        own = gpu_input_snapshots(self.workers) if training else None
-        inputs = [tree_map(lambda t: pin(t, own), (mb.args[m], mb.kwargs[m])) for m in range(len(mb))]
-        ctx.gpu_ready = _gpu_input_events(mb)   # recorded after the snapshots' copies
+        ctx.gpu_ready = _gpu_input_events(mb)
         if training and self.scaler is not None:
             scaler, index = self.scaler, self._scale_index()
             ctx.loss_scale = lambda: scaler.scale_of(index, ctx.abort_requested)
         for m in range(len(mb)):
-            ctx.board.put(("act", 0, m), Handoff(host=inputs[m], gpu_ready=ctx.gpu_ready), sched.input_consumers)
+            ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m])),
+                                                 gpu_ready=ctx.gpu_ready), sched.input_consumers)
         ctx.call = self.sync.begin_call(training, sched.uploads)
         host, sync, bn = self.host, self.sync, self._bn   # the end runs on a worker thread: no reference to the model
 
@@ -382,29 +379,18 @@ class RoundPipe:
                     run.ctx.bn_stats.apply(bn)   # whole-batch BatchNorm statistics, once per call
             finally:
                 sync.end_call(run.ctx.call)
-        earlier = [rec.run for rec in self._inflight]   # training calls still draining (they end first)
         run = self.dispatcher.start(ctx, sched, on_end)
-        for e in earlier:
-            run.watch(e)
-
-        def may_return() -> bool:
-            """Its loss (outputs) known and the calls before it ended, or one of those failed."""
-            if any(e.failed for e in earlier):
-                return True
-            return (not training or ctx.losses_known.is_set()) and all(e.finished for e in earlier)
         try:
+            self.dispatcher.wait(run, ctx.losses_known.is_set if training else None)
             try:
-                self.dispatcher.wait(run, may_return)
                 for t in self._host_threads():   # a step that failed meanwhile: this call then has no effect
                     t.raise_error()
-                self._raise_earlier_failure(earlier)
             except BaseException:
-                ctx.board.abort()   # cancelled: no worker goes on with a call that raises
+                ctx.board.abort()
                 run.wait_end()
                 raise
-        except BaseException as e:
+        except BaseException:
             self.autoplan.after_call(key, plan, training, False)
-            self._fold_inflight(e, key)
             raise
         if training:   # retired (timings folded, late error raised) at a fixed later point
             self._inflight.append(_InFlight(key, plan, run))
@@ -418,53 +404,26 @@ class RoundPipe:
                 self._issue_gcopy()
         return ctx
 
-    def _retire(self, keep: int = 0) -> None:
+    def _retire(self, block: bool = True, keep: int = 0) -> None:
         """Forgets the earlier calls in flight but the newest `keep`, waiting for their ends, and
-        folds their timings into the planner.  Raises the first error one of them met after it
-        returned (its gradients were dropped), the others' as notes.  Timings are folded at fixed
-        points (the start of the call after next, a sync point), so re-planning does not depend on
-        thread timing."""
-        errors = self._retire_collect(keep)
-        if errors:
-            raise _folded(errors[0], errors[1:])
-
-    def _retire_collect(self, keep: int = 0) -> list[BaseException]:
-        """`_retire` without the raise: the errors of the calls it retired, each with a note naming its call."""
-        errors = []
+        folds their timings into the planner; with `block=False` only calls that ended with an
+        error (none is waited for).  Raises the first error one of them met after it returned
+        (its gradients were dropped).  Timings are folded at fixed points (the start of the call
+        after next, a sync point), so re-planning does not depend on thread timing."""
+        error = None
         while len(self._inflight) > keep:
             rec = self._inflight[0]
+            if not block and not (rec.run.finished and rec.run.error is not None):
+                break
             rec.run.wait_end()
             self._inflight.pop(0)
             self.autoplan.after_call(rec.key, rec.plan, True, rec.run.ok)
-            if rec.run.error is not None:
+            if rec.run.error is not None and error is None:
                 error = rec.run.error
                 error.add_note(f"[roundpipe] raised after forward_backward returned, in the rest of training call "
                                f"{rec.key} (its last backward stages); that call's gradients were dropped")
-                errors.append(error)
-        return errors
-
-    def _raise_earlier_failure(self, earlier: list[CallRun]) -> None:
-        """At a call's return: an earlier training call that failed after it returned is raised here
-        (the calling call is then cancelled: it raises, so it has no effect)."""
-        if any(e.failed for e in earlier):
-            raise _LateFailure()
-
-    def _fold_inflight(self, e: BaseException, key: int) -> None:
-        """A call raises `e`: the calls still draining before it ended first (every worker runs them
-        before this one); their errors are folded into the one raised, as notes, never raised again."""
-        if not self._inflight:
-            return
-        errors = self._retire_collect()
-        if isinstance(e, _LateFailure):
-            e.errors, late = errors, errors[0]
-            late.add_note(f"[roundpipe] raised by training call {key}, which was cancelled: it had no effect "
-                          "(its loss and gradients were dropped; pass its batch again)")
-            for other in errors[1:]:
-                late.add_note(f"[roundpipe] also: {other!r}")
-            return
-        for other in errors:
-            e.add_note(f"[roundpipe] training call {self._key_of(other)} also failed after it returned (its "
-                       f"gradients were dropped): {other!r}")
+        if error is not None:
+            raise error
 
     def _issue_gcopy(self) -> None:
         """Moves the gradients landed since the last G-copy into p.grad (after earlier steps read it)."""
