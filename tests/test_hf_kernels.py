@@ -3,12 +3,12 @@ import copy
 
 import pytest
 import torch
+from _kernel_util import assert_launched, assert_within_torch_error, spy_launches
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
 from roundpipe.hf.kernels import patch_kernels, unpatch_kernels  # noqa: E402
-from roundpipe.kernels import _triton  # noqa: E402
 
 
 def _config(family: str):
@@ -55,20 +55,10 @@ def _batch():
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def _launches(monkeypatch) -> list:
-    names, real = [], _triton.launch
-
-    def counting(kernel, grid, *args, **meta):
-        names.append(getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "?"))
-        return real(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(_triton, "launch", counting)
-    return names
-
-
 @pytest.mark.parametrize("family", list(EXPECTED))
 def test_patched_model_matches_hf_logits_loss_and_gradients(monkeypatch, family):
     """With force=True the patched fp32 model's logits, loss and every gradient equal the unpatched model's."""
+    launched = spy_launches(monkeypatch)
     model = _model(family)
     reference = copy.deepcopy(model)
     count = patch_kernels(model, force=True)
@@ -78,7 +68,6 @@ def test_patched_model_matches_hf_logits_loss_and_gradients(monkeypatch, family)
         if kind:
             kinds[kind] = kinds.get(kind, 0) + 1
     assert kinds == EXPECTED[family] and count == sum(kinds.values()), kinds
-    launched = _launches(monkeypatch)
     batch = _batch()
     out, ref = model(**batch), reference(**batch)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
@@ -88,7 +77,7 @@ def test_patched_model_matches_hf_logits_loss_and_gradients(monkeypatch, family)
     out.loss.backward()
     ref.loss.backward()
     backward_names = {"rms_norm": "_rms_norm_bwd_kernel", "swiglu": "_swiglu_bwd_kernel", "rope": "_rope_kernel"}
-    assert {backward_names[k] for k in kinds} <= set(launched)
+    assert_launched(launched, *{backward_names[k] for k in kinds})
     grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-5, msg=name)
@@ -175,10 +164,10 @@ def test_patched_model_through_rp_hf_wrap_on_cpu_workers(monkeypatch):
     gradients, and the kernels run inside the workers."""
     import roundpipe as rp
 
+    launched = spy_launches(monkeypatch)
     model = _model("qwen3")
     reference = copy.deepcopy(model)
     assert patch_kernels(model, force=True) == 13
-    launched = _launches(monkeypatch)
     batch = _batch()
     wrapped = rp.hf.wrap(model, devices=["cpu", "cpu"], num_microbatches=2, compute_dtype=torch.float32)
     try:
@@ -192,15 +181,14 @@ def test_patched_model_through_rp_hf_wrap_on_cpu_workers(monkeypatch):
     torch.testing.assert_close(loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
-    assert {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_swiglu_bwd_kernel", "_rope_kernel"} <= set(launched)
+    assert_launched(launched, "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_swiglu_bwd_kernel", "_rope_kernel")
 
 
 @pytest.mark.cuda
-def test_cuda_patch_without_force_runs_compiled_kernels_close_to_hf():
+def test_cuda_patch_without_force_runs_compiled_kernels_close_to_hf(monkeypatch):
     """On a GPU patch_kernels needs no force; in bf16 the patched model's logits and gradients are at most ~2x as
     far from the fp32 model as HF's own bf16 model (STYLE.md point 4)."""
-    from _kernel_util import assert_within_torch_error
-
+    launched = spy_launches(monkeypatch, "cuda")
     fp32 = _model("qwen3").cuda()
     hf_bf16, ours = copy.deepcopy(fp32).bfloat16(), copy.deepcopy(fp32).bfloat16()
     assert patch_kernels(ours) == sum(EXPECTED["qwen3"].values())
@@ -213,3 +201,5 @@ def test_cuda_patch_without_force_runs_compiled_kernels_close_to_hf():
     hf_grads, our_grads = dict(hf_bf16.named_parameters()), dict(ours.named_parameters())
     for name, p in fp32.named_parameters():
         assert_within_torch_error(name, our_grads[name].grad.float(), hf_grads[name].grad.float(), p.grad, atol=1e-3)
+    assert_launched(launched, "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_swiglu_fwd_kernel",
+                    "_swiglu_bwd_kernel", "_rope_kernel")
