@@ -47,7 +47,7 @@ from roundpipe.engine.stage import CallContext
 from roundpipe.engine.staleness import StalenessCompensation
 from roundpipe.trace import Trace
 from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
-from roundpipe.workers.base import Handoff
+from roundpipe.workers.base import Handoff, gpu_input_snapshots
 
 TimingFn = Callable[[str, str, int, int, float, float], None]
 
@@ -69,7 +69,8 @@ def _as_layers(layers: object) -> nn.Sequential:
 
 def _gpu_input_events(mb) -> dict | None:
     """For call inputs already on a GPU: an event on the caller's current stream of each such device,
-    so that workers read them only after the work the caller queued to produce them."""
+    so that workers read them (a training call: its snapshots of them) only after the work the caller
+    queued to produce them."""
     devices = {t.device for m in range(len(mb)) for t in tensors((mb.args[m], mb.kwargs[m], mb.labels[m]))
                if t.device.type == "cuda"}
     return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
@@ -362,13 +363,16 @@ class RoundPipe:
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
                           bn_stats=batchnorm_stats.BatchStats() if self._bn else None, bn_skip=self._bn_skip,
                           precision=self.precision)
-        ctx.gpu_ready = _gpu_input_events(mb)
+        # A training call's inputs already on a GPU are copied on the caller's stream, owned by the call:
+        # its last backward stages recompute from them after it returned (labels are read before it returns).
+        own = gpu_input_snapshots(self.workers) if training else None
+        inputs = [tree_map(lambda t: pin(t, own), (mb.args[m], mb.kwargs[m])) for m in range(len(mb))]
+        ctx.gpu_ready = _gpu_input_events(mb)   # recorded after the snapshots' copies
         if training and self.scaler is not None:
             scaler, index = self.scaler, self._scale_index()
             ctx.loss_scale = lambda: scaler.scale_of(index, ctx.abort_requested)
         for m in range(len(mb)):
-            ctx.board.put(("act", 0, m), Handoff(host=tree_map(pin, (mb.args[m], mb.kwargs[m])),
-                                                 gpu_ready=ctx.gpu_ready), sched.input_consumers)
+            ctx.board.put(("act", 0, m), Handoff(host=inputs[m], gpu_ready=ctx.gpu_ready), sched.input_consumers)
         ctx.call = self.sync.begin_call(training, sched.uploads)
         host, sync, bn = self.host, self.sync, self._bn   # the end runs on a worker thread: no reference to the model
 
