@@ -1,8 +1,12 @@
 """Worker copy queues: bulk windows ride behind activation copies, flushes, byte-exact data, late copies."""
+import copy
 import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
+
+import roundpipe as rp
 
 from roundpipe import _native, testing
 from roundpipe.workers.transfers import Transfers
@@ -166,3 +170,34 @@ def test_buffers_of_a_round_land_while_gradient_windows_are_held_back():
             model.forward_backward(torch.randn(10, width), labels=torch.randn(10, width), loss_fn=F.mse_loss)
         model.synchronize()
         assert int(layers[1].calls) == 10   # every microbatch's forward updated the buffer once
+
+
+@pytest.mark.skipif(not _native.available(), reason="needs the native core's arena")
+def test_buffers_are_uploaded_from_the_arena():
+    """Module buffers (BatchNorm statistics, HF inv_freq) are uploaded from arena blocks, like the weights'
+    upload copies (on a GPU: pinned, so the copy is asynchronous; before: from the module's pageable buffers,
+    which makes every stage with buffers synchronise its copy stream), and still train like PyTorch."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)) for _ in range(3)]
+    ref = torch.nn.Sequential(*copy.deepcopy(layers))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    F.mse_loss(ref(x), y).backward()
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=1) as model:
+        sources = []
+        w = model.workers[0]
+        bulk = w.copies.bulk
+
+        def spy(queue, dsts, srcs, *a, **k):
+            if queue == "param_up":
+                sources.extend(srcs)
+            return bulk(queue, dsts, srcs, *a, **k)
+        w.copies.bulk = spy
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        buffers = {b.data_ptr() for b in model.buffers() if b.is_floating_point()}
+        assert buffers and buffers <= {s.data_ptr() for s in sources}
+        assert all(model.host.owns(s) for s in sources)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        for b, c in zip(model.buffers(), ref.buffers()):
+            torch.testing.assert_close(b, c)

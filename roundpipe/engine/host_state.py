@@ -44,7 +44,7 @@ and step against its whole group.
 
 Buffers (BatchNorm running stats, ...) have no extra copy: forward stages
 upload them with the parameters and write them back after the stage; they stay
-in their own dtype.
+in their own dtype, moved into arena blocks when wrapped (pinned uploads).
 
 Every host buffer of a model comes from `HostState.alloc(shape, dtype)`: the
 upload copies and gradient landing buffers above, and the workers' staging
@@ -144,6 +144,8 @@ class HostState:
                 if not p.is_floating_point():
                     raise TypeError(f"layers: parameter {i}.{n} has dtype {p.dtype}; only floating point is supported")
             bnames, bufs = zip(*layer.named_buffers()) if any(True for _ in layer.buffers()) else ((), ())
+            for b in bufs:
+                self._stage_buffer(b)
             state = LayerState(list(names), list(params), [], [], list(bnames), list(bufs))
             for j, p in enumerate(params):
                 owner = seen.get(id(p))
@@ -219,6 +221,16 @@ class HostState:
         if self.arena is not None:
             return self.arena.owns(t)
         return t.is_pinned() if self.pinned else True
+
+    def _stage_buffer(self, b: torch.Tensor) -> None:
+        """Moves a module buffer into an arena block (`b.data`: the module and every reference keep the
+        same tensor), so that workers upload it from pinned memory: a copy from pageable memory makes
+        the CUDA copy synchronous (issue 26 part 2, item 6).  Once per buffer, at wrap time; one the
+        user replaces later is staged by the worker at each upload (Worker._staged)."""
+        if b.device.type == "cpu" and not (b.is_contiguous() and self.owns(b)):
+            u = self.alloc(b.shape, b.dtype)
+            u.copy_(b)
+            b.data = u
 
     def staged(self, t: object, snapshot: Callable[[torch.Tensor], torch.Tensor] | None = None) -> object:
         """A copy of a host tensor in this state's (pinned) memory; a device tensor through `snapshot`

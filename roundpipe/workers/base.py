@@ -231,11 +231,13 @@ class Worker(ABC):
         return lambda: copies.wait(bulk)
 
     def upload_buffers(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Device copies of buffers, in their own dtype."""
+        """Device copies of buffers, in their own dtype, uploaded from staging blocks: HostState keeps
+        buffers in its arena; one the user replaced since is staged here (a pageable source would
+        make the CUDA copy synchronous)."""
         if not host:
             return []
         dev = [self._device_empty(b.shape, b.dtype, "param_up") for b in host]
-        b = self.copies.bulk("param_up", dev, [h.contiguous() for h in host], 1)
+        b = self.copies.bulk("param_up", dev, [self._staged(h) for h in host], 1)
         self._compute_waits(b.fences)
         self._used_by_compute(dev)
         return dev
