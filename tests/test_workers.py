@@ -290,18 +290,33 @@ def test_long_backward_compute_of_cpu_workers_overlaps():
 @pytest.mark.cuda
 def test_gpu_inputs_are_read_after_the_callers_stream_produced_them():
     """An input made on the caller's (side) stream right before the call is read only after that stream's
-    work: the worker's compute stream waits for an event recorded at the call's start."""
+    work: the worker's compute stream waits for an event recorded at the call's start.  The producer is
+    non-blocking (a device-to-device copy behind a GPU sleep), so the call starts while it is still queued
+    (before: a blocking copy from pageable memory, done before the call began, so nothing was waited for)."""
     layers = [torch.nn.Linear(64, 64) for _ in range(3)]
     ref = torch.nn.Sequential(*[copy.deepcopy(l) for l in layers])
     x_cpu = torch.randn(8, 64)
     with rp.RoundPipe(layers, devices=["cuda:0"], compute_dtype=torch.float32) as model:
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            x = torch.zeros(8, 64, device="cuda:0")
-            torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU time before the value lands
-            x.copy_(x_cpu, non_blocking=False)
-            out = model(x)
-    torch.testing.assert_close(out.cpu(), ref(x_cpu).detach(), rtol=1e-4, atol=1e-4)
+        for training in (False, True):
+            src, y = x_cpu.to("cuda:0"), torch.zeros(8, 64, device="cuda:0")
+            torch.cuda.synchronize()
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                x = torch.zeros(8, 64, device="cuda:0")
+                torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU time before the value lands
+                x.copy_(src, non_blocking=True)  # device to device: queued, the host goes on
+                assert not side.query(), "the producer finished before the call: nothing would be waited for"
+                if training:
+                    model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                else:
+                    out = model(x)
+            if training:
+                model.synchronize()
+                F.mse_loss(ref(x_cpu), y.cpu()).backward()
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+            else:
+                torch.testing.assert_close(out.cpu(), ref(x_cpu).detach(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cuda
