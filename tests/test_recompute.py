@@ -188,3 +188,34 @@ def test_workers_draw_random_numbers_side_by_side():
     overlaps = sum(1 for i, (ta, a0, a1) in enumerate(log) for tb, b0, b1 in log[i + 1:]
                    if ta != tb and a0 < b1 and b0 < a1)
     assert overlaps > 0, log
+
+
+def test_a_pool_of_mixed_gpu_models_refuses_random_draws(monkeypatch):
+    """Two GPU models in one pool (their random kernels' grids differ with the SM count): the reason names the
+    devices and the fix, and a layer drawing dropout on such a worker raises it as a ValueError, while eval-mode
+    dropout and layers without randomness run; one model, or CPUs only, refuse nothing."""
+    from roundpipe.engine import recompute
+    props = {0: ("NVIDIA H100 80GB HBM3", 132, 2048), 1: ("NVIDIA A100-SXM4-40GB", 108, 2048),
+             2: ("NVIDIA H100 80GB HBM3", 132, 2048)}
+    monkeypatch.setattr(recompute, "device_model", lambda d: props[d.index])
+    cuda = [torch.device("cuda", i) for i in range(3)]
+    reason = recompute.mixed_models(cuda[:2])
+    assert reason is not None and "cuda:0: NVIDIA H100" in reason and "cuda:1: NVIDIA A100" in reason
+    assert "one model" in reason
+    assert recompute.mixed_models([cuda[0], cuda[2]]) is None
+    assert recompute.mixed_models([torch.device("cpu")] * 2) is None
+
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)) for _ in range(3)]
+    with rp.RoundPipe(layers, devices=["cpu", "cpu"], num_microbatches=2) as model:
+        for w in model.workers:   # what make_workers does for a mixed CUDA pool
+            w.rng.refuse = reason
+        with pytest.raises(ValueError, match=r"mix GPU models \(cuda:0: NVIDIA H100"):
+            model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=F.mse_loss)
+        model.eval()
+        model(torch.randn(4, 8))   # eval-mode dropout draws nothing
+    rng = recompute.WorkerRng(torch.device("cpu"))
+    rng.refuse = reason
+    with rng.stream():
+        torch.tanh(torch.randn(2, generator=torch.Generator()))   # a generator of the layer's own: not routed
+        with pytest.raises(ValueError, match="mix GPU models"):
+            torch.rand(3)

@@ -22,6 +22,19 @@ reproducible, serialised only while such a function runs.  The caller's own
 random stream advances by exactly the one draw of `base` per call.  Randomness
 from a generator a layer owns itself is not rewound by recompute; the engine's
 `_check_recompute` debugging switch finds it.
+
+Different GPU models.  A seed fixes CUDA's random numbers only for one grid:
+the random kernels (`bernoulli_`, `uniform_`, ...) size it from the device's SM
+count, so a mask drawn in a forward on an H100 and redrawn in its recompute on
+an A100 differs.  Masks computed independently of the device would cost a
+hand-written counter-based kernel or a mask made on the host and uploaded (an
+activation's worth of PCIe per dropout); a pool mixing GPU models is refused
+instead: `make_workers` gives its workers' generators the reason
+(`mixed_models`), and the first random draw of a layer on such a worker raises
+it as a ValueError naming the devices.  At the draw, not at construction: the
+engine cannot see a functional `F.dropout` (or any random op) in a layer's code
+before it runs, while the draw catches every kind, and a model with dropout in
+eval mode (nothing drawn) still runs on the mixed pool.
 """
 from __future__ import annotations
 
@@ -77,13 +90,36 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-def _dropout(gen: torch.Generator, x: torch.Tensor, p: float, training: bool, inplace: bool,
+def device_model(device: torch.device) -> tuple:
+    """What CUDA's random kernels size their grid from: the model's name, SM count and threads per SM."""
+    p = torch.cuda.get_device_properties(device)
+    return p.name, p.multi_processor_count, getattr(p, "max_threads_per_multi_processor", None)
+
+
+def mixed_models(devices: list[torch.device]) -> str | None:
+    """Why random draws cannot be recomputed exactly on this pool (None: one GPU model, or CPUs only)."""
+    cuda = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index)
+    models = {d: device_model(d) for d in cuda}
+    if len(set(models.values())) <= 1:
+        return None
+    names = "; ".join(f"{d}: {name}, {sms} SMs" for d, (name, sms, _) in models.items())
+    return (f"devices={[str(d) for d in devices]} mix GPU models ({names}), and a layer draws random numbers "
+            "(dropout): CUDA's random kernels size their grid from the SM count, so a mask drawn in a forward "
+            "on one model and redrawn in its recompute on another would differ and the gradients would be "
+            "wrong without an error.  Use GPUs of one model (e.g. devices=[...] of the same kind), or no "
+            "randomness in training (dropout p=0 or the layer in eval mode)")
+
+
+def _dropout(rng: "WorkerRng", x: torch.Tensor, p: float, training: bool, inplace: bool,
              feature_dims: int = 0) -> torch.Tensor:
     """F.dropout (feature_dims=0) or channel dropout (dropoutNd: whole trailing `feature_dims` dims)."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
         return x
+    if rng.refuse is not None:
+        raise ValueError(rng.refuse)
+    gen = rng.generator
     if feature_dims and x.dim() > feature_dims:
         shape = tuple(x.shape[:x.dim() - feature_dims]) + (1,) * feature_dims
     else:
@@ -97,9 +133,9 @@ def _dropout(gen: torch.Generator, x: torch.Tensor, p: float, training: bool, in
 
 
 def _dropout_fn(feature_dims: int) -> Callable[..., torch.Tensor]:
-    def run(gen: torch.Generator, input: torch.Tensor, p: float = 0.5, training: bool = True,
+    def run(rng: "WorkerRng", input: torch.Tensor, p: float = 0.5, training: bool = True,
             inplace: bool = False) -> torch.Tensor:
-        return _dropout(gen, input, p, training, inplace, feature_dims)
+        return _dropout(rng, input, p, training, inplace, feature_dims)
     return run
 
 
@@ -119,11 +155,13 @@ class _WorkerRandom(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _TAKES_GENERATOR:
             if kwargs.get("generator") is None:
+                if self.rng.refuse is not None:
+                    raise ValueError(self.rng.refuse)
                 kwargs = {**kwargs, "generator": self.rng.generator}
             return func(*args, **kwargs)
         dropout = _DROPOUT.get(func)
         if dropout is not None:
-            return dropout(self.rng.generator, *args, **kwargs)
+            return dropout(self.rng, *args, **kwargs)
         if func in _BORROWS_DEFAULT or (func is F.scaled_dot_product_attention
                                         and (kwargs.get("dropout_p") or (args[4] if len(args) > 4 else 0.0))):
             return self.rng.on_default(func, args, kwargs)
@@ -137,6 +175,9 @@ class WorkerRng:
         self.device = device
         self.generator = torch.Generator(device=device)
         self._mode = _WorkerRandom(self)
+        # why layers on this worker may not draw random numbers (a pool of mixed GPU models: mixed_models);
+        # None: they may.  Every draw under stream() then raises ValueError(refuse).
+        self.refuse: str | None = None
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -149,6 +190,8 @@ class WorkerRng:
 
     def on_default(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """func(*args, **kwargs) on the device's default generator holding this worker's state."""
+        if self.refuse is not None:
+            raise ValueError(self.refuse)
         default = _default_generator(self.device)
         with _default_lock(self.device):
             saved = default.get_state()
