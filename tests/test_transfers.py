@@ -201,3 +201,41 @@ def test_buffers_are_uploaded_from_the_arena():
             torch.testing.assert_close(p.grad, q.grad)
         for b, c in zip(model.buffers(), ref.buffers()):
             torch.testing.assert_close(b, c)
+
+
+class _Head(torch.nn.Module):
+    """32 MiB of bf16 weights reading 8 rows of its input: large inputs, small outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4096, 4096)
+
+    def forward(self, x):
+        return self.fc(x[:8].to(self.fc.weight.dtype))
+
+
+@pytest.mark.cuda
+def test_reserved_gpu_memory_follows_the_ledger():
+    """Every device buffer of a CUDA worker comes from its compute stream's pool: after forward-only calls
+    whose 256 MiB inputs were uploaded, training (64 MiB stages, their gradients) reuses those blocks, and
+    reserved memory stays near the most ever live at once (before: uploads were allocated on their copy
+    streams, whose cached blocks no other stream reuses, so reserved grew to the sum of the pools' peaks)."""
+    mib = 1 << 20
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    layers = [_Head()] + [torch.nn.Linear(4096, 4096) for _ in range(3)]
+    plan = rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])
+    with rp.RoundPipe(layers, devices=["cuda:0"], num_microbatches=2, plan=plan) as model:
+        for _ in range(2):
+            model(torch.randn(32768, 4096))
+        for _ in range(3):
+            model.forward_backward(torch.randn(8, 4096), labels=torch.randn(8, 4096),
+                                   loss_fn=lambda o, t: F.mse_loss(o.float(), t))
+        model.synchronize()
+        ledger = model.workers[0].ledger.stats()["peak_total"]
+        peak = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.memory_reserved() - base
+        assert ledger <= peak, (ledger / mib, peak / mib)
+        assert reserved <= 1.1 * peak + 16 * mib, (reserved / mib, peak / mib, ledger / mib)

@@ -186,6 +186,11 @@ class Worker(ABC):
         """`_empty`, registered in the ledger: uploads on param_up are weights, on act_up activations."""
         return self.ledger.track(self._empty(shape, dtype, queue), "weights" if queue == "param_up" else "activations")
 
+    def _alloc_fences(self) -> list:
+        """Fences an upload into buffers `_empty` just made waits for (CUDA: the compute issued before
+        the allocation, which may still read a reused block; CPU: none, compute is synchronous)."""
+        return []
+
     def _read_by_copy(self, tensors: Sequence[torch.Tensor], queue: str) -> None:
         """Device tensors that a copy on `queue` reads (CUDA: keeps the allocator from reusing them early)."""
 
@@ -213,7 +218,7 @@ class Worker(ABC):
         dev = [[self._device_empty(u.shape, u.dtype, "param_up") for u in layer] for layer in host]
         flat_dev = [d for layer in dev for d in layer]
         flat_host = [u for layer in host for u in layer]
-        return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows))
+        return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows, self._alloc_fences()))
 
     def params_ready(self, up: Upload) -> list[list[torch.Tensor]]:
         """The uploaded weights, once compute has waited for them."""
@@ -237,7 +242,7 @@ class Worker(ABC):
         if not host:
             return []
         dev = [self._device_empty(b.shape, b.dtype, "param_up") for b in host]
-        b = self.copies.bulk("param_up", dev, [self._staged(h) for h in host], 1)
+        b = self.copies.bulk("param_up", dev, [self._staged(h) for h in host], 1, self._alloc_fences())
         self._compute_waits(b.fences)
         self._used_by_compute(dev)
         return dev
@@ -289,7 +294,8 @@ class Worker(ABC):
                     srcs.append(self._staged(t))
                     t = d
             value.append(t)
-        fence = self.copies.activation("act_up", dsts, srcs, [handoff.host_ready]) if dsts else None
+        fence = (self.copies.activation("act_up", dsts, srcs, [handoff.host_ready, *self._alloc_fences()])
+                 if dsts else None)
         return Arrival(tree_unflatten(handoff.host, value), [fence])
 
     def _take_device_value(self, handoff: Handoff) -> Arrival:

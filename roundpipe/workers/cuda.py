@@ -12,9 +12,12 @@ Ordering between streams is by events only (`make_stream_wait` for the
 compute stream), never by a device-wide synchronisation; the worker thread
 only *issues* work.  Host memory comes from the model's pinned HostArena.
 
-Tensors used on a stream other than the one that allocated them are marked
-with `record_stream`, so the caching allocator does not hand their memory
-out again before that stream is done with them.
+Every device buffer is allocated from the compute stream's pool, so one pool
+serves the worker and reserved memory follows the ledger (an upload waits for
+the compute issued before its buffer was allocated, which may still read the
+reused block); tensors used on a stream other than the one that allocated them
+are marked with `record_stream`, so the caching allocator does not hand their
+memory out again before that stream is done with them.
 
 Stage timings (`RoundPipe.stage_timing`) are GPU execution times: a pair of
 timing events around each stage-microbatch on the compute stream, read once
@@ -63,10 +66,20 @@ class CudaWorker(Worker):
             yield
 
     def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
-        # Allocated on the copy stream that writes it: from the compute stream's pool it could
-        # reuse a block that kernels still queued on the compute stream read.
-        with torch.cuda.stream(self._streams[queue]):
-            return torch.empty(shape, dtype=dtype, device=self.device)
+        # From the compute stream's pool (issue 26 part 2, item 7): the caching allocator reuses a
+        # block only on the stream that allocated it, so with uploads allocated on their copy
+        # streams reserved memory was the sum of four per-stream peaks, and the cap and the ledger
+        # held for live tensors only.  Such a block may still be read by kernels queued on the
+        # compute stream before it was freed: the copy filling it waits for the compute issued so
+        # far (`_alloc_fences`, recorded after the allocations), and record_stream keeps the block
+        # from being handed out again before the copy stream is done writing it.
+        with torch.cuda.stream(self.s_compute):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+        t.record_stream(self._streams[queue])
+        return t
+
+    def _alloc_fences(self) -> list:
+        return [self._compute_fence()]
 
     def _from_gpu(self, t: torch.Tensor, ready: Any) -> torch.Tensor:
         if t.device != self.device:
