@@ -118,6 +118,21 @@ void bind_fence(py::module_& m) {
     const rp::cuda::Api* a = rp::cuda::api();
     return std::string(!a ? "none" : a->flavor == rp::cuda::Flavor::Runtime ? "runtime" : "driver");
   }, "'runtime', 'driver' (page-locking only) or 'none'.");
+  m.attr("HOST_WAITED_EVENT_FLAGS") = rp::cuda::kHostWaitedEventFlags;
+  py::class_<rp::cuda::FakeCuda>(m, "FakeCuda",
+                                 "Tests only: a stand-in CUDA runtime recording contexts, calls and event flags "
+                                 "(csrc/cuda_loader.h); the one constructed last is live.")
+      .def(py::init<int>(), py::arg("device_count"))
+      .def_property_readonly("contexts_created", &rp::cuda::FakeCuda::contexts_created,
+                             "Devices whose primary context was created, in order.")
+      .def_property_readonly("calls", &rp::cuda::FakeCuda::calls, "(entry point, device of its context) per call.")
+      .def_property_readonly("event_flags", &rp::cuda::FakeCuda::event_flags, "Flags of every event created.")
+      .def("thread_device", &rp::cuda::FakeCuda::thread_device, "cudaGetDevice on the calling thread.")
+      .def("thread_context_depth", &rp::cuda::FakeCuda::thread_context_depth,
+           "Contexts current (pushed) on the calling thread.")
+      .def("set_device", [](rp::cuda::FakeCuda& f, int device) {
+        f.api().check(f.api().cudaSetDevice(device), "cudaSetDevice");
+      }, py::arg("device"), "cudaSetDevice on the calling thread.");
   py::class_<rp::Fence, std::shared_ptr<rp::Fence>>(m, "Fence", "Completion of asynchronous work.")
       .def("done", &rp::Fence::done, "True when complete; RuntimeError when the work failed.")
       .def("wait", &rp::Fence::wait, py::call_guard<py::gil_scoped_release>(),
@@ -139,10 +154,11 @@ void bind_fence(py::module_& m) {
   py::class_<rp::CudaEventFence, rp::Fence, std::shared_ptr<rp::CudaEventFence>>(m, "CudaEventFence")
       .def_static("borrow", [](std::uintptr_t event) { return rp::CudaEventFence::borrow(reinterpret_cast<void*>(event)); },
                   py::arg("event"), "Wraps a raw cudaEvent_t; the caller keeps the event alive.")
-      .def_static("record", [](std::uintptr_t stream, int device) {
-        return rp::CudaEventFence::record(reinterpret_cast<void*>(stream), device);
-      }, py::arg("stream"), py::arg("device"),
-         "Records a pooled event (owned; back to the pool when the fence dies) on a raw cudaStream_t of `device`.")
+      .def_static("record", [](std::uintptr_t stream, int device, const rp::cuda::FakeCuda* cuda) {
+        return rp::CudaEventFence::record(reinterpret_cast<void*>(stream), device, cuda ? &cuda->api() : nullptr);
+      }, py::arg("stream"), py::arg("device"), py::arg("cuda") = nullptr, py::keep_alive<0, 3>(),
+         "Records a pooled event (owned; back to the pool when the fence dies) on a raw cudaStream_t of `device`; "
+         "`cuda`: a FakeCuda to use instead of the loaded runtime (tests).")
       .def_static("pool_stats", &rp::CudaEventFence::pool_stats,
                   "(events created, records served by a pooled event) since start.")
       .def("make_stream_wait", [](const rp::CudaEventFence& f, std::uintptr_t stream) {
@@ -168,14 +184,21 @@ void bind_arena(py::module_& m) {
       .def_property_readonly("address", [](const rp::ArenaBlock& b) { return reinterpret_cast<std::uintptr_t>(b.data()); })
       .def_property_readonly("nbytes", &rp::ArenaBlock::nbytes);
   py::class_<rp::HostArena, std::shared_ptr<rp::HostArena>>(m, "HostArena")
-      .def(py::init([](size_t chunk_bytes, size_t alignment, size_t limit_bytes, const std::string& backend) {
+      .def(py::init([](size_t chunk_bytes, size_t alignment, size_t limit_bytes, const std::string& backend,
+                       int home_device, double system_delay_s, const rp::cuda::FakeCuda* cuda) {
         rp::ArenaOptions o;
         o.chunk_bytes = chunk_bytes;
         o.alignment = alignment;
         o.limit_bytes = limit_bytes;
         o.backend = parse_backend(backend);
-        return std::make_shared<rp::HostArena>(o);
-      }), py::arg("chunk_bytes"), py::arg("alignment"), py::arg("limit_bytes"), py::arg("backend"))
+        o.home_device = home_device;
+        o.system_delay_s = system_delay_s;
+        return std::make_shared<rp::HostArena>(o, cuda ? &cuda->api() : nullptr);
+      }), py::arg("chunk_bytes"), py::arg("alignment"), py::arg("limit_bytes"), py::arg("backend"),
+         py::arg("home_device") = -1, py::arg("system_delay_s") = 0.0, py::arg("cuda") = nullptr,
+         py::keep_alive<1, 8>(),
+         "home_device: the GPU whose context page-locks chunks (-1: the allocating thread's); system_delay_s and "
+         "cuda (a FakeCuda) are test hooks.")
       .def("allocate", [](std::shared_ptr<rp::HostArena> self, size_t nbytes) {
         py::gil_scoped_release release;  // may page-lock a chunk or wait for fences
         return std::make_unique<rp::ArenaBlock>(std::move(self), nbytes);

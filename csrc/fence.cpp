@@ -96,14 +96,15 @@ std::pair<int64_t, int64_t> CudaEventFence::pool_stats() {
   return {pool.created, pool.reused};
 }
 
-std::shared_ptr<CudaEventFence> CudaEventFence::record(cuda::Stream stream, int device) {
-  const cuda::Api& api = cuda::require_runtime("recording a CUDA event");
+std::shared_ptr<CudaEventFence> CudaEventFence::record(cuda::Stream stream, int device, const cuda::Api* fake) {
+  const cuda::Api& api = fake ? *fake : cuda::require_runtime("recording a CUDA event");
   if (device < 0 || device >= api.device_count)
     throw std::invalid_argument("device=" + std::to_string(device) + " is out of range; " +
                                 std::to_string(api.device_count) + " CUDA devices are visible");
+  const bool pooled = fake == nullptr;  // a stand-in's events never mix with real ones
   cuda::Event event = nullptr;
   EventPool& pool = event_pool();
-  {
+  if (pooled) {
     std::lock_guard<std::mutex> lock(pool.mu);
     if (pool.free.size() <= static_cast<size_t>(device)) pool.free.resize(device + 1);
     auto& mine = pool.free[device];
@@ -113,15 +114,19 @@ std::shared_ptr<CudaEventFence> CudaEventFence::record(cuda::Stream stream, int 
       ++pool.reused;
     }
   }
+  // The device's context for the create and the record: a thread with no context current (a
+  // completion thread) would otherwise get one made for GPU 0.
+  cuda::DeviceGuard guard(api, device);
   if (!event) {
-    cuda::DeviceGuard guard(api, device);
-    constexpr unsigned kDisableTiming = 2;  // cudaEventDisableTiming: cheaper record and query
-    api.check(api.cudaEventCreateWithFlags(&event, kDisableTiming), "cudaEventCreateWithFlags");
+    // Every fence may be waited on by the host (arena limits, Fence.wait, copy-queue waits):
+    // without cudaEventBlockingSync cudaEventSynchronize spins a core for the whole wait,
+    // beside the OpenMP optimizer step that needs every core.
+    api.check(api.cudaEventCreateWithFlags(&event, cuda::kHostWaitedEventFlags), "cudaEventCreateWithFlags");
     std::lock_guard<std::mutex> lock(pool.mu);
-    ++pool.created;
+    if (pooled) ++pool.created;
   }
   // Owned from here on: an error below gives the event back to the pool through the fence.
-  auto fence = std::shared_ptr<CudaEventFence>(new CudaEventFence(api, event, true, device));
+  auto fence = std::shared_ptr<CudaEventFence>(new CudaEventFence(api, event, true, device, pooled));
   api.check(api.cudaEventRecord(event, stream), "cudaEventRecord");
   return fence;
 }
@@ -129,7 +134,7 @@ std::shared_ptr<CudaEventFence> CudaEventFence::record(cuda::Stream stream, int 
 CudaEventFence::~CudaEventFence() {
   if (!owned_) return;
   EventPool& pool = event_pool();
-  {
+  if (pooled_) {
     std::lock_guard<std::mutex> lock(pool.mu);
     if (device_ >= 0 && static_cast<size_t>(device_) < pool.free.size() &&
         pool.free[device_].size() < EventPool::kKeep) {

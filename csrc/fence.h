@@ -70,8 +70,10 @@ class CudaEventFence : public Fence {
   static std::shared_ptr<CudaEventFence> borrow(cuda::Event event);
   // Takes an event of `device` from the pool (creating one only when the pool is empty),
   // records it on `stream`, and gives it back to the pool when the fence dies.  Re-recording
-  // a pooled event is safe: a stream that waited on it captured the earlier record.
-  static std::shared_ptr<CudaEventFence> record(cuda::Stream stream, int device);
+  // a pooled event is safe: a stream that waited on it captured the earlier record.  Events
+  // are created with cuda::kHostWaitedEventFlags: block() sleeps rather than spins.  `api`
+  // replaces the loaded runtime (tests pass a cuda::FakeCuda's; its events are not pooled).
+  static std::shared_ptr<CudaEventFence> record(cuda::Stream stream, int device, const cuda::Api* api = nullptr);
   // Events created and records served from the pool since start (for tests and stats).
   static std::pair<int64_t, int64_t> pool_stats();
   ~CudaEventFence() override;
@@ -84,12 +86,13 @@ class CudaEventFence : public Fence {
   void make_stream_wait(cuda::Stream stream) const;
 
  private:
-  CudaEventFence(const cuda::Api& api, cuda::Event event, bool owned, int device = -1)
-      : api_(api), event_(event), owned_(owned), device_(device) {}
+  CudaEventFence(const cuda::Api& api, cuda::Event event, bool owned, int device = -1, bool pooled = false)
+      : api_(api), event_(event), owned_(owned), pooled_(pooled), device_(device) {}
   FenceState from_code(int code);
   const cuda::Api& api_;
   cuda::Event event_;
   bool owned_;
+  bool pooled_;                      // goes back to the pool of `device_` (else destroyed)
   int device_;                       // the pool the event goes back to (owned events)
   std::atomic<int> last_error_{0};  // poll() may run on several threads
 };

@@ -1,9 +1,12 @@
 #include "host_arena.h"
 
+#include <cassert>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <thread>
 
 #include "checks.h"
 
@@ -50,16 +53,23 @@ void drop_completed(std::vector<FencePtr>& fs) {
 
 }  // namespace
 
-HostArena::HostArena(const ArenaOptions& options) : options_(options) {
+HostArena::HostArena(const ArenaOptions& options, const cuda::Api* api) : options_(options) {
   const size_t a = options.alignment;
   if (a < 8 || a > kPage || (a & (a - 1)) != 0)
     throw std::invalid_argument("alignment=" + std::to_string(a) + " must be a power of two in [8, 4096]");
   if (options.chunk_bytes < kPage)
     throw std::invalid_argument("chunk_bytes=" + std::to_string(options.chunk_bytes) + " must be >= 4096");
   check::at_most("chunk_bytes", options.chunk_bytes, kMaxRequest, "the largest possible allocation");
-  if (options.backend != ArenaBackend::Host) cuda_ = cuda::api();
+  const double delay = options.system_delay_s;
+  if (!(delay >= 0 && delay <= ArenaOptions::kMaxSystemDelay))
+    throw std::invalid_argument("system_delay_s=" + check::num(delay) + " must be a number of seconds in [0, 60]");
+  if (options.backend != ArenaBackend::Host) cuda_ = api ? api : cuda::api();
   if (options.backend == ArenaBackend::Cuda && !cuda_)
     throw std::runtime_error("backend='cuda' needs CUDA to page-lock memory, which is unavailable: " + cuda::status());
+  const int home = options.home_device;
+  if (home < -1 || (cuda_ && home >= cuda_->device_count))
+    throw std::invalid_argument("home_device=" + std::to_string(home) + " must be -1 (the allocating thread's device) or " +
+                                "a CUDA device index below " + std::to_string(cuda_ ? cuda_->device_count : 0));
   pinned_ = cuda_ != nullptr;
   backend_name_ = pinned_ ? "cuda" : "host";
 }
@@ -72,9 +82,10 @@ HostArena::~HostArena() {
 }
 
 void* HostArena::alloc_system(size_t nbytes) {
+  if (options_.system_delay_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(options_.system_delay_s));
   if (pinned_) {
     try {
-      return cuda_->host_alloc(nbytes);
+      return cuda_->host_alloc(nbytes, options_.home_device);
     } catch (const std::runtime_error& e) {
       throw ArenaExhausted("HostArena: the system could not page-lock " + human(nbytes) + ": " + e.what());
     }
@@ -86,15 +97,41 @@ void* HostArena::alloc_system(size_t nbytes) {
 }
 
 void HostArena::free_system(void* p) {
+  if (options_.system_delay_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(options_.system_delay_s));
   if (pinned_) {
-    cuda_->host_free(p);
+    cuda_->host_free(p, options_.home_device);
   } else {
     std::free(p);
   }
 }
 
-void HostArena::add_chunk_locked(size_t nbytes) {
-  const uintptr_t base = reinterpret_cast<uintptr_t>(alloc_system(nbytes));
+uintptr_t HostArena::grow_unlocked(std::unique_lock<std::mutex>& lock, size_t nbytes) {
+  in_flight_ += nbytes;  // counts against the limit until the chunk is in (or failed)
+  lock.unlock();
+  void* p = nullptr;
+  try {
+    p = alloc_system(nbytes);
+  } catch (...) {
+    lock.lock();
+    in_flight_ -= nbytes;
+    settled_.notify_all();
+    throw;
+  }
+  lock.lock();
+  in_flight_ -= nbytes;
+  settled_.notify_all();
+  return reinterpret_cast<uintptr_t>(p);
+}
+
+void HostArena::free_chunks_unlocked(std::unique_lock<std::mutex>& lock, const std::vector<Chunk>& chunks) {
+  lock.unlock();
+  for (const Chunk& c : chunks) free_system(reinterpret_cast<void*>(c.base));
+  lock.lock();
+  for (const Chunk& c : chunks) in_flight_ -= c.size;
+  settled_.notify_all();
+}
+
+void HostArena::add_chunk_locked(uintptr_t base, size_t nbytes) {
   const uint32_t id = next_chunk_++;
   chunks_[id] = Chunk{base, nbytes};
   Segment seg;
@@ -141,12 +178,26 @@ void* HostArena::allocate(size_t nbytes) {
     size_t chunk = size > options_.chunk_bytes / 2 ? round_up(size, kPage) : options_.chunk_bytes;
     if (!fits_limit_locked(chunk)) chunk = round_up(size, kPage);
     if (fits_limit_locked(chunk)) {
-      add_chunk_locked(chunk);
+      // Page-locked unlocked; inserted and carved in one hold of the lock, so no other
+      // request can take the new chunk first and this one cannot fail to fit.
+      add_chunk_locked(grow_unlocked(lock, chunk), chunk);
+      const bool placed = try_place_locked(size, nbytes, &addr);
+      assert(placed);
+      (void)placed;
+      return reinterpret_cast<void*>(addr);
+    }
+    // Over the limit: make room by returning idle chunks, then by waiting for growth
+    // or unlocking in flight on other threads, then for blocks whose copies are still
+    // in flight; give up only when none of these helps.
+    if (std::vector<Chunk> idle = take_unused_locked(); !idle.empty()) {
+      free_chunks_unlocked(lock, idle);
       continue;
     }
-    // Over the limit: make room by returning idle chunks, then by waiting for
-    // blocks whose copies are still in flight; give up only when neither helps.
-    if (release_unused_locked() > 0) continue;
+    if (in_flight_ > 0) {
+      settled_.wait(lock);
+      collect_locked();
+      continue;
+    }
     if (pending_.empty()) throw_exhausted_locked(nbytes);
     std::vector<FencePtr> fences = pending_fences_locked();
     lock.unlock();
@@ -157,8 +208,9 @@ void* HostArena::allocate(size_t nbytes) {
 }
 
 bool HostArena::fits_limit_locked(size_t chunk) const {
-  const size_t limit = options_.limit_bytes;  // reserved_ <= limit whenever there is one
-  return !limit || (reserved_ <= limit && chunk <= limit - reserved_);
+  const size_t limit = options_.limit_bytes;  // reserved_ + in_flight_ <= limit whenever there is one
+  const size_t taken = reserved_ + in_flight_;
+  return !limit || (taken <= limit && chunk <= limit - taken);
 }
 
 void HostArena::throw_exhausted_locked(size_t nbytes) const {
@@ -279,13 +331,16 @@ void HostArena::reserve(size_t nbytes) {
   if (nbytes == 0) throw std::invalid_argument("nbytes=0 must be > 0");
   check::at_most("nbytes", nbytes, kMaxRequest, "the largest possible allocation");
   const size_t size = round_up(nbytes, kPage);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!fits_limit_locked(size)) throw_exhausted_locked(nbytes);
-  add_chunk_locked(size);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!fits_limit_locked(size)) {  // growth in flight elsewhere may fail and give its bytes back
+    if (in_flight_ == 0) throw_exhausted_locked(nbytes);
+    settled_.wait(lock);
+  }
+  add_chunk_locked(grow_unlocked(lock, size), size);
 }
 
-size_t HostArena::release_unused_locked() {
-  size_t released = 0;
+std::vector<HostArena::Chunk> HostArena::take_unused_locked() {
+  std::vector<Chunk> taken;
   for (auto c = chunks_.begin(); c != chunks_.end();) {
     auto it = segs_.find(c->second.base);
     if (it == segs_.end() || it->second.state != State::Free || it->second.size != c->second.size) {
@@ -294,18 +349,22 @@ size_t HostArena::release_unused_locked() {
     }
     free_.erase({it->second.size, it->first});
     segs_.erase(it);
-    free_system(reinterpret_cast<void*>(c->second.base));
     reserved_ -= c->second.size;
-    released += c->second.size;
+    in_flight_ += c->second.size;  // still the process's until unlocked: counts against the limit
+    taken.push_back(c->second);
     c = chunks_.erase(c);
   }
-  return released;
+  return taken;
 }
 
 size_t HostArena::release_unused() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   collect_locked();
-  return release_unused_locked();
+  const std::vector<Chunk> idle = take_unused_locked();
+  size_t released = 0;
+  for (const Chunk& c : idle) released += c.size;
+  if (!idle.empty()) free_chunks_unlocked(lock, idle);
+  return released;
 }
 
 std::pair<uintptr_t, size_t> HostArena::block_of(const void* p) const {

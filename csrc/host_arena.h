@@ -20,11 +20,27 @@
 // collected on every allocation; when the limit is reached, the allocation
 // waits for pending fences before giving up with ArenaExhausted.
 //
-// Thread-safe: one mutex guards the bookkeeping; fence waits happen unlocked.
+// Thread-safe: one mutex guards the bookkeeping; fence waits happen unlocked,
+// and so does page-locking.  cudaHostAlloc of a 64 MiB chunk takes milliseconds
+// (the pages are faulted in and pinned), during which every other allocating
+// thread (copy completions, the G-copy, the caller) used to stall on the mutex
+// even when free space was there for it.  Growth is reserved under the lock
+// (the bytes count against limit_bytes while in flight), the chunk is
+// page-locked unlocked, then inserted and carved under the lock; idle chunks are
+// unlinked under the lock and unlocked after it.  A request that finds the limit
+// taken by growth in flight waits for it rather than failing.
+//
+// Home device: page-locking needs a CUDA context, and a thread with none current
+// (a completion or G-copy thread) would get one created on GPU 0 (0.3-0.5 GB of
+// device memory per process, on the same GPU for every rank of a node).  With
+// home_device >= 0 the chunks are page-locked and freed with that device's
+// primary context pushed, the thread's own context restored after
+// (cuda::Api::host_alloc).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,6 +60,9 @@ struct ArenaOptions {
   size_t alignment = 256;
   size_t limit_bytes = 0;  // 0: no limit
   ArenaBackend backend = ArenaBackend::Auto;
+  int home_device = -1;         // device whose context page-locks chunks; -1: the calling thread's
+  double system_delay_s = 0.0;  // test hook: every page-lock and unlock sleeps this long first
+  static constexpr double kMaxSystemDelay = 60.0;
 };
 
 struct ArenaStats {
@@ -72,7 +91,8 @@ class ArenaExhausted : public std::runtime_error {
 
 class HostArena {
  public:
-  explicit HostArena(const ArenaOptions& options);
+  // `api` replaces the loaded CUDA API (tests pass a cuda::FakeCuda's); nullptr: cuda::api().
+  explicit HostArena(const ArenaOptions& options, const cuda::Api* api = nullptr);
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
@@ -118,12 +138,16 @@ class HostArena {
   using SegIt = std::map<uintptr_t, Segment>::iterator;
   void* alloc_system(size_t nbytes);
   void free_system(void* p);
-  void add_chunk_locked(size_t nbytes);
+  // Page-locks nbytes with mu_ released (lock is held on entry and on return, also on throw).
+  uintptr_t grow_unlocked(std::unique_lock<std::mutex>& lock, size_t nbytes);
+  void add_chunk_locked(uintptr_t base, size_t nbytes);
+  // Frees chunks taken out of the bookkeeping, with mu_ released.
+  void free_chunks_unlocked(std::unique_lock<std::mutex>& lock, const std::vector<Chunk>& chunks);
   bool try_place_locked(size_t size, size_t requested, uintptr_t* out);
   bool fits_limit_locked(size_t chunk) const;
   void make_free_locked(SegIt it);
   size_t collect_locked();
-  size_t release_unused_locked();
+  std::vector<Chunk> take_unused_locked();
   SegIt find_live_locked(const void* p, const char* what);
   std::vector<FencePtr> pending_fences_locked() const;
   [[noreturn]] void throw_exhausted_locked(size_t nbytes) const;
@@ -134,12 +158,14 @@ class HostArena {
   const cuda::Api* cuda_ = nullptr;
 
   mutable std::mutex mu_;
+  std::condition_variable settled_;                 // an in-flight page-lock or unlock finished
   std::map<uintptr_t, Segment> segs_;               // every segment, by address
   std::set<std::pair<size_t, uintptr_t>> free_;     // free segments by (size, address)
   std::set<uintptr_t> pending_;                     // addresses of pending segments
   std::map<uint32_t, Chunk> chunks_;
   uint32_t next_chunk_ = 0;
   size_t reserved_ = 0, in_use_ = 0, requested_ = 0, pending_bytes_ = 0;
+  size_t in_flight_ = 0;                            // being page-locked or unlocked, mu_ released
   size_t peak_in_use_ = 0, peak_reserved_ = 0;
   uint64_t allocations_ = 0;
 };

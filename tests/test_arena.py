@@ -1,6 +1,7 @@
 """HostArena: exact-size best-fit blocks, fence-ordered reuse, limits, tensor lifetime."""
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -297,6 +298,122 @@ def test_sizes_past_any_buffer_are_refused():
         arena._arena.allocate(2**62)
     s = arena.stats()
     assert s.num_blocks == 0 and s.in_use_bytes == 0
+
+
+def test_page_locking_runs_outside_the_lock():
+    """While one thread grows the arena (its allocator made to take 0.6 s, as cudaHostAlloc of a large
+    chunk does), another thread's allocation from space already free returns at once; both blocks are right."""
+    arena = C.HostArena(256 * KiB, 256, 0, "host", system_delay_s=0.6)
+    arena.reserve(256 * KiB)                     # free space for the small request
+    grown = []
+    grower = threading.Thread(target=lambda: grown.append(arena.allocate(1 * MiB)))   # needs a new chunk
+    grower.start()
+    time.sleep(0.15)                             # the grower is inside the slow allocator now
+    t0 = time.perf_counter()
+    small = arena.allocate(4 * KiB)
+    waited = time.perf_counter() - t0
+    grower.join()
+    assert waited < 0.3, f"an allocation from free space waited {waited:.2f} s for another thread's page-locking"
+    fill(small, 7)
+    fill(grown[0], 9)
+    assert intact(small, 7) and intact(grown[0], 9)
+    s = arena.stats()
+    assert s["num_chunks"] == 2 and s["reserved_bytes"] == 256 * KiB + 1 * MiB
+
+
+def test_growth_in_flight_counts_against_the_limit():
+    """A chunk being page-locked on another thread counts against limit_bytes: a request that finds no room
+    waits for that growth instead of growing past the limit or failing, and then fits in what it left."""
+    arena = C.HostArena(256 * KiB, 256, 280 * KiB, "host", system_delay_s=0.5)   # no room for a second chunk
+    big = []
+    grower = threading.Thread(target=lambda: big.append(arena.allocate(100 * KiB)))   # a 256 KiB chunk
+    grower.start()
+    time.sleep(0.15)
+    small = arena.allocate(40 * KiB)     # no room, and no chunk fits beside the one in flight: waits for it
+    grower.join()
+    s = arena.stats()
+    assert s["num_chunks"] == 1 and s["peak_reserved_bytes"] == 256 * KiB
+    a0, _ = arena.block_of(big[0].address)
+    assert a0 <= small.address < a0 + 256 * KiB
+
+
+def test_concurrent_growth_and_release_corrupt_nothing():
+    """Threads growing a limited arena at once, with a slow allocator and idle chunks being released
+    meanwhile, never reserve past the limit and corrupt nothing."""
+    # at most 12 blocks of < 30 KiB live or being allocated: at worst one per 64 KiB chunk, so 768 KiB always
+    # suffices, yet the limit is reached
+    arena = C.HostArena(64 * KiB, 256, 768 * KiB, "host", system_delay_s=0.01)
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        held = []
+        try:
+            for i in range(40):
+                if len(held) == 3 or (held and rng.random() < 0.5):
+                    b, v = held.pop(rng.randrange(len(held)))
+                    if not intact(b, v):
+                        errors.append("corrupted block")
+                else:
+                    b = arena.allocate(rng.randrange(1, 30 * KiB))
+                    v = (seed * 31 + i) % 256
+                    fill(b, v)
+                    held.append((b, v))
+                if rng.random() < 0.1:
+                    arena.release_unused()
+        except Exception as e:   # noqa: BLE001 (reported below)
+            errors.append(repr(e))
+        held.clear()
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = arena.stats()
+    assert s["peak_reserved_bytes"] <= 768 * KiB and s["in_use_bytes"] == 0 and s["num_blocks"] == 0
+
+
+def test_bad_hooks_are_named():
+    """system_delay_s and home_device out of range are ValueErrors naming them; home_device must be an int."""
+    with pytest.raises(ValueError, match="system_delay_s=-1 must be"):
+        C.HostArena(256 * KiB, 256, 0, "host", system_delay_s=-1.0)
+    with pytest.raises(ValueError, match="home_device=-2 must be"):
+        C.HostArena(256 * KiB, 256, 0, "host", home_device=-2)
+    with pytest.raises(ValueError, match="home_device=-1 must be None or a CUDA device index"):
+        ArenaConfig(home_device=-1)
+    with pytest.raises(TypeError, match="home_device must be None or a CUDA device index"):
+        ArenaConfig(home_device="cuda:1")
+
+
+def test_chunks_are_page_locked_in_the_home_devices_context():
+    """With a home device, a thread that never chose a GPU (a completion or G-copy thread) page-locks and frees
+    chunks in that device's context, restored after: no context is created on GPU 0 (0.3-0.5 GB per process),
+    the thread's own device is left as it was.  Modelled by a stand-in CUDA runtime (C.FakeCuda)."""
+    fake = C.FakeCuda(4)
+    arena = C.HostArena(256 * KiB, 256, 0, "cuda", home_device=2, cuda=fake)
+    assert arena.pinned
+
+    def grow_and_release():
+        blocks = [arena.allocate(100 * KiB) for _ in range(5)]     # three chunks
+        depth, device = fake.thread_context_depth(), fake.thread_device()
+        blocks.clear()
+        arena.release_unused()
+        result.append((depth, device, fake.thread_context_depth(), fake.thread_device()))
+
+    result = []
+    t = threading.Thread(target=grow_and_release)
+    t.start()
+    t.join()
+    assert result == [(0, 0, 0, 0)]                              # nothing left current on that thread
+    assert fake.contexts_created == [2]
+    locks = [(call, dev) for call, dev in fake.calls if call in ("cudaHostAlloc", "cudaFreeHost")]
+    assert locks == [("cudaHostAlloc", 2)] * 3 + [("cudaFreeHost", 2)] * 3
+    fake.set_device(1)                                           # a thread that did choose a GPU keeps it
+    b = arena.allocate(300 * KiB)
+    assert fake.thread_device() == 1 and fake.calls[-1] == ("cudaHostAlloc", 2)
+    del b, arena
 
 
 @pytest.mark.cuda

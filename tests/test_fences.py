@@ -63,6 +63,33 @@ def test_event_pool_stats_start_empty_without_cuda():
     assert created >= 0 and reused >= 0
 
 
+def test_fence_events_let_a_waiting_host_thread_sleep():
+    """Fence events are created with cudaEventBlockingSync | cudaEventDisableTiming (3): a thread waiting for a
+    copy (cudaEventSynchronize) sleeps instead of spinning a core beside the OpenMP optimizer step.  They are
+    created and recorded in their device's context, restored after, so a completion thread that never chose a
+    GPU gets no context on GPU 0.  Modelled by a stand-in CUDA runtime (C.FakeCuda)."""
+    fake = C.FakeCuda(2)
+    seen = []
+
+    def record_and_wait():
+        f = C.CudaEventFence.record(0, 1, cuda=fake)
+        f.wait()
+        seen.append((f.state, f.kind, fake.thread_context_depth(), fake.thread_device()))
+
+    t = threading.Thread(target=record_and_wait)
+    t.start()
+    t.join()
+    assert fake.event_flags == [3] and C.HOST_WAITED_EVENT_FLAGS == 3
+    assert seen == [("done", "cuda", 0, 0)]
+    assert fake.contexts_created == [1]
+    assert [c for c in fake.calls if c[0].startswith("cudaEvent")] == [("cudaEventCreateWithFlags", 1),
+                                                                       ("cudaEventRecord", 1)]
+    with pytest.raises(ValueError, match="device=2 is out of range; 2 CUDA devices"):
+        C.CudaEventFence.record(0, 2, cuda=fake)
+    with pytest.raises(ValueError, match="device_count=0 must be in"):
+        C.FakeCuda(0)
+
+
 @pytest.mark.cuda
 def test_fences_reuse_pooled_events():
     """A thousand fences recorded one after another create a handful of CUDA events, not a thousand
@@ -77,7 +104,9 @@ def test_fences_reuse_pooled_events():
     after, reused = C.CudaEventFence.pool_stats()
     assert after - before <= 4 and reused >= 996
     x = torch.ones(1 << 20, device="cuda")
+    s.wait_stream(torch.cuda.current_stream())   # x is written on the current stream: s reads it after
     with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)            # a missing wait below would read y unwritten
         y = x * 2
     f = stream_fence(s)
     make_stream_wait(f)
