@@ -83,13 +83,14 @@ def _stamp(p: torch.Tensor) -> tuple:
     return (p.requires_grad, p._version, p.data_ptr())
 
 
-def make_arena(pinned: bool):
-    """The model's HostArena (page-locked when pinned), or None without the native core or CUDA to pin."""
+def make_arena(pinned: bool, device: int | None = None):
+    """The model's HostArena (page-locked when pinned, in `device`'s context), or None without the
+    native core or CUDA to pin."""
     if not _native.available():
         return None
     from roundpipe.offload import ArenaConfig, HostArena
     try:
-        return HostArena(ArenaConfig(backend="cuda" if pinned else "host"))
+        return HostArena(ArenaConfig(backend="cuda" if pinned else "host", home_device=device if pinned else None))
     except RuntimeError:   # CUDA runtime not loadable by the native core: torch's pinned memory instead
         return None
 
@@ -127,10 +128,10 @@ class HostState:
 
     copy: Callable[[torch.Tensor, torch.Tensor], None] = staticmethod(default_copy)
 
-    def __init__(self, layers: list[nn.Module], upload_dtype: torch.dtype, pinned: bool):
+    def __init__(self, layers: list[nn.Module], upload_dtype: torch.dtype, pinned: bool, device: int | None = None):
         self.upload_dtype = upload_dtype
         self.pinned = pinned
-        self.arena = make_arena(pinned)
+        self.arena = make_arena(pinned, device)   # device: the GPU whose context page-locks the arena
         # this call's landings per (layer, param): None if it started the sum, else what it added
         self._landed: dict[tuple[int, int], list[torch.Tensor] | None] = {}
         seen: dict[int, tuple[int, int]] = {}   # id(master) -> (owner layer, index)

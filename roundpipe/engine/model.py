@@ -157,7 +157,8 @@ class RoundPipe:
                                     fixed=None if plan is None else plan.check(L), fallback=lambda: default_plan(L, n))
         self._cuda = self.devices[0].type == "cuda"
         layers = list(self.module)
-        self.host = HostState(layers, self.compute_dtype, pinned=self._cuda)
+        self.host = HostState(layers, self.compute_dtype, pinned=self._cuda,
+                              device=self.devices[0].index if self._cuda else None)   # the arena's home GPU
         # data parallelism over torch.distributed (roundpipe/engine/data_parallel.py), None: this process
         # alone; checked before any thread starts, so a bad argument leaves nothing running
         self.dp = (DataParallel(process_group, L, loss_reduction, devices=self.devices)
