@@ -250,9 +250,46 @@ def test_turn_is_exclusive_and_given_back_around_waits():
         pass
 
 
+class Meeting:
+    """Where threads meet inside a long compute (a wait that releases the interpreter lock, like a long matmul).
+
+    Once `parties` threads have each arrived at least once, the next arrival of each waits there (once, up to
+    `timeout_s`) until `parties` threads are inside together; the first arrivals do not wait, since the first
+    compute may be what the others depend on.  Whether they met is an ordering, not a timing: an engine that
+    serialises the compute keeps the others out while one waits, however loaded the machine."""
+
+    def __init__(self, parties: int = 2, timeout_s: float = 10.0):
+        self.parties, self.timeout_s = parties, timeout_s
+        self.cond = threading.Condition()
+        self.inside: list = []     # thread ids inside now
+        self.seen: set = set()     # thread ids that arrived
+        self.waited: set = set()   # thread ids that waited (once each)
+        self.met = False
+
+    def _together(self) -> bool:
+        self.met = self.met or len(set(self.inside)) >= self.parties
+        return self.met
+
+    def __enter__(self):
+        me = threading.get_ident()
+        with self.cond:
+            self.inside.append(me)
+            self.seen.add(me)
+            self.cond.notify_all()
+            if len(self.seen) >= self.parties and me not in self.waited:
+                self.waited.add(me)
+                self.cond.wait_for(self._together, self.timeout_s)
+            self._together()
+
+    def __exit__(self, *exc):
+        with self.cond:
+            self.inside.remove(threading.get_ident())
+
+
 class Sleeper(torch.nn.Module):
-    """Its backward sleeps (interpreter lock released, like a long matmul) and records when, on which thread."""
-    spans: list = []
+    """Its backward is a long compute: it sleeps (at least LONG_COMPUTE_S, interpreter lock released, like a long
+    matmul) inside `meeting`."""
+    meeting = Meeting()
 
     def __init__(self):
         super().__init__()
@@ -260,9 +297,8 @@ class Sleeper(torch.nn.Module):
 
     @staticmethod
     def _slow(grad):
-        t0 = time.monotonic()
-        time.sleep(0.02)
-        Sleeper.spans.append((threading.get_ident(), t0, time.monotonic()))
+        with Sleeper.meeting:
+            time.sleep(0.005)
 
     def forward(self, x):
         y = self.fc(x)
@@ -276,15 +312,13 @@ def test_long_backward_compute_of_cpu_workers_overlaps():
 
     Forward and recompute compute of CPU workers is serialised anyway: they share the CPU
     generator, whose lock makes reseeding and running a stage atomic (roundpipe/engine/recompute.py)."""
-    Sleeper.spans = []
+    Sleeper.meeting = Meeting()
     plan = rp.Plan(forward=[range(0, 1), range(1, 2)], backward=[range(2, 3), range(1, 2), range(0, 1)])
     with rp.RoundPipe([Sleeper() for _ in range(3)], devices=["cpu", "cpu"], num_microbatches=4,
                       plan=plan) as model:
         model.forward_backward(torch.randn(8, 4), labels=torch.randn(8, 4), loss_fn=F.mse_loss)
-    spans = Sleeper.spans
-    assert len({tid for tid, _, _ in spans}) == 2
-    overlapping = [(a, b) for a in spans for b in spans if a[0] != b[0] and a[1] < b[2] and b[1] < a[2]]
-    assert overlapping, "the two workers never computed at the same time"
+    assert len(Sleeper.meeting.seen) == 2
+    assert Sleeper.meeting.met, "the two workers never computed at the same time"
 
 
 @pytest.mark.cuda
