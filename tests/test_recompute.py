@@ -156,38 +156,36 @@ def test_every_kind_of_draw_is_recomputed_exactly_and_repeats():
 
 
 class SlowDropout(nn.Module):
-    """Sleeps (releasing the GIL) and draws: records when each forward ran and on which thread."""
+    """A long forward (it sleeps at least LONG_COMPUTE_S, releasing the GIL) that draws, inside `meeting`."""
 
-    log: list = []
+    meeting = None
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x):
-        import threading
         import time
-        t0 = time.perf_counter()
-        time.sleep(0.03)
-        out = F.dropout(self.fc(x), 0.5, training=True)
-        SlowDropout.log.append((threading.current_thread().name, t0, time.perf_counter()))
-        return out
+        with SlowDropout.meeting:
+            time.sleep(0.005)
+            return F.dropout(self.fc(x), 0.5, training=True)
 
 
 def test_workers_draw_random_numbers_side_by_side():
-    """Forwards with dropout on two CPU workers overlap in time: each worker draws from its own generator
-    (before: one lock around every forward segment on the shared CPU generator serialised them)."""
+    """Forwards with dropout on two CPU workers overlap: the workers meet inside them, as each draws from its
+    own generator (before: one lock around every forward segment on the shared CPU generator serialised them,
+    so a worker waiting inside for the other would wait in vain)."""
+    from test_workers import Meeting
+
     layers = [SlowDropout() for _ in range(4)]
     plan = rp.Plan(forward=[range(0, 2), range(2, 3)], backward=[range(3, 4), range(2, 3), range(0, 2)])
-    SlowDropout.log = []
+    SlowDropout.meeting = Meeting()
     with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3, plan=plan) as model:
         for _ in range(2):
             model.forward_backward(torch.randn(6, 8), labels=torch.randn(6, 8), loss_fn=F.mse_loss)
         model.synchronize()
-    log = SlowDropout.log
-    overlaps = sum(1 for i, (ta, a0, a1) in enumerate(log) for tb, b0, b1 in log[i + 1:]
-                   if ta != tb and a0 < b1 and b0 < a1)
-    assert overlaps > 0, log
+    assert len(SlowDropout.meeting.seen) == 2
+    assert SlowDropout.meeting.met, "the two workers never drew random numbers at the same time"
 
 
 def test_a_pool_of_mixed_gpu_models_refuses_random_draws(monkeypatch):
