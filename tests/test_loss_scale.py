@@ -1,4 +1,6 @@
 """fp16 dynamic loss scaling in the engine (roundpipe/engine/loss_scale.py)."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,3 +122,213 @@ def test_loss_scale_options_are_checked():
     with rp.RoundPipe([nn.Linear(4, 4)], devices=["cpu"],
                       precision=rp.Precision(torch.float16, loss_scale=rp.LossScale(enabled=False))) as model:
         assert model.loss_scale is None
+
+
+# ---- the gradients and updates against torch autocast fp16 + GradScaler (SGD is linear in the gradient, so a
+# missing, doubled or wrong-scale unscale moves the weights by that factor; AdamW would barely notice)
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(n)]
+
+
+def _load(module, weights):
+    with torch.no_grad():
+        for p, w in zip(module.parameters(), weights):
+            p.copy_(w)
+
+
+def torch_run(data, fp16, steps=(), stale=0, momentum=0.9, lr=0.1):
+    """Plain PyTorch on one device: a call per batch (autocast fp16 with a GradScaler, else fp32), an SGD step
+    after the calls numbered in `steps` (scaler.step + update).  Call t reads the weights after step t - stale
+    (stale=1: the asynchronous step's one-step-old weights).  Returns the gradients of the calls after the last
+    step, unscaled as scaler.unscale_ leaves them (None if there were none), and the weights."""
+    model, reader = nn.Sequential(*layers()), nn.Sequential(*layers())
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    weights = [snapshot(model)]   # weights[k]: after k steps
+    acc = None
+    for t, (x, y) in enumerate(data):
+        _load(reader, weights[max(0, len(weights) - 1 - stale)] if stale else snapshot(model))
+        reader.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            loss = F.mse_loss(reader(x), y)
+        scaler.scale(loss).backward()
+        grads = [p.grad.detach().clone() for p in reader.parameters()]
+        acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+        if t + 1 in steps:
+            for p, g in zip(model.parameters(), acc):
+                p.grad = g
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            weights.append(snapshot(model))
+            acc = None
+    if acc is not None:   # unscaled exactly as GradScaler.unscale_ does it
+        for p, g in zip(model.parameters(), acc):
+            p.grad = g
+        scaler.unscale_(opt)
+        acc = [p.grad for p in model.parameters()]
+    return acc, snapshot(model)
+
+
+def assert_fp16_close(got, fp16, fp32, atol=0.0, rel=0.0):
+    """The fp16 rule (STYLE.md 4): got is at most twice as far from the fp32 reference as PyTorch's own fp16
+    result, plus atol + rel * the reference's largest magnitude, tensor by tensor (max over elements)."""
+    for i, (a, b, r) in enumerate(zip(got, fp16, fp32)):
+        err, ref_err = (a - r).abs().max().item(), (b - r).abs().max().item()
+        assert err <= 2 * ref_err + atol + rel * r.abs().max().item(), (i, err, ref_err)
+
+
+# A gradient travels home in fp16 (precision policy): one rounding more than autocast's fp32 parameter
+# gradient, half an fp16 ulp of its largest element (2^-11 relative); a wrong unscale is off by 2x or more.
+GRAD_REL = 2.0 ** -11
+
+
+def rp_model():
+    return rp.RoundPipe(layers(), devices=["cpu"] * 2, num_microbatches=2, compute_dtype=torch.float16)
+
+
+def make_sgd(kind, params, momentum=0.9, lr=0.1):
+    return (rp.optim.SGD if kind == "rp" else torch.optim.SGD)(params, lr=lr, momentum=momentum)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("optimizer", ["rp", "torch"])
+@pytest.mark.parametrize("look", [False, True])
+def test_sgd_under_loss_scaling_matches_torch_grad_scaler(asynchronous, optimizer, look):
+    """6 SGD steps with momentum under fp16 loss scaling end within the fp16 rule of torch autocast + GradScaler
+    (an asynchronous step against torch reading one-step-old weights), whether or not p.grad was read
+    (synchronize) before each step: the step unscales once, by the scale the calls used."""
+    data = batches(6)
+    _, ref16 = torch_run(data, True, steps=range(1, 7), stale=int(asynchronous))
+    _, ref32 = torch_run(data, False, steps=range(1, 7), stale=int(asynchronous))
+    with rp_model() as model:
+        opt = make_sgd(optimizer, model.parameters())
+        for x, y in data:
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            if look:
+                model.synchronize()
+                assert all(p.grad is not None for p in model.parameters())
+            model.step(opt, asynchronous=asynchronous)
+        model.synchronize()
+        assert model.scaler.skipped == [] and model.loss_scale == 2.0 ** 16
+        got = snapshot(model)
+    assert_fp16_close(got, ref16, ref32, atol=1e-5)
+    moved = max((a - b).abs().max().item() for a, b in zip(ref32, snapshot(nn.Sequential(*layers()))))
+    assert moved > 1e-2   # what a wrong unscale would change: the tolerance is far below it
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("optimizer", ["rp", "torch"])
+@pytest.mark.parametrize("calls", [[1], [3], [1, 1, 1]])
+def test_p_grad_after_synchronize_is_the_unscaled_gradient(asynchronous, optimizer, calls):
+    """After forward_backward calls, p.grad read after synchronize() is the true gradient summed over the calls
+    (the fp16 rule against PyTorch's unscaled one), not the loss-scaled one; `calls` lists how many calls run
+    before each synchronize() (accumulation, and accumulation into a p.grad already read).  The step that
+    follows does not unscale again: the weights match torch's scaler.step."""
+    data = batches(sum(calls))
+    with rp_model() as model:
+        opt = make_sgd(optimizer, model.parameters())
+        done = 0
+        for n in calls:
+            for x, y in data[done:done + n]:
+                model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            done += n
+            model.synchronize()
+            model.synchronize()   # a second look does not unscale twice
+            g16, _ = torch_run(data[:done], True)
+            g32, _ = torch_run(data[:done], False)
+            grads = [p.grad.clone() for p in model.parameters()]
+            assert all(g.dtype == torch.float32 for g in grads)
+            assert_fp16_close(grads, g16, g32, rel=GRAD_REL)
+        model.step(opt, asynchronous=asynchronous)
+        model.synchronize()
+        assert all(p.grad is None for p in model.parameters())
+        got = snapshot(model)
+    _, w16 = torch_run(data, True, steps={len(data)})
+    _, w32 = torch_run(data, False, steps={len(data)})
+    assert_fp16_close(got, w16, w32, atol=1e-5)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_p_grad_after_an_overflow_reads_as_unscale_leaves_it_and_the_step_is_skipped(asynchronous):
+    """An inf gradient in a call: after synchronize() the layers below it read inf/NaN (as torch's unscale_
+    leaves them), the layer above reads its true gradient; the step is skipped, the scale halves, and the next
+    call's p.grad is unscaled by the scale that call used (after an asynchronous step, still the old one)."""
+    (x, y), (x2, y2) = batches(2)
+    with rp_model() as model:
+        opt = make_sgd("rp", model.parameters())
+        before = snapshot(model)
+        Poison.armed = True
+        try:
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.synchronize()
+        finally:
+            Poison.armed = False
+        *below, w2, b2 = [p.grad.clone() for p in model.parameters()]
+        assert all(not torch.isfinite(g).all() for g in below)
+        g16, _ = torch_run([(x, y)], True)
+        g32, _ = torch_run([(x, y)], False)
+        assert_fp16_close([w2, b2], g16[-2:], g32[-2:], rel=GRAD_REL)
+        model.step(opt, asynchronous=asynchronous)
+        model.forward_backward(x2, labels=y2, loss_fn=F.mse_loss)
+        model.synchronize()
+        assert model.scaler.skipped == [1] and model.loss_scale == 2.0 ** 15
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model))) and not opt.state
+        g16, _ = torch_run([(x2, y2)], True)
+        g32, _ = torch_run([(x2, y2)], False)
+        assert_fp16_close([p.grad for p in model.parameters()], g16, g32, rel=GRAD_REL)
+        model.step(opt, asynchronous=False)
+        assert model.scaler.skipped == [1]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("optimizer", ["rp", "torch"])
+def test_gradients_read_after_synchronize_resume_bitwise_from_a_checkpoint(tmp_path, asynchronous, optimizer):
+    """A checkpoint saved after synchronize() showed p.grad unscaled (asynchronous: with the step that reads them
+    pending) resumes bitwise: the gradients are saved unscaled and marked so, then neither unscaled again by the
+    step nor mixed with scaled ones by the next call's accumulation."""
+    data = batches(4)
+    path = tmp_path / "ckpt"
+
+    def run(load):
+        with rp_model() as model:
+            opt = make_sgd(optimizer, model.parameters())
+            if load:
+                model.load_checkpoint(path, opt)
+            else:
+                model.forward_backward(data[0][0], labels=data[0][1], loss_fn=F.mse_loss)
+                model.step(opt, asynchronous=asynchronous)
+                model.forward_backward(data[1][0], labels=data[1][1], loss_fn=F.mse_loss)
+                model.synchronize()
+                if asynchronous:
+                    model.step(opt, asynchronous=True)
+                model.save_checkpoint(path, opt)
+            for x, y in data[2:]:
+                model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                model.step(opt, asynchronous=asynchronous)
+            model.synchronize()
+            assert model.scaler.skipped == []
+            return snapshot(model)
+    saved = run(load=False)
+    manifest = json.load(open(path / "checkpoint.json"))
+    if not (asynchronous and optimizer == "torch"):   # a torch optimizer's update already read (and cleared) them
+        assert manifest["grads_unscaled"] == [2.0 ** -16] * 3
+    resumed = run(load=True)
+    assert all(torch.equal(a, b) for a, b in zip(saved, resumed))
+
+
+def test_a_bad_grads_unscaled_record_in_a_checkpoint_is_named(tmp_path):
+    """checkpoint.json's per-layer unscale factors are checked before anything is restored."""
+    with rp_model() as model:
+        model.forward_backward(torch.randn(8, 8), labels=torch.randn(8, 8), loss_fn=F.mse_loss)
+        model.synchronize()
+        model.save_checkpoint(tmp_path / "c")
+    mpath = tmp_path / "c" / "checkpoint.json"
+    manifest = json.load(open(mpath))
+    manifest["grads_unscaled"] = [1.0, -2.0, None]
+    json.dump(manifest, open(mpath, "w"))
+    with rp_model() as model:
+        with pytest.raises(ValueError, match=r"grads_unscaled=\[1.0, -2.0, None\] must be a list of 3 entries"):
+            model.load_checkpoint(tmp_path / "c")

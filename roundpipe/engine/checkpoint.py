@@ -12,7 +12,11 @@ A checkpoint is a directory:
                           a tensor shared by several names is stored once (metadata `aliases`)
     engine.safetensors    gradients not yet applied: what the next step reads (`p.grad`, or a
                           held low-precision one, in its dtype) and the landing sums not yet
-                          moved into it; the caller's CPU (and CUDA) RNG state
+                          moved into it; the caller's CPU (and CUDA) RNG state.  Saved as
+                          they are: with fp16 loss scaling the step's gradients are unscaled
+                          where synchronize() showed them (`grads_unscaled` in checkpoint.json:
+                          per layer the factor they were multiplied by, or null), so a resume
+                          re-multiplies nothing and stays bitwise
     upload.safetensors    what workers read when it is not the masters rounded (compute dtype):
                           staleness compensation's predicted weights, or the old weights the
                           calls of a stale window read after a whole-model update already ran
@@ -155,6 +159,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
                         "steps": model._counted[1] + model.sync.steps_issued, "extra": extra or {},
                         "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
                         "pending_step": step, "loss_scale": _scaler_state(model, pending),
+                        "grads_unscaled": [st.inv_scale for st in model.host.layers],
                         "latest_asynchronous": model._latest_async,
                         "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
                                  "backward": [[r.start, r.stop] for r in model.plan.backward]}}
@@ -337,6 +342,7 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
         if extra:
             raise ValueError(f"{mf.path}: tensors {extra[:5]} are not in the model (a checkpoint of another model?)")
         grads = _check_grads(model, ef)
+        unscaled = _check_unscaled(manifest, os.path.join(path, MANIFEST))
         if opt_state is not None:
             _check_optimizer(optimizer, opt_state, os.path.join(path, opt_file))
         if (manifest["loss_scale"] is None) != (model.scaler is None):   # the last check
@@ -373,7 +379,7 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
         # a restored per-layer update reads them, so they return before it
         if step is not None and step["kind"] == "copy":
             model._reissue_step(step, optimizer, lr_scheduler)
-        _restore_step_grads(model, ef, {k: v for k, v in grads.items() if k[0] == "step"})
+        _restore_step_grads(model, ef, {k: v for k, v in grads.items() if k[0] == "step"}, unscaled)
         if step is not None and step["kind"] == "update":
             model._reissue_step(step, optimizer, lr_scheduler)
         for (kind, l, j), name in grads.items():
@@ -428,8 +434,29 @@ def _check_optimizer(optimizer: Any, state: Any, fpath: str) -> None:
                                  f"but the parameter is {list(params[i].shape)}")
 
 
-def _restore_step_grads(model: "RoundPipe", ef: TensorFile, names: dict[tuple[str, int, int], str]) -> None:
-    """The gradients the next step reads: fp32 ones as p.grad, low-precision ones held."""
+def _check_unscaled(manifest: dict, mpath: str) -> list[float | None]:
+    """Per layer, the factor its saved step gradients were unscaled by (None: they carry the loss scale);
+    a checkpoint from before it was recorded holds only scaled ones."""
+    layers = manifest["num_layers"]
+    got = manifest.get("grads_unscaled")
+    if got is None:
+        return [None] * layers
+    if not isinstance(got, list) or len(got) != layers or not all(
+            v is None or (isinstance(v, float) and 0 < v < float("inf")) for v in got):
+        raise ValueError(f"load_checkpoint: {mpath}: grads_unscaled={got!r} must be a list of {layers} entries, "
+                         "each null or a finite number > 0 (the factor a layer's gradients were unscaled by)")
+    if any(v is not None for v in got) and manifest["loss_scale"] is None:
+        raise ValueError(f"load_checkpoint: {mpath}: grads_unscaled holds factors but the checkpoint has no loss "
+                         "scaling state")
+    return got
+
+
+def _restore_step_grads(model: "RoundPipe", ef: TensorFile, names: dict[tuple[str, int, int], str],
+                        unscaled: list[float | None]) -> None:
+    """The gradients the next step reads: fp32 ones as p.grad, low-precision ones held; a layer's
+    unscaled ones marked as such (HostState.materialize), so that the step does not unscale them again."""
+    for l, inv in enumerate(unscaled):
+        model.host.layers[l].inv_scale = inv
     for (_, l, j), name in names.items():
         st = model.host.layers[l]
         g = ef.read(name)

@@ -25,6 +25,17 @@ and rp AdamW a gradient costs 2 bytes per parameter, 4 while an asynchronous
 step reads one call's gradients and the next call lands its own; `p.grad` costs
 nothing until it is read.
 
+Loss scaling (roundpipe/engine/loss_scale.py).  Landed gradients carry the loss
+scale of their calls, and the step divides by it in its one pass.  But `p.grad`
+shown to the user (synchronize()) must be the true gradient, so `materialize`
+given the scale's fp32 reciprocal multiplies the layer's gradients by it, as
+torch's GradScaler.unscale_ does, and records it (`inv_scale`): the G-copies
+that follow (more calls of the same step, which use the same scale) add their
+landings times it, and the step reads the layer's gradients as they are.  The
+step's `clear_grads` forgets it.  A power-of-two scale makes every one of these
+products exact, so the gradients a step reads are bitwise the same whether or
+not they were looked at.
+
 A stamp (requires_grad, version counter, storage address) of every master
 taken at each P-copy lets a call find the masters the user changed since
 (`edited`): an in-place edit under no_grad, `load_state_dict`, `p.data = ...`,
@@ -118,6 +129,9 @@ class LayerState:
     trainable: list[int] = field(default_factory=list)  # indices of params with requires_grad
     ghas: list[bool] = field(default_factory=list)       # per param: gbuf holds a gradient
     held: list[torch.Tensor | None] = field(default_factory=list)    # per param: low-precision gradient for the step
+    # the fp32 reciprocal of the loss scale its step gradients were multiplied by (they read as true gradients:
+    # materialize for the user); None: they carry the scale of their calls, the step divides by it
+    inv_scale: float | None = None
     stamp: list[tuple] = field(default_factory=list)     # per param: _stamp(p) at the last P-copy
     alias: list[tuple[int, int] | None] = field(default_factory=list)   # per param: its owner (layer, index)
     owned: list[int] = field(default_factory=list)       # indices of params that are not aliases
@@ -330,6 +344,12 @@ class HostState:
             owner = st.alias[j]
             ost, k = (st, j) if owner is None else (self.layers[owner[0]], owner[1])
             p = ost.params[k]
+            if ost.inv_scale is not None:   # shown unscaled (materialize): the landing joins it unscaled
+                if p.grad is None:
+                    p.grad = self._unscaled(g, ost.inv_scale)
+                else:   # inv_scale * g is exact for a power-of-two scale: as if unscaled after the sum
+                    p.grad.add_(g, alpha=ost.inv_scale)
+                continue
             if p.grad is not None:
                 p.grad.add_(g)
             elif ost.held[k] is not None:
@@ -340,6 +360,14 @@ class HostState:
                 ost.held[k] = g
             if ost.held[k] is not None and ost.held[k].dtype == torch.float32:
                 p.grad, ost.held[k] = ost.held[k], None
+
+    def _unscaled(self, g: torch.Tensor, inv_scale: float) -> torch.Tensor:
+        """g * inv_scale in fp32: in place when g is an fp32 landing sum, else in a new fp32 buffer."""
+        if g.dtype != torch.float32:
+            out = self.alloc(g.shape, torch.float32)
+            self.copy(out, g)
+            g = out
+        return g.mul_(inv_scale)
 
     def _fp32_sum(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a + b in fp32: in place when a is fp32, else in a new fp32 buffer."""
@@ -360,12 +388,26 @@ class HostState:
         st = self.layers[layer]
         return [st.params[j] for j in st.owned], [st.upload[j] for j in st.owned]
 
-    def materialize(self, layer: int) -> None:
-        """Held low-precision gradients of the layer -> fp32 `p.grad` (for readers of p.grad)."""
+    def materialize(self, layer: int, inv_scale: float | None = None) -> None:
+        """Held low-precision gradients of the layer -> fp32 `p.grad` (for readers of p.grad).
+
+        inv_scale: the fp32 reciprocal of the loss scale the layer's gradients carry; every
+        gradient of the layer is then multiplied by it (GradScaler.unscale_'s arithmetic) unless
+        it already was, and later G-copies add theirs unscaled too, until the step clears them."""
+        if inv_scale is not None and (isinstance(inv_scale, bool) or not isinstance(inv_scale, float)
+                                      or not 0 < inv_scale < float("inf")):
+            raise ValueError(f"materialize: inv_scale={inv_scale!r} must be None or a finite float > 0 (the "
+                             "reciprocal of a loss scale)")
         st = self.layers[layer]
-        for j, h in enumerate(st.held):
+        unscale = inv_scale is not None and st.inv_scale is None
+        for j in st.owned:   # an alias's p.grad is its owner's
+            p, h = st.params[j], st.held[j]
             if h is not None:
-                st.params[j].grad, st.held[j] = h.float(), None
+                p.grad, st.held[j] = h.float(), None
+            if unscale and p.grad is not None:
+                p.grad.mul_(inv_scale)
+        if unscale:
+            st.inv_scale = inv_scale
 
     def land_grads(self, layer: int, grads: list[torch.Tensor | None]) -> None:
         """Adds one stage's downloaded gradients to the layer's landing sums (None: no gradient).
@@ -406,8 +448,10 @@ class HostState:
         self._landed = {}
 
     def clear_grads(self, layer: int) -> None:
-        """After a step read them: p.grad = None and the held gradients dropped (an alias's by its owner)."""
+        """After a step read them: p.grad = None and the held gradients dropped (an alias's by its owner);
+        the next gradients carry their calls' loss scale again."""
         st = self.layers[layer]
+        st.inv_scale = None
         for j in st.owned:
             st.params[j].grad = None
             st.held[j] = None

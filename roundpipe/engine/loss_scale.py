@@ -14,6 +14,13 @@ scheduler not stepped, its gradients dropped) and the scale is multiplied by
 fused optimizer folds both into its one pass; any other optimizer gets p.grad
 unscaled first).
 
+What p.grad reads.  The gradients follow PyTorch: `p.grad` after synchronize()
+is the true gradient, unscaled as torch's GradScaler.unscale_ does it (times the
+fp32 reciprocal of the scale, `inverse_scale`; inf/NaN stay inf/NaN), and the
+step then reads those gradients as they are instead of unscaling them again
+(HostState.materialize records per layer that they are unscaled).  Only the
+gradients nobody looked at stay scaled until the step's one pass.
+
 Which scale a call uses, so that every gradient one step reads carries the same
 scale and runs are reproducible (no dependence on thread timing).  Steps are
 numbered as issued; history[s] is the scale (and good-step count) after step s,
@@ -62,6 +69,14 @@ class LossScale:
             raise TypeError(f"LossScale.enabled must be True or False, got {self.enabled!r}")
 
 
+def inverse_scale(scale: float) -> float:
+    """The factor that unscales a gradient, as torch.amp.GradScaler.unscale_ computes it: the
+    reciprocal of the fp32 scale in float64, rounded to fp32 (exactly 1 / scale for a power of two)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(f"scale={scale!r} must be a finite number > 0 (a loss scale)")
+    return float(torch.tensor(scale, dtype=torch.float32).double().reciprocal().float())
+
+
 def resolve(option: LossScale | None, compute_dtype: torch.dtype) -> LossScale | None:
     """The model's loss scaling: on by default for float16, off otherwise unless asked for."""
     if option is not None and not isinstance(option, LossScale):
@@ -94,6 +109,13 @@ class LossScaler:
                     raise Aborted()
                 self._cv.wait(0.05)
             return self.history[index][0]
+
+    def inverse(self, index: int) -> float | None:
+        """inverse_scale of history[index]'s scale, or None while that step has not checked its
+        gradients (no wait: a sync point has every issued step done)."""
+        with self._cv:
+            entry = self.history.get(index)
+        return inverse_scale(entry[0]) if entry is not None else None
 
     def record(self, step: int, used: int, found_inf: bool) -> None:
         """Step `step` (whose gradients carry history[used]'s scale) found inf/NaN or not."""

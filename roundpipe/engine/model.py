@@ -510,8 +510,9 @@ class RoundPipe:
         with self._api:
             self._check_open()
             self._drain()
-            for l in range(len(self.host)):   # low-precision gradients held for the fused step
-                self.host.materialize(l)
+            inv = self.scaler.inverse(self._scale_index()) if self.scaler is not None else None
+            for l in range(len(self.host)):   # fp32 p.grad, unscaled by the scale its calls used (loss_scale.py)
+                self.host.materialize(l, inv)
 
     # ---- checkpoints (roundpipe/engine/checkpoint.py)
     def save_checkpoint(self, path, optimizer=None, lr_scheduler=None, *, extra: dict | None = None) -> None:

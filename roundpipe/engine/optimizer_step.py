@@ -98,25 +98,52 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
-def clip_coefficient(grads: list[torch.Tensor], max_norm: float, scale: float = 1.0) -> float:
+def clip_coefficient(grads: list[torch.Tensor], max_norm: float, scale: float = 1.0,
+                     unscaled: list[torch.Tensor] | None = None) -> float:
     """clip_grad_norm_'s factor: min(1, max_norm / (total_norm + 1e-6)), computed in fp32 as torch does,
-    of the gradients divided by `scale` (a loss scale; a power of two, so the division is exact).
+    of `grads` divided by `scale` (a loss scale; a power of two, so the division is exact) together
+    with `unscaled` (gradients already divided by it: shown as p.grad after synchronize()).
 
     Not roundpipe.optim.grad_norm + clip_coef: those work in float64, so the factor could differ
     from torch's in its last bit, and step(max_grad_norm=) promises clip_grad_norm_'s numbers."""
-    if not grads:
+    parts = [_total_norm(gs) / s for gs, s in ((grads, scale), (unscaled or [], 1.0)) if gs]
+    if not parts:
         return 1.0
-    coef = max_norm / (_total_norm(grads) / scale + 1e-6)
+    total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
+    coef = max_norm / (total + 1e-6)
     return float(torch.clamp(coef, max=1.0))
 
 
 class _Scaling:
     """One step's side of loss scaling (roundpipe/engine/loss_scale.py): which scale its gradients
-    carry, the overflow check over every layer before any update, and whether it was skipped."""
+    carry, the overflow check over every layer before any update, and whether it was skipped.
 
-    def __init__(self, scaler: Any, step_index: int, used: int):
-        self.scaler, self.step_index, self.used = scaler, step_index, used
+    A layer whose gradients were shown unscaled (HostState.materialize: p.grad after synchronize())
+    is read as it is: `divisor(l)` is 1 for it, the scale for the others."""
+
+    def __init__(self, scaler: Any, step_index: int, used: int, host: HostState):
+        self.scaler, self.step_index, self.used, self.host = scaler, step_index, used, host
         self.scale, self.skipped = 1.0, False
+
+    def inverse(self) -> float | None:
+        """The fp32 factor that unscales the step's gradients (None without loss scaling)."""
+        if self.scaler is None:
+            return None
+        from roundpipe.engine.loss_scale import inverse_scale
+        return inverse_scale(self.scaler.scale_of(self.used))
+
+    def divisor(self, layer: int) -> float:
+        """What the step divides layer's gradients by: the scale, or 1 once they are unscaled."""
+        return 1.0 if self.host.layers[layer].inv_scale is not None else self.scale
+
+    def clip_coefficient(self, max_norm: float) -> float:
+        """clip_grad_norm_'s factor over every layer's gradient, each read unscaled."""
+        scaled: list[torch.Tensor] = []
+        unscaled: list[torch.Tensor] = []
+        for l in range(len(self.host)):
+            into = unscaled if self.host.layers[l].inv_scale is not None else scaled
+            into.extend(g for g in self.host.step_grads(l) if g is not None)
+        return clip_coefficient(scaled, max_norm, self.scale, unscaled)
 
     def check(self, grads: list[torch.Tensor]) -> bool:
         """Records the step's result; True if it must be skipped (a gradient is inf or NaN)."""
@@ -144,7 +171,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
     from roundpipe.optim.base import FusedOptimizer
 
     params = [p for _, p in named_params]
-    scaling = _Scaling(scaler, step_index, scale_used)
+    scaling = _Scaling(scaler, step_index, scale_used, host)
 
     def all_grads() -> list[torch.Tensor]:
         return [g for l in range(len(host)) for g in host.step_grads(l) if g is not None]
@@ -167,22 +194,22 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         def measure() -> None:
             grads = all_grads()
             if not scaling.check(grads) and max_grad_norm is not None:
-                clip[0] = clip_coefficient(grads, max_grad_norm, scaling.scale)
+                clip[0] = scaling.clip_coefficient(max_grad_norm)
 
         def update(l: int) -> None:
             if scaling.skipped:
                 return
             params, upload = host.step_params(l)   # a shared master once, with its first layer
-            mul = clip[0] / scaling.scale
             with torch.no_grad(), _scaled_lr(optimizer, lr_factor):
-                if native_clip:   # reads held low-precision gradients as they are
-                    optimizer.step_layer(params, upload, clip_coef=mul, grads=host.step_grads(l), predict=predict)
-                else:
-                    host.materialize(l)
-                    if mul != 1.0:
+                if native_clip:   # reads held low-precision gradients as they are, unscales in its pass
+                    optimizer.step_layer(params, upload, clip_coef=clip[0] / scaling.divisor(l),
+                                         grads=host.step_grads(l), predict=predict)
+                else:   # p.grad unscaled as GradScaler.unscale_ does (unless it already is), then clipped
+                    host.materialize(l, scaling.inverse())
+                    if clip[0] != 1.0:
                         for p in params:
                             if p.grad is not None:
-                                p.grad.mul_(mul)
+                                p.grad.mul_(clip[0])
                     optimizer.step_layer(params, upload)
             host.stamp(l)
         prepare = measure if max_grad_norm is not None or scaler is not None else None
@@ -197,14 +224,11 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                         f"step_layer(params, upload), got {type(optimizer).__name__}")
 
     def whole_step() -> None:
-        for l in range(len(host)):
-            host.materialize(l)
+        inv = scaling.inverse()
+        for l in range(len(host)):   # p.grad unscaled as GradScaler.unscale_ does (unless it already is)
+            host.materialize(l, inv)
         if scaling.check(all_grads()):
             return
-        if scaling.scale != 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(scaling.scale)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
         with torch.no_grad():
@@ -252,11 +276,11 @@ def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_schedu
         grads = all_grads()
         if scaling.check(grads):
             return
-        clip = clip_coefficient(grads, max_grad_norm, scaling.scale) if max_grad_norm is not None else 1.0
-        mul = clip / scaling.scale
+        clip = scaling.clip_coefficient(max_grad_norm) if max_grad_norm is not None else 1.0
         with torch.no_grad():
             slices = [shards.layer(l) for l in range(len(host))]
-            for ps, gs in slices:
+            for l, (ps, gs) in enumerate(slices):
+                mul = clip / scaling.divisor(l)
                 if native:   # reads held low-precision slices as they are
                     optimizer.step_layer(ps, None, clip_coef=mul, grads=gs)
                     continue
