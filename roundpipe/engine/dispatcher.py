@@ -108,11 +108,29 @@ class CallRun:
         self.ended = False
         self.error: BaseException | None = None
         self._on_end = on_end
+        self._watchers: list["CallRun"] = []   # later calls waiting on this one's end or error
+
+    def watch(self, earlier: "CallRun") -> None:
+        """Wakes this run's `wait` when `earlier` fails or ends (its `until` may test them)."""
+        with earlier.cv:
+            earlier._watchers.append(self)
+
+    def _wake_watchers(self) -> None:
+        with self.cv:
+            watchers = list(self._watchers)
+        for w in watchers:
+            w.poke()
 
     @property
     def finished(self) -> bool:
         with self.cv:
             return self.ended
+
+    @property
+    def failed(self) -> bool:
+        """Met an error (its other workers may still be stopping)."""
+        with self.cv:
+            return self.error is not None
 
     @property
     def ok(self) -> bool:
@@ -124,6 +142,7 @@ class CallRun:
             if self.error is None:
                 self.error = e
             self.cv.notify_all()
+        self._wake_watchers()
 
     def done(self, count: int = 1) -> None:
         with self.cv:
@@ -136,6 +155,7 @@ class CallRun:
                 with self.cv:
                     self.ended = True
                     self.cv.notify_all()
+                self._wake_watchers()
 
     def poke(self) -> None:
         """Wakes a `wait(until)` to test its condition again."""

@@ -97,6 +97,12 @@ def _register_then_queue(register: Callable[[], Any], queue: Callable[[Any], Non
         raise KeyboardInterrupt
 
 
+def _describe(error: BaseException) -> str:
+    """An error folded into another one: its type, message and notes on one line."""
+    notes = "; ".join(getattr(error, "__notes__", []))
+    return f"an earlier call failed too: {type(error).__name__}: {error}" + (f" ({notes})" if notes else "")
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A training call that returned while its last stages may still run."""
@@ -273,7 +279,6 @@ class RoundPipe:
                                "loss_fn or step callable run by a RoundPipe); RoundPipes cannot be nested")
         for t in self._host_threads():
             t.raise_error()
-        self._retire(block=False)
 
     def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
         """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor."""
@@ -337,14 +342,18 @@ class RoundPipe:
         """Starts a call; returns once its loss is known (training) or its outputs are (forward).
 
         A training call's last backward stages, gradient landings and its end run on under the
-        next call: `_inflight` keeps it until `_retire` sees it ended and raises its error."""
+        next call: `_inflight` keeps it until `_retire` folds its timings.  A call returns only once
+        the calls before it ended (they run first on every worker); if one failed it is cancelled and
+        raises that error.  A failing call folds the errors of those before it into its own: each
+        error is raised once (tests/test_call_errors.py)."""
         self._refresh_edited()
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
         if training and self.dp is not None:
             plan = self.autoplan.follow(self.dp.agree_plan(plan))   # rank 0's
+        key = self.sync.iteration + 1   # the call about to begin
         if self._inflight and plan != self._inflight[-1].plan:
-            self._retire(block=True)   # a new plan starts from an empty pipeline
-        self._retire(block=True, keep=1)   # at most one earlier call still draining
+            self._retire(cancelled=key)   # a new plan starts from an empty pipeline
+        self._retire(keep=1, cancelled=key)   # at most one earlier call still draining
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
         if not sched.fits_checked:   # before any work, once per schedule: a stage that cannot fit
             check_schedule(sched.tasks, self.device_memory, self.host)
@@ -352,7 +361,6 @@ class RoundPipe:
         if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
             self._grads_reserved = True
             self.host.reserve_gradients()
-        key = self.sync.iteration + 1   # the call about to begin
         # Inputs and labels are staged into the (pinned) arena here, on the caller's thread, made
         # contiguous on the way: workers then copy from staging blocks only (Worker._staged).
         pin = self.host.staged
@@ -384,18 +392,34 @@ class RoundPipe:
                     run.ctx.bn_stats.apply(bn)   # whole-batch BatchNorm statistics, once per call
             finally:
                 sync.end_call(run.ctx.call)
+        earlier = [rec.run for rec in self._inflight]   # training calls still draining (they end first)
         run = self.dispatcher.start(ctx, sched, on_end)
+        for e in earlier:
+            run.watch(e)
+
+        def may_return() -> bool:
+            """Its loss (outputs) known and the calls before it ended, or one of those failed."""
+            if any(e.failed for e in earlier):
+                return True
+            done = ctx.losses_known.is_set() if training else run.finished
+            return done and all(e.finished for e in earlier)
         try:
-            self.dispatcher.wait(run, ctx.losses_known.is_set if training else None)
             try:
+                self.dispatcher.wait(run, may_return)
                 for t in self._host_threads():   # a step that failed meanwhile: this call then has no effect
                     t.raise_error()
             except BaseException:
                 ctx.board.abort()
                 run.wait_end()
                 raise
-        except BaseException:
+            if any(e.failed for e in earlier):   # raised here, by a call that is cancelled for it
+                ctx.board.abort()
+                run.wait_end()
+                self._retire(cancelled=key, also=run.error)
+        except BaseException as e:
             self.autoplan.after_call(key, plan, training, False)
+            for other in self._retire_collect():   # ended before this call did: folded into its error
+                e.add_note("[roundpipe] " + _describe(other))
             raise
         if training:   # retired (timings folded, late error raised) at a fixed later point
             self._inflight.append(_InFlight(key, plan, run))
@@ -409,26 +433,38 @@ class RoundPipe:
                 self._issue_gcopy()
         return ctx
 
-    def _retire(self, block: bool = True, keep: int = 0) -> None:
+    def _retire(self, keep: int = 0, cancelled: int | None = None, also: BaseException | None = None) -> None:
         """Forgets the earlier calls in flight but the newest `keep`, waiting for their ends, and
-        folds their timings into the planner; with `block=False` only calls that ended with an
-        error (none is waited for).  Raises the first error one of them met after it returned
-        (its gradients were dropped).  Timings are folded at fixed points (the start of the call
-        after next, a sync point), so re-planning does not depend on thread timing."""
-        error = None
+        folds their timings into the planner.  Raises the first error one of them met after it
+        returned (its gradients were dropped), any other as a note; `cancelled`: the key of the call
+        raising it, which was cancelled for it, and `also` its own error if it met one.  Timings are folded at fixed points (the start of
+        the call after next, a sync point), so re-planning does not depend on thread timing."""
+        errors = self._retire_collect(keep)
+        if not errors:
+            return
+        first = errors[0]
+        if cancelled is not None:
+            first.add_note(f"[roundpipe] raised by call {cancelled}, which was cancelled for it and had no effect "
+                           "(no loss returned, no gradients kept: pass its batch again)")
+        for other in errors[1:]:
+            first.add_note("[roundpipe] " + _describe(other))
+        if also is not None:
+            first.add_note(f"[roundpipe] call {cancelled} failed too: {type(also).__name__}: {also}")
+        raise first
+
+    def _retire_collect(self, keep: int = 0) -> list[BaseException]:
+        """`_retire` without the raise: the errors of the calls it retired, each with a note naming its call."""
+        errors = []
         while len(self._inflight) > keep:
             rec = self._inflight[0]
-            if not block and not (rec.run.finished and rec.run.error is not None):
-                break
             rec.run.wait_end()
             self._inflight.pop(0)
             self.autoplan.after_call(rec.key, rec.plan, True, rec.run.ok)
-            if rec.run.error is not None and error is None:
-                error = rec.run.error
-                error.add_note(f"[roundpipe] raised after forward_backward returned, in the rest of training call "
-                               f"{rec.key} (its last backward stages); that call's gradients were dropped")
-        if error is not None:
-            raise error
+            if rec.run.error is not None:
+                rec.run.error.add_note(f"[roundpipe] raised after forward_backward returned, in the rest of training "
+                                       f"call {rec.key} (its last backward stages); that call's gradients were dropped")
+                errors.append(rec.run.error)
+        return errors
 
     def _issue_gcopy(self) -> None:
         """Moves the gradients landed since the last G-copy into p.grad (after earlier steps read it)."""
@@ -494,7 +530,7 @@ class RoundPipe:
     def _drain(self) -> None:
         """A sync point: every call ended, every landed gradient in p.grad, every issued step applied;
         raises their errors."""
-        self._retire(block=True)
+        self._retire()
         self.sync.flush()
         self._issue_gcopy()
         for t in self._host_threads():
@@ -525,7 +561,7 @@ class RoundPipe:
         load_checkpoint."""
         with self._api:
             self._check_open()
-            self._retire(block=True)   # calls in flight end; nothing is issued or closed
+            self._retire()   # calls in flight end; nothing is issued or closed
             pending = self.sync.wait_settled()
             for t in self._host_threads():
                 t.raise_error()
@@ -560,7 +596,7 @@ class RoundPipe:
         step window stays open and pending steps keep running (for that, `synchronize()`)."""
         with self._api:
             self._check_open()
-            self._retire(block=True)
+            self._retire()
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Device bytes per worker (current and peak per category, roundpipe/workers/ledger.py) and host
@@ -605,7 +641,7 @@ class RoundPipe:
             try:
                 with self._api:
                     if not self._closed:
-                        self._retire(block=True)
+                        self._retire()
             finally:
                 for w in self.workers:
                     w.copies.record_copies(None)
@@ -626,7 +662,7 @@ class RoundPipe:
             self._finalizer.detach()
             self.sync.flush()
             try:
-                self._retire(block=True)   # calls still draining end first; their error is raised
+                self._retire()   # calls still draining end first; their error is raised
                 for t in self._host_threads():
                     t.wait_idle()
             finally:
