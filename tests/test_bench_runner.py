@@ -25,11 +25,31 @@ def test_report_prints_table_and_appends_rows(tmp_path, capsys):
     assert rows[0]["device"].startswith("cpu: ") and rows[1]["case"] == "b" and rows[1]["ms"] == 0.25
 
 
-def test_median_time_measures_calls():
-    """median_time returns the median seconds of one call and runs warmup + repeat calls."""
-    calls = []
-    t = runner.median_time(lambda: calls.append(1), warmup=2, repeat=5)
-    assert len(calls) == 7 and 0 <= t < 0.01
+class FakeClock:
+    """perf_counter for runner: each call of `step` advances it by the next of `durations` (seconds)."""
+
+    def __init__(self, durations):
+        self.now, self.durations, self.calls = 100.0, list(durations), 0
+
+    def perf_counter(self):
+        return self.now
+
+    def step(self):
+        self.now += self.durations[self.calls]
+        self.calls += 1
+
+
+def test_median_time_measures_calls(monkeypatch):
+    """median_time returns the median seconds of one call, untimed warmup calls left out, and with min_time
+    loops each sample until that much time passed, dividing by the calls in it."""
+    clock = FakeClock([50, 50] + [0.009, 0.001, 0.003, 0.002, 0.004])   # 2 warmup calls, then 5 timed
+    monkeypatch.setattr(runner, "time", clock)
+    t = runner.median_time(clock.step, warmup=2, repeat=5)
+    assert clock.calls == 7 and t == pytest.approx(0.003)   # the median (the mean would be 0.0038)
+    clock = FakeClock([0.001] * 9 + [0.004])   # min_time 2.5 ms: samples of 3, 3, 3 calls, then of 1
+    monkeypatch.setattr(runner, "time", clock)
+    t = runner.median_time(clock.step, warmup=0, repeat=4, min_time=0.0025)
+    assert clock.calls == 10 and t == pytest.approx(0.001)   # per call: 1, 1, 1 and 4 ms
     with pytest.raises(ValueError, match="repeat=0"):
         runner.median_time(lambda: None, repeat=0)
 
