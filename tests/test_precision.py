@@ -3,6 +3,7 @@ boundaries."""
 import pytest
 import torch
 import torch.nn.functional as F
+from _kernel_util import assert_within_torch_error
 from torch import nn
 
 import roundpipe as rp
@@ -56,27 +57,36 @@ def data():
     return x, mask, torch.randint(0, 4, (4,), generator=g)
 
 
-def test_an_fp32_mask_stays_fp32_and_bf16_training_matches_plain_autocast():
-    """Layers run under autocast(bf16) with the fp32 mask kept: finite losses equal to plain PyTorch autocast
-    within bf16 tolerance (before: the mask was cast to bf16, MIN became -inf and the fully masked row NaN)."""
-    x, mask, y = data()
-    ref_layers = attention_model()
-    ref = nn.Sequential(*ref_layers)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        h = ref_layers[0](x, mask)
-        for layer in ref_layers[1:]:
+def plain_pytorch(x, mask, y, autocast: bool):
+    """Loss and parameter gradients of the attention model in plain PyTorch, under autocast(bf16) or in fp32."""
+    layers = attention_model()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        h = layers[0](x, mask)
+        for layer in layers[1:]:
             h = layer(h)
-        ref_loss = F.cross_entropy(h.float(), y)
-    ref_loss.backward()
+        loss = F.cross_entropy(h.float(), y)
+    loss.backward()
+    return loss.detach(), [p.grad for p in nn.Sequential(*layers).parameters()]
+
+
+def test_an_fp32_mask_stays_fp32_and_bf16_training_matches_plain_autocast():
+    """Layers run under autocast(bf16) with the fp32 mask kept: a finite loss and gradients at most ~2x as far from
+    fp32 PyTorch as plain PyTorch autocast (before: the mask was cast to bf16, MIN became -inf and the fully
+    masked row NaN)."""
+    x, mask, y = data()
+    loss32, grads32 = plain_pytorch(x, mask, y, autocast=False)
+    loss16, grads16 = plain_pytorch(x, mask, y, autocast=True)
     with rp.RoundPipe(attention_model(), devices=["cpu"] * 2, num_microbatches=2,
                       precision=rp.Precision(torch.bfloat16)) as model:
         loss = model.forward_backward(x, mask, labels=y, loss_fn=F.cross_entropy)
         model.synchronize()
         assert torch.isfinite(loss)
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=2e-2, atol=2e-2)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert torch.isfinite(p.grad).all()
-            torch.testing.assert_close(p.grad, q.grad, rtol=0.1, atol=2e-2)
+        assert_within_torch_error("loss", loss.detach(), loss16, loss32, atol=1e-4)   # one draw: its ratio is noise
+        # A gradient travels home in bf16 (the precision policy): one rounding more than autocast's fp32
+        # parameter gradient, at most half a bf16 ulp of its largest element (2^-9 of it).  Measured (seeded):
+        # at most 1.7x autocast's error without that allowance.
+        for i, (p, g16, g32) in enumerate(zip(model.parameters(), grads16, grads32)):
+            assert_within_torch_error(f"grad {i}", p.grad, g16, g32, atol=2.0 ** -9 * g32.abs().max().item())
     with rp.RoundPipe(attention_model(), devices=["cpu"] * 2, num_microbatches=2,
                       precision=rp.Precision(torch.bfloat16, cast_inputs=True)) as model:
         assert torch.isnan(model.forward_backward(x, mask, labels=y, loss_fn=F.cross_entropy))   # the old cast
