@@ -1,4 +1,4 @@
-"""Shared test setup: Triton interpreter without a GPU, the `cuda` skip, seeding."""
+"""Shared test setup: Triton interpreter without a GPU, the `cuda` and `multigpu` skips, seeding."""
 import random
 
 from roundpipe.testing import triton_interpreter_unless_cuda  # noqa: E402
@@ -9,11 +9,20 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    multi = [item for item in items if "multigpu" in item.keywords]
+    if multi:   # counted only when such a test was collected, and never without CUDA
+        import torch
+
+        count = torch.cuda.device_count() if HAS_CUDA else 0
+        if count < 2:
+            skip = pytest.mark.skip(reason=f"needs 2 or more CUDA GPUs; {count} visible")
+            for item in multi:
+                item.add_marker(skip)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
     for item in items:
-        if "cuda" in item.keywords:
+        if "cuda" in item.keywords and "multigpu" not in item.keywords:
             item.add_marker(skip)
 
 
