@@ -154,9 +154,21 @@ void bind_fence(py::module_& m) {
   py::class_<rp::CudaEventFence, rp::Fence, std::shared_ptr<rp::CudaEventFence>>(m, "CudaEventFence")
       .def_static("borrow", [](std::uintptr_t event) { return rp::CudaEventFence::borrow(reinterpret_cast<void*>(event)); },
                   py::arg("event"), "Wraps a raw cudaEvent_t; the caller keeps the event alive.")
-      .def_static("record", [](std::uintptr_t stream, int device, const rp::cuda::FakeCuda* cuda) {
-        return rp::CudaEventFence::record(reinterpret_cast<void*>(stream), device, cuda ? &cuda->api() : nullptr);
-      }, py::arg("stream"), py::arg("device"), py::arg("cuda") = nullptr, py::keep_alive<0, 3>(),
+      // `cuda` is checked here and kept alive by hand: with keep_alive<0, 3>, a wrong argument
+      // (device=NaN, cuda=1.5) crashed pybind11's overload-failure path (found by the fuzzer).
+      .def_static("record", [](std::uintptr_t stream, int device, const py::object& cuda) -> py::object {
+        const rp::cuda::FakeCuda* fake = nullptr;
+        if (!cuda.is_none()) {
+          if (!py::isinstance<rp::cuda::FakeCuda>(cuda))
+            throw py::type_error("cuda must be a FakeCuda or None, got " +
+                                 std::string(py::str(py::type::of(cuda).attr("__name__"))));
+          fake = cuda.cast<const rp::cuda::FakeCuda*>();
+        }
+        py::object fence = py::cast(
+            rp::CudaEventFence::record(reinterpret_cast<void*>(stream), device, fake ? &fake->api() : nullptr));
+        if (fake != nullptr) py::detail::keep_alive_impl(fence, cuda);   // the fake outlives its event
+        return fence;
+      }, py::arg("stream"), py::arg("device"), py::arg("cuda") = py::none(),
          "Records a pooled event (owned; back to the pool when the fence dies) on a raw cudaStream_t of `device`; "
          "`cuda`: a FakeCuda to use instead of the loaded runtime (tests).")
       .def_static("pool_stats", &rp::CudaEventFence::pool_stats,
