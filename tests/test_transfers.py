@@ -239,3 +239,32 @@ def test_reserved_gpu_memory_follows_the_ledger():
         reserved = torch.cuda.memory_reserved() - base
         assert ledger <= peak, (ledger / mib, peak / mib)
         assert reserved <= 1.1 * peak + 16 * mib, (reserved / mib, peak / mib, ledger / mib)
+
+
+def test_next_input_upload_is_issued_before_the_current_compute(monkeypatch):
+    """With prefetching on, microbatch m+1's input upload is issued before m's compute (CUDA: its buffer's
+    allocation fence then covers compute up to m-1 only, so the copy overlaps m's compute; issued after,
+    it would wait for m's compute to finish), and m's own first."""
+    from roundpipe.engine import stage
+
+    order = []
+    real_early, real_forward = stage.StageRun.upload_input_early, stage.StageRun.forward
+
+    def early(self, m):
+        order.append((self.task.label, "up", m))
+        return real_early(self, m)
+
+    def forward(self, m):
+        order.append((self.task.label, "compute", m))
+        return real_forward(self, m)
+    monkeypatch.setattr(stage.StageRun, "upload_input_early", early)
+    monkeypatch.setattr(stage.StageRun, "forward", forward)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    plan = rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=3, microbatches_per_round=3, plan=plan) as model:
+        for w in model.workers:
+            w.prefetches = True
+        model(torch.randn(6, 8))
+    f = [(kind, m) for label, kind, m in order if label.startswith("F")]
+    assert f[:2] == [("up", 0), ("up", 1)] and f.index(("up", 2)) < f.index(("compute", 1)), f

@@ -343,9 +343,12 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
               next_task: StageTask | None = None) -> Upload | None:
     """Runs one slot of the schedule on worker w: all of the slot's microbatches in order.
 
-    Workers that copy asynchronously (`w.prefetches`) issue microbatch m+1's input upload right
-    after issuing m's compute, and the next slot's parameter uploads right after the first
-    microbatch, so both overlap this stage's compute; the parameter prefetch is returned.
+    Workers that copy asynchronously (`w.prefetches`) issue microbatch m+1's input upload just
+    before issuing m's compute, and the next slot's parameter uploads right after the first
+    microbatch, so both overlap this stage's compute; the parameter prefetch is returned.  Before,
+    not after: a CUDA upload into a freshly allocated buffer waits for the compute issued before
+    the allocation (CudaWorker._empty), so one made after m's compute was issued would wait for
+    m's compute to finish instead of overlapping it.
     """
     run = StageRun(ctx, w, task)
     step = {"F": run.forward, "fused": run.fused, "B": run.backward}[task.kind]
@@ -354,12 +357,15 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
         try:
             run.upload(prefetched)
             for i, m in enumerate(task.mbs):
+                if w.prefetches:   # m's own input first (FIFO queue), then m+1's, both ahead of m's compute
+                    if i == 0:
+                        run.upload_input_early(m)
+                    if i + 1 < len(task.mbs):
+                        run.upload_input_early(task.mbs[i + 1])
                 timer = w.timer_start() if ctx.on_timing is not None else None
                 step(m)
                 if timer is not None:   # execution time: on a GPU measured by events, reported later
                     w.timer_stop(timer, functools.partial(ctx.on_timing, w.name, task.kind, task.layers.start, m))
-                if w.prefetches and i + 1 < len(task.mbs):
-                    run.upload_input_early(task.mbs[i + 1])
                 if i == 0 and next_task is not None and w.prefetches:
                     nxt = prefetch(ctx, w, next_task, len(task.mbs))
             run.finish()
