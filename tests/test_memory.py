@@ -4,6 +4,9 @@ The ledger (roundpipe/workers/ledger.py) follows storages, not Python names, so 
 reference kept anywhere (the protocol's upload waits, the copy engine, a closure)
 shows up as live bytes after the call, exactly as it would keep GPU memory.
 """
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +142,45 @@ def test_a_stage_that_cannot_fit_is_refused_before_any_work():
                             ({"cpu": -1}, ValueError, r"device_memory\['cpu'\]=-1"), ("1GB", TypeError, "device_memory")]:
         with pytest.raises(exc, match=match):
             rp.RoundPipe(mlp(2), devices=["cpu"], device_memory=bad)
+
+
+@pytest.mark.parametrize("workers, num_mb", [(1, 2), (1, 4), (2, 3)])
+def test_gradients_leave_during_the_next_stage(workers, num_mb):
+    """Backward stages hand their input gradients on without a download (same device), so no activation
+    download releases the held-back gradient windows: each stage's gradients still leave during the
+    next stage, and a worker holds at most two stages' worth (before: layers over 64 KiB with 2+
+    microbatches kept every layer's gradients on the worker until the call ended, 64 of them here)."""
+    torch.manual_seed(0)
+    layers = mlp(64, width=256)   # 257 KiB of fp32 gradients per layer: windowed, never copied inline
+    per_layer = (256 * 256 + 256) * 4
+    plan = rp.Plan.uniform(64, backward_per_stage=1, forward_ratio=3)
+    x, y = torch.randn(8 * num_mb, 256), torch.randn(8 * num_mb, 256)
+    with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb, plan=plan) as model:
+        for _ in range(2):
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.wait_calls()
+        for w in model.workers:
+            peak = w.ledger.stats()["peak"]["gradients"]
+            assert peak <= 3 * per_layer, (w.name, peak / per_layer)
+
+
+def test_gradients_of_late_downloads_stay_bounded():
+    """Downloads delayed at random (a slow copy path): a worker still holds at most three layers'
+    gradients at once (the running stage's, and the two stages before it whose downloads may be in flight)."""
+    torch.manual_seed(0)
+    layers = mlp(24, width=256)
+    per_layer = (256 * 256 + 256) * 4
+    plan = rp.Plan.uniform(24, backward_per_stage=1, forward_ratio=3)
+    x, y = torch.randn(16, 256), torch.randn(16, 256)
+    lane = threading.Lock()   # one download at a time, 5 ms each: a copy path slower than compute
+
+    def slow(kind):
+        if kind == "grad_down":
+            with lane:
+                time.sleep(0.005)
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=2, plan=plan) as model:
+        with inject_delays(slow):
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.wait_calls()
+        peak = model.workers[0].ledger.stats()["peak"]["gradients"]
+        assert peak <= 3 * per_layer, peak / per_layer

@@ -364,10 +364,12 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
                         run.upload_input_early(task.mbs[i + 1])
                 timer = w.timer_start() if ctx.on_timing is not None else None
                 step(m)
+                w.copies.pace()   # the previous stage's gradients leave during this stage, one window per microbatch
                 if timer is not None:   # execution time: on a GPU measured by events, reported later
                     w.timer_stop(timer, functools.partial(ctx.on_timing, w.name, task.kind, task.layers.start, m))
                 if i == 0 and next_task is not None and w.prefetches:
                     nxt = prefetch(ctx, w, next_task, len(task.mbs))
+            w.copies.flush_downloads()   # what is left of earlier stages' gradients, before this stage's own
             run.finish()
         finally:
             run.release()

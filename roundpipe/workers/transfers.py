@@ -75,6 +75,9 @@ class Transfers:
             self.engine = CopyEngine(device) if device.type == "cpu" else None  # CUDA: attach_streams()
         self._lock = threading.Lock()
         self._waiting: dict[str, deque[Bulk]] = {"param_up": deque(), "grad_down": deque()}
+        self._released_down = 0   # download windows activation copies released since the last pace()
+        self._stage = 0            # stage ends seen (flush_downloads)
+        self._downs: deque[tuple[int, Bulk]] = deque()   # downloads not known complete, with their stage
         self._clocks: dict[str, _CopyClock] = {}
         self.on_copy: Callable[[str, int, float, float], None] | None = None   # see record_copies
 
@@ -152,6 +155,8 @@ class Transfers:
             waiting = self._waiting[_BULK_OF[queue]]
             if waiting:
                 self._send_one(waiting, [fence])
+                if queue == "act_down":
+                    self._released_down += 1
             return fence
 
     def bulk(self, queue: str, dsts: list, srcs: list, windows: int, after: Sequence = ()) -> Bulk:
@@ -164,6 +169,8 @@ class Transfers:
             if dsts:
                 with self._lock:
                     b.fences.append(self._submit(queue, dsts, srcs, after))
+                    if queue == "grad_down":
+                        self._downs.append((self._stage, b))
             return b
         dbytes, sbytes = [_bytes(d) for d in dsts], [_bytes(s) for s in srcs]
         plan = self._pack([d.numel() for d in dbytes], windows)
@@ -173,6 +180,8 @@ class Transfers:
         if b.unsent:
             with self._lock:
                 self._waiting[queue].append(b)
+                if queue == "grad_down":
+                    self._downs.append((self._stage, b))
         return b
 
     def _send_locked(self, b: Bulk, extra: list) -> None:
@@ -200,6 +209,38 @@ class Transfers:
             ups = self._waiting["param_up"]
             if ups:
                 self._send_one(ups, [])
+
+    def pace(self) -> None:
+        """A microbatch's compute was issued: if no activation download released a held-back
+        download window since the last pace, one goes now.  A stage whose outputs stay on the
+        device (a same-device hand-off) downloads no activation, and the previous stage's
+        gradients would wait for the end of the worker's part of the call (all of them on the
+        device at once); paced, a stage's M windows leave during the next stage's M microbatches."""
+        if not self._waiting["grad_down"]:
+            self._released_down = 0
+            return
+        with self._lock:
+            downs = self._waiting["grad_down"]
+            if downs and self._released_down == 0:
+                self._send_one(downs, [])
+            self._released_down = 0
+
+    def flush_downloads(self) -> None:
+        """A stage ended: every held-back download goes now, and those issued before the previous
+        stage ended are waited for, so a worker holds the gradients of at most two stages besides
+        the running one's (the cap counts them: a slow copy path throttles compute, never memory)."""
+        with self._lock:
+            downs = self._waiting["grad_down"]
+            while downs:
+                self._send_one(downs, [])
+            old = []
+            while self._downs and self._downs[0][0] < self._stage:
+                old.append(self._downs.popleft()[1])
+            self._stage += 1
+        for b in old:
+            for f in b.fences:
+                if f is not None:
+                    f.wait()
 
     def flush(self, only: Bulk | None = None) -> None:
         """Sends the held-back windows now: of `only`, or of every bulk (the worker is about to wait)."""
