@@ -292,3 +292,32 @@ def test_engine_trace_opens_in_timeline_and_bubbles(tmp_path):
     assert len(iterations) == 2 and sorted(back.metadata["plans"]) == [str(j) for j in iterations]
     assert all(e.args["stage"] == e.name.split()[0] for e in compute)
     assert b.ratio == pytest.approx(bubbles(trace).ratio, abs=1e-6)
+
+
+class _Attention(torch.nn.Module):
+    """q, k, v projections and causal scaled-dot-product attention: [B, T, 128] -> [B, T, 128], 4 heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(128, 3 * 128)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, 32).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 128)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"], ids=["cpu-dry-run", "meta-dry-run"])
+def test_size_estimate_counts_fused_attention_not_math_scores(device_type):
+    """The size estimate of a layer's saved activations counts what the fused attention kernel a worker
+    runs keeps (q, k, v, output, a log-sum-exp per row), not the [B, heads, T, T] scores of the math
+    backend the dry run computes with (before: 9x more for the tiny decoder at 1,024 tokens)."""
+    from roundpipe.engine.autoplan import size_costs
+    b, t = 2, 512
+    x = torch.randn(b, t, 128)
+    cost = size_costs([torch.nn.Identity(), _Attention()], ((x,), {}), torch.float32, device_type)[1]
+    qkv = b * t * 3 * 128 * 4               # the projection's output (q, k, v are views of it)
+    fused = 4 * b * t * 128 * 4 + b * 4 * t * 4   # q, k, v, out and the log-sum-exp
+    scores = b * 4 * t * t * 4              # 8 MiB per [B, H, T, T] tensor in fp32
+    assert cost.act_bytes <= qkv + fused + b * t * 128 * 4 * 2, cost.act_bytes
+    assert cost.act_bytes < scores

@@ -106,13 +106,16 @@ def test_gradient_buffers_are_bounded_and_recycled(asynchronous, buffers, dtype)
         assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
-def test_model_larger_than_the_cap_trains_within_it():
-    """48 layers whose weights are 4x a worker's cap: the planner cuts stages for the cap, training runs,
-    and no worker ever holds more than the cap (weights, activations and gradients together)."""
-    layers = mlp(48, width=64)                      # 16,640 bytes of fp32 weights per layer
-    cap = 200_000
-    x, y = torch.randn(6, 64), torch.randn(6, 64)
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3, device_memory=cap) as model:
+@pytest.mark.parametrize("workers, width, cap", [(1, 64, 200_000), (2, 64, 200_000), (1, 256, 2_000_000),
+                                                 (3, 256, 2_000_000)])
+def test_model_larger_than_the_cap_trains_within_it(workers, width, cap):
+    """48 layers whose weights are 4x a worker's cap: the planner cuts stages for the cap with one worker as
+    with several (before: one worker got a single fused stage and the cap check refused it), training runs,
+    and no worker ever holds more than the cap (weights, activations and gradients together; at width 256
+    a layer's gradients are windowed downloads)."""
+    layers = mlp(48, width=width)                   # 16,640 / 263,168 bytes of fp32 weights per layer
+    x, y = torch.randn(6, width), torch.randn(6, width)
+    with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=3, device_memory=cap) as model:
         total = sum(p.nbytes for p in model.parameters())
         assert total > 3.9 * cap
         opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
@@ -184,3 +187,17 @@ def test_gradients_of_late_downloads_stay_bounded():
             model.wait_calls()
         peak = model.workers[0].ledger.stats()["peak"]["gradients"]
         assert peak <= 3 * per_layer, peak / per_layer
+
+
+def test_a_batch_that_cannot_fit_is_refused_before_any_work():
+    """One layer's weights, gradients and one microbatch's saved activations over half the cap: a ValueError
+    naming the layer, the bytes, the cap and the microbatch size that would fit, before any upload (before:
+    the planner warned, dropped the cap and ran over it)."""
+    layers = mlp(4, width=64)
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=1, device_memory=200_000) as model:
+        x = torch.randn(2048, 64)   # 512 KiB per activation
+        with pytest.raises(ValueError, match=r"layer \d needs about [\d,]+ bytes .* half the 200,000-byte cap .*"
+                                             r"microbatches \d+x smaller"):
+            model.forward_backward(x, labels=x, loss_fn=F.mse_loss)
+        assert all(w.ledger.stats()["peak_total"] == 0 for w in model.workers)
+        model.forward_backward(x[:64], labels=x[:64], loss_fn=F.mse_loss)   # a batch that fits still trains

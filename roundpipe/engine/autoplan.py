@@ -45,6 +45,8 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -52,6 +54,7 @@ from roundpipe.engine.microbatch import tree_leaves, tree_map
 from roundpipe.engine.plan import Plan
 from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective, plan as partition_plan
 from roundpipe.planner.costs import BWD_PER_FWD
+from roundpipe.planner.partition import LayerTooLarge
 
 # Rough device rates for the size-based estimate.  Only their ratio matters: once
 # anything is measured the profiler rescales unmeasured layers by the measured ratio.
@@ -167,6 +170,33 @@ class _FlopCount(TorchDispatchMode):
         return out
 
 
+class _FusedAttentionBytes(TorchFunctionMode):
+    """In the dry run, `F.scaled_dot_product_attention` runs as math (FLOPs counted, the only backend
+    the meta device has) but its saved bytes are those of the fused kernel a worker runs (flash or
+    memory-efficient on GPUs, the flash kernel for CPU on CPU workers): q, k, v, the output and an
+    fp32 log-sum-exp per query row, never the [B, heads, T, T] scores the math backend keeps.
+    Counted as math, one tiny-decoder layer at 4 x 1,024 tokens came to 177 MiB against 51 MiB."""
+
+    def __init__(self, saved: list[int], counting: list[bool]):
+        super().__init__()
+        self.saved, self.counting = saved, counting
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.counting[0] = False
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.counting[0] = True
+        q, k, v = (args + (None,) * 3)[:3] if len(args) >= 3 else (kwargs["query"], kwargs["key"], kwargs["value"])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            rows = q.numel() // q.shape[-1]   # one log-sum-exp per (batch, head, query)
+            self.saved[0] += sum(t.numel() * t.element_size() for t in (q, k, v, out)) + rows * 4
+        return out
+
+
 def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: torch.dtype,
                    rates: tuple[float, float], device: str) -> list[LayerCost]:
     """Size-based costs from one forward of the first microbatch through copies of the layers,
@@ -186,26 +216,30 @@ def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtyp
         memo.update({id(b): b.detach().to(device, copy=True) for b in layer.buffers()})
         replica = copy.deepcopy(layer, memo)
         params = {id(p) for p in replica.parameters()}
-        saved = [0]
+        saved, counting = [0], [True]
 
         def pack(t: torch.Tensor) -> None:
             # Counts and keeps nothing (no backward runs here): packing t itself would close a
             # cycle through the autograd graph (an op saving its own output) that Python's gc
             # cannot see, and every layer copy would outlive the dry run (0.84 B/param of
             # bf16 weights for the 200M decoder).
-            if id(t) not in params:
+            if counting[0] and id(t) not in params:
                 saved[0] += t.numel() * t.element_size()
         if i > 0:
             x = tree_map(lambda t: t.detach().requires_grad_(True)
                          if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
         in_bytes = _nbytes(x)
         counter = _FlopCount()
-        with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+        with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), \
+                _FusedAttentionBytes(saved, counting):
             x = replica(*x[0], **x[1]) if i == 0 else replica(x)
         out_bytes = _nbytes(x)
         param_bytes = sum(p.numel() for p in replica.parameters()) * dtype.itemsize
+        trainable = sum(p.numel() for p in replica.parameters() if p.requires_grad)
+        # fp32 accumulators, and in low precision one microbatch's .grad beside them (StageRun._backward)
+        grad_bytes = trainable * (4 + (dtype.itemsize if dtype != torch.float32 else 0))
         fwd = counter.flops / flop_rate + (param_bytes + in_bytes + out_bytes) / byte_rate
-        out.append(LayerCost(fwd, BWD_PER_FWD * fwd, param_bytes, max(saved[0], out_bytes)))
+        out.append(LayerCost(fwd, BWD_PER_FWD * fwd, param_bytes, max(saved[0], out_bytes), grad_bytes))
     return out
 
 
@@ -312,18 +346,29 @@ class AutoPlanner:
             self.plan = fallback()
         else:
             costs = size_costs(self.layers, None, compute_dtype, self.device_type)
-            self.plan = self._bounded(lambda budget: partition_plan(costs, self.workers, microbatches, budget))
+            self.plan = self._bounded(lambda budget: partition_plan(costs, self.workers, microbatches, budget), costs)
         self.history.append(self.plan)
 
-    def _bounded(self, solve: Callable[[int | None], Any]) -> Any:
-        """solve(memory_budget); when the estimate says a layer cannot fit, warns and drops the bound
-        (the estimate may be pessimistic; a real shortage then shows as an out-of-memory error)."""
+    def _bounded(self, solve: Callable[[int | None], Any], costs: Sequence[LayerCost] | None = None) -> Any:
+        """solve(memory_budget).  The bound is never dropped: when one layer cannot fit a stage (its
+        weights, fp32 gradients and one microbatch's saved activations in half the budget, the other
+        half holding the next stage), a ValueError names the layer, the bytes and the cap, with the
+        microbatch size that would fit, before any work of the call."""
         try:
             return solve(self.memory_budget)
-        except ValueError as e:
-            warnings.warn(f"roundpipe planner: {e}; planning without a memory bound", stacklevel=4)
-            self.memory_budget = None
-            return solve(None)
+        except LayerTooLarge as e:
+            hint = ""
+            if costs is not None:
+                c = costs[e.layer]
+                fixed = c.param_bytes + c.grads
+                if fixed < e.limit and c.act_bytes > 0:   # activations scale with the microbatch's rows
+                    hint = (f" or microbatches {math.ceil(c.act_bytes / (e.limit - fixed))}x smaller "
+                            "(num_microbatches=, or fewer rows per call)")
+            raise ValueError(
+                f"device_memory: layer {e.layer} needs about {e.need:,.0f} bytes in a backward stage (its weights, "
+                f"fp32 gradients and one microbatch's saved activations), more than half the {e.budget:,.0f}-byte "
+                f"cap ({e.limit:,.0f}; the other half holds the next stage's weights): raise device_memory{hint}, "
+                "or split the layer") from None
 
     def request(self, plan: Plan) -> None:
         """Switches to `plan` at the next call's start (a safe point); keeps profiling and re-planning."""
@@ -348,7 +393,7 @@ class AutoPlanner:
             self.profiler = Profiler(size_costs(self.layers, sample, self.compute_dtype, self.device_type),
                                      alpha=self.config.alpha)
             self.replanner = self._bounded(lambda budget: Replanner(
-                self.profiler, self.workers, num_microbatches, budget, self.config.threshold))
+                self.profiler, self.workers, num_microbatches, budget, self.config.threshold), self.profiler.costs())
             self._switch(self.replanner.plan, count=False)
         with self._lock:
             pending, self._pending = self._pending, None

@@ -11,9 +11,11 @@ Stage memory (what must fit in half the device budget, the other half holding th
 prefetched next stage, docs/planner.md):
 
     forward stage : sum(param_bytes) + max(act_bytes)          (one layer's activations live)
-    backward stage: sum(param_bytes) * (1 + GRAD_FACTOR) + sum(act_bytes)
-                    (fp32 gradient accumulators, and the recomputed activations of
-                     every layer of the stage for one microbatch)
+    backward stage: sum(param_bytes + grad_bytes + act_bytes)
+                    (gradients of the trainable parameters: fp32 accumulators, plus one
+                     microbatch's low-precision .grad; GRAD_FACTOR * param_bytes when
+                     unknown; and the recomputed activations of every layer of the
+                     stage for one microbatch)
 """
 from __future__ import annotations
 
@@ -34,12 +36,21 @@ class LayerCost:
     bwd_s: float            # recompute + backward time (what a backward stage spends on it)
     param_bytes: int = 0    # low-precision weights uploaded for the layer
     act_bytes: int = 0      # activations kept for its backward, one microbatch
+    # gradient bytes a backward stage holds for it (fp32 accumulators of its trainable parameters, and
+    # the low-precision .grad of one microbatch beside them); None: param_bytes * GRAD_FACTOR
+    grad_bytes: int | None = None
 
     def __post_init__(self):
-        for name in ("fwd_s", "bwd_s", "param_bytes", "act_bytes"):
+        for name in ("fwd_s", "bwd_s", "param_bytes", "act_bytes", "grad_bytes"):
             v = getattr(self, name)
+            if name == "grad_bytes" and v is None:
+                continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
                 raise ValueError(f"LayerCost.{name}={v!r} must be a number >= 0")
+
+    @property
+    def grads(self) -> float:
+        return self.param_bytes * GRAD_FACTOR if self.grad_bytes is None else self.grad_bytes
 
     @classmethod
     def from_size(cls, params: int, tokens: int, *, flops_per_s: float = 100e12,
@@ -93,4 +104,4 @@ def forward_memory(costs: Sequence[LayerCost], layers: range) -> float:
 
 
 def backward_memory(costs: Sequence[LayerCost], layers: range) -> float:
-    return sum(costs[i].param_bytes * (1 + GRAD_FACTOR) + costs[i].act_bytes for i in layers)
+    return sum(costs[i].param_bytes + costs[i].grads + costs[i].act_bytes for i in layers)

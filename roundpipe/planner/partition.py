@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from roundpipe.engine.plan import Plan
-from roundpipe.planner.costs import (GRAD_FACTOR, LayerCost, backward_memory, backward_time, check_costs,
+from roundpipe.planner.costs import (LayerCost, backward_memory, backward_time, check_costs,
                                      forward_time)
 
 
@@ -42,6 +42,15 @@ class Partition:
     plan: Plan
     t_max: float       # largest per-microbatch stage time (seconds)
     objective: float   # (M * S + N * (N - 1)) * t_max
+
+
+class LayerTooLarge(ValueError):
+    """One layer alone does not fit a backward stage within half the memory budget."""
+
+    def __init__(self, layer: int, need: float, limit: float, budget: float | None):
+        self.layer, self.need, self.limit, self.budget = layer, need, limit, budget
+        super().__init__(f"memory_budget={budget!r}: layer {layer} alone needs {need:.0f} bytes in a backward "
+                         f"stage, more than half the budget ({limit:.0f}); raise the budget or split the layer")
 
 
 def check_args(workers: int, microbatches: int, memory_budget: float | None) -> float:
@@ -96,7 +105,7 @@ def greedy(costs: Sequence[LayerCost], t: float, mem_limit: float = math.inf) ->
     L = len(costs)
     fwd = [c.fwd_s for c in costs]
     bwd = [c.bwd_s for c in costs]
-    bparam = [c.param_bytes * (1 + GRAD_FACTOR) for c in costs]
+    bparam = [c.param_bytes + c.grads for c in costs]
     fparam = [float(c.param_bytes) for c in costs]
     act = [float(c.act_bytes) for c in costs]
     # The fused tail: the longest suffix that fits, at least the last layer.
@@ -141,9 +150,7 @@ def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
     count = lambda i: math.inf if at(i) is None else len(at(i).stages())
     if at(len(cand) - 1) is None:
         worst = max(range(len(costs)), key=lambda i: backward_memory(costs, range(i, i + 1)))
-        raise ValueError(f"memory_budget={memory_budget!r}: layer {worst} alone needs "
-                         f"{backward_memory(costs, range(worst, worst + 1)):.0f} bytes in a backward stage, "
-                         f"more than half the budget ({mem_limit:.0f}); raise the budget or split the layer")
+        raise LayerTooLarge(worst, backward_memory(costs, range(worst, worst + 1)), mem_limit, memory_budget)
     lo, hi = 0, len(cand) - 1
     while lo < hi:  # first feasible candidate (feasibility is monotone in T)
         mid = (lo + hi) // 2
