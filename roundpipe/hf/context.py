@@ -1,0 +1,361 @@
+"""Long context: the longest sequence (batch 1) a Hugging Face model trains with, by the planner's memory model.
+
+    fit = rp.hf.max_seq_len("qwen3-1.7b", device_memory=24 << 30)       # or a config, a dict, a config.json
+    fit.seq_len, fit.binding, fit.table()
+
+The prediction is the engine's own refusal rule, not a second model of it.  The engine plans at the
+first call from per-layer `LayerCost`s (roundpipe/engine/autoplan.py: a dry run of the first
+microbatch through copies of the layers, saved bytes counted by autograd's saved-tensor hooks,
+attention counted as the fused kernel keeps it) and `planner.partition(costs, workers,
+microbatches, budget)`, which raises `LayerTooLarge` when one layer's weights, gradients (fp32
+accumulators plus one low-precision .grad) and one microbatch's saved activations exceed half the
+budget; the engine turns that into a ValueError before any work.  Here:
+
+    1. the model is built from its config on the meta device (no weights, no download) and cut
+       into roundpipe layers as `rp.hf.wrap` cuts it (hf/model.py `_layers`);
+    2. for a sequence length T, the costs come from the engine's dry run on the meta device
+       (`_dry_run_costs`, what GPU workers run) with token ids [1, T] in the compute dtype;
+    3. `partition(costs, workers, 1, device_memory)` succeeds or raises LayerTooLarge: the
+       largest T that succeeds is found by doubling and bisection (costs grow with T).
+
+Only one layer has to fit half the budget, so the worker count does not change the answer (it
+changes the plan, not the refusal); it is an argument because the plan at that length is returned.
+
+Two things the engine's dry run cannot do on the meta device are bridged here, both no-ops for
+the bytes counted:
+  - transformers' `find_packed_sequence_indices` reads a tensor value (`.item()`) to look for
+    packed sequences in the position ids; the embedding layer's position ids are 0..T-1 (one
+    sequence), so it is answered "none" without reading.  The engine itself hits this on GPU
+    workers and falls back to parameter-size costs without activations (see docs/benchmarks.md).
+  - nothing else; CPU workers run the same dry run on the CPU, which counts the same bytes in fp32.
+
+What the model does not count (reported beside it, `ContextFit.head_workspace`): the LM-head loss.
+The head layer hands (normed hidden, head weight) to the loss in the fused tail stage, so the dry
+run stops before the loss; on CUDA the fused linear + cross-entropy (roundpipe.kernels) holds a
+logits chunk, its fp32 weight-gradient accumulator, dh [T, H] and dW [V, H] while it runs, never
+the full [T, V] logits.  Shapes: T tokens, H hidden, V vocabulary, b bytes per compute element.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe.engine.plan import Plan
+
+GiB = 1 << 30
+
+# Published sizes (the models' config.json on the hub): hidden, layers, heads, kv heads, intermediate, vocab.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                       tie_word_embeddings=True, max_position_embeddings=40960),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                         tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
+                      tie_word_embeddings=False, max_position_embeddings=40960),
+}
+MAX_TOKENS = 1 << 24   # the search stops here (16M tokens); ContextFit.at_search_limit says so
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """What one layer needs in a backward stage at the fitted length, as the planner counts it."""
+
+    index: int
+    name: str            # "embedding", "decoder 5", "norm + LM head"
+    weights: int         # compute-dtype weights uploaded for it
+    gradients: int       # fp32 accumulators + one low-precision .grad of its trainable parameters
+    activations: int     # saved for backward, one microbatch (batch 1, seq_len tokens)
+    attention: int       # of which: fused attention's q, k, v, output and fp32 log-sum-exp
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.activations
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """The longest sequence (batch 1, one microbatch) that the planner accepts under `device_memory`."""
+
+    model: str                 # shape name or model_type
+    seq_len: int
+    device_memory: int         # the cap (RoundPipe's device_memory=), bytes
+    workers: int
+    dtype: torch.dtype         # compute dtype
+    binding: LayerBytes        # the layer that would not fit one token more
+    embedding: LayerBytes
+    decoder: LayerBytes        # the largest decoder layer
+    head: LayerBytes           # final norm + LM head
+    head_workspace: int        # fused LM-head loss on CUDA: logits chunk, fp32 dW sum, dh, dW (not in the model)
+    full_logits: int           # fp32 [T, V] logits, what an unfused loss would hold (for comparison)
+    plan: Plan = field(repr=False)
+    at_search_limit: bool = False   # seq_len == MAX_TOKENS: it fits at least this long
+
+    @property
+    def stage_limit(self) -> int:
+        """Half the cap: the most one stage may hold (the other half holds the prefetched next stage)."""
+        return self.device_memory // 2
+
+    def table(self) -> str:
+        """Bytes per part at seq_len for the binding layer, the largest decoder layer, the head and the embedding."""
+        unit, scale = _unit(self.device_memory)
+        rows = [("layer", "weights", "gradients", "activations", "(attention)", "total")]
+        for lb in dict.fromkeys([self.binding, self.decoder, self.head, self.embedding]):
+            rows.append((lb.name, *(f"{v / scale:.2f}" for v in (lb.weights, lb.gradients, lb.activations,
+                                                                  lb.attention, lb.total))))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"{self.model}: {self.seq_len:,} tokens{' or more' if self.at_search_limit else ''} (batch 1) "
+                 f"under a {self.device_memory / scale:.2f} {unit} cap, {self.workers} worker(s), {_dtype_name(self.dtype)}; "
+                 f"{unit} per part:"]
+        lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                  for r in rows]
+        lines.append(f"  stage limit {self.stage_limit / scale:.2f} {unit} (half the cap); LM-head loss workspace "
+                     f"{self.head_workspace / scale:.2f} {unit}, not counted (fp32 [T, V] logits: "
+                     f"{self.full_logits / scale:.2f} {unit})")
+        return "\n".join(lines)
+
+
+def _unit(n: int) -> tuple[str, int]:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return unit, scale
+    return "B", 1
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+    return value
+
+
+def load_config(config: Any):
+    """A transformers config from a config object, a dict with model_type, a SHAPES name, a config.json
+    path or a folder holding one (nothing is downloaded)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        text = os.fspath(config)
+        if text.lower() in SHAPES:
+            config = SHAPES[text.lower()]
+        elif os.path.isdir(text) and os.path.isfile(os.path.join(text, "config.json")):
+            return AutoConfig.from_pretrained(text, local_files_only=True)
+        elif os.path.isfile(text):
+            try:
+                with open(text) as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"config={text!r}: not a readable JSON config ({e})") from None
+        else:
+            raise ValueError(f"config={text!r} is neither a built-in shape ({', '.join(SHAPES)}) nor a config.json "
+                             "file or a folder holding one (the hub is not reached)")
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a transformers config, a dict, a shape name or a path, "
+                        f"got {type(config).__name__}")
+    kwargs = dict(config)
+    model_type = kwargs.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ValueError(f"config has model_type={model_type!r}; a dict config needs its model_type (e.g. 'qwen3')")
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except ValueError as e:
+        raise ValueError(f"config: model_type={model_type!r} is not known to transformers ({e})") from None
+
+
+def meta_layers(config) -> list[nn.Module]:
+    """The roundpipe layers `rp.hf.wrap` would cut the model into, built on the meta device (no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from roundpipe.hf.model import _layers
+    from roundpipe.hf.presets import PRESETS
+
+    if getattr(config, "model_type", None) not in PRESETS:
+        raise ValueError(f"config: model_type={getattr(config, 'model_type', None)!r} has no roundpipe preset; the "
+                         f"meta-device model cannot run the generic cut's check; presets: {sorted(PRESETS)}")
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    return _layers(hf_model)
+
+
+@contextlib.contextmanager
+def _one_sequence():
+    """transformers' packed-sequence search reads a value (.item()), which the meta device has not; the
+    embedding's position ids are 0..T-1, one sequence, which is what the search would find."""
+    import transformers.masking_utils as mu
+
+    original = getattr(mu, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = original
+
+
+class _AttentionBytes(torch.overrides.TorchFunctionMode):
+    """Per dry run, the bytes the engine's estimate charges to attention (the same count as
+    autoplan._FusedAttentionBytes: q, k, v, output, fp32 log-sum-exp), collected per layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3] if len(args) >= 3 else (kwargs["query"], kwargs["key"], kwargs["value"])
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+                rows = q.numel() // q.shape[-1]
+                self.calls.append(sum(t.numel() * t.element_size() for t in (q, k, v, out)) + rows * 4)
+        return out
+
+
+def layer_costs(layers: list[nn.Module], seq_len: int, dtype: torch.dtype, attention: list[int] | None = None):
+    """The engine's dry-run costs (GPU workers' meta path) of token ids [1, seq_len]; `attention`, when given,
+    receives each layer's attention bytes."""
+    from roundpipe.engine.autoplan import _RATES, _dry_run_costs
+
+    sample = ((), {"input_ids": torch.zeros(1, seq_len, dtype=torch.long), "attention_mask": None,
+                   "position_ids": None})
+    mode = _AttentionBytes()
+    with _one_sequence(), mode:
+        costs = _dry_run_costs(layers, sample, dtype, _RATES["cuda"], "meta")
+    if attention is not None:
+        attention[:] = _split_attention(layers, mode.calls)
+    return costs
+
+
+def _split_attention(layers: list[nn.Module], calls: list[int]) -> list[int]:
+    """Attention bytes per layer: one SDPA call per decoder layer, in order; none for the others."""
+    from roundpipe.hf.layers import Decoder
+
+    out, it = [], iter(calls)
+    for layer in layers:
+        out.append(next(it, 0) if isinstance(layer, Decoder) else 0)
+    return out
+
+
+def _fits(costs, workers: int, device_memory: int) -> Plan | None:
+    from roundpipe.planner.partition import LayerTooLarge, partition
+
+    try:
+        return partition(costs, workers, 1, device_memory).plan
+    except LayerTooLarge:
+        return None
+
+
+def _head_workspace(seq_len: int, hidden: int, vocab: int, itemsize: int) -> int:
+    """The fused LM-head loss's bytes while it runs (CUDA): temporaries plus the dh and dW it returns."""
+    from roundpipe.kernels.linear_cross_entropy import chunk_costs, default_chunk_size
+
+    chunk = default_chunk_size(seq_len, hidden, vocab, itemsize)
+    c = chunk_costs(seq_len, hidden, vocab, chunk, itemsize)
+    return c.temporary_bytes + c.gradient_bytes
+
+
+def _names(layers: list[nn.Module]) -> list[str]:
+    return ["embedding"] + [f"decoder {i}" for i in range(len(layers) - 2)] + ["norm + LM head"]
+
+
+def _guess(layers: list[nn.Module], dtype: torch.dtype, limit: int) -> int:
+    """Where the search starts: each layer's need is affine in T (saved activations grow with the
+    tokens), so two dry runs give the length at which the first layer reaches the limit."""
+    a, b = 1024, 2048
+    ca, cb = layer_costs(layers, a, dtype), layer_costs(layers, b, dtype)
+    need = lambda c: c.param_bytes + c.grads + c.act_bytes   # noqa: E731
+    best = MAX_TOKENS
+    for x, y in zip(ca, cb):
+        slope = (need(y) - need(x)) / (b - a)
+        if slope > 0:
+            best = min(best, int(a + (limit - need(x)) / slope))
+    return max(1, min(best, MAX_TOKENS))
+
+
+def _bracket(plan_at, guess: int) -> tuple[int, int]:
+    """(lo, hi) with plan_at(lo) fitting and hi = lo + 1 or not fitting (or past MAX_TOKENS), stepping
+    out from the guess by a growing factor; then bisection closes it (plan_at(1) fits)."""
+    step = max(1, guess // 100)
+    if plan_at(guess) is not None:
+        lo, hi = guess, guess + step
+        while hi <= MAX_TOKENS and plan_at(hi) is not None:
+            lo, step = hi, step * 2
+            hi = lo + step
+        hi = min(hi, MAX_TOKENS + 1)
+    else:
+        lo, hi = max(1, guess - step), guess
+        while lo > 1 and plan_at(lo) is None:
+            hi, step = lo, step * 2
+            lo = max(1, lo - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if plan_at(mid) is not None:
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.dtype = torch.bfloat16) -> ContextFit:
+    """The longest sequence (batch 1, one microbatch) for which the planner accepts every layer under
+    `device_memory` (the cap RoundPipe's device_memory= sets, bytes), and what takes the space there.
+
+    config: a transformers config, a dict with model_type, a shape name in SHAPES, a config.json path or
+    a folder holding one.  workers: the worker count the plan is made for (it does not move the limit).
+    dtype: the compute dtype (bf16 on GPU workers, fp32 on CPU workers by default)."""
+    _check_int("device_memory", device_memory, 1)
+    _check_int("workers", workers, 1)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype={dtype!r} must be a floating torch.dtype (torch.bfloat16, torch.float16, torch.float32)")
+    name = config.lower() if isinstance(config, str) and config.lower() in SHAPES else None
+    cfg = load_config(config)
+    layers = meta_layers(cfg)
+
+    def plan_at(t: int) -> Plan | None:
+        return _fits(layer_costs(layers, t, dtype), workers, device_memory)
+
+    if plan_at(1) is None:
+        costs = layer_costs(layers, 1, dtype)
+        worst = max(range(len(costs)), key=lambda i: costs[i].param_bytes + costs[i].grads + costs[i].act_bytes)
+        c = costs[worst]
+        raise ValueError(f"device_memory={device_memory:,}: even one token does not fit; {_names(layers)[worst]} "
+                         f"needs {c.param_bytes + c.grads + c.act_bytes:,.0f} bytes in a backward stage, more than "
+                         f"half the cap ({device_memory // 2:,}); raise device_memory")
+    lo, hi = _bracket(plan_at, _guess(layers, dtype, device_memory // 2))
+    seq = lo
+    attention: list[int] = []
+    costs = layer_costs(layers, seq, dtype, attention)
+    nxt = layer_costs(layers, seq + 1, dtype)
+    limit = device_memory // 2
+    need = lambda c: c.param_bytes + c.grads + c.act_bytes   # noqa: E731
+    over = [i for i, c in enumerate(nxt) if need(c) > limit]
+    binding = over[0] if over else max(range(len(costs)), key=lambda i: need(costs[i]))
+    names = _names(layers)
+    parts = [LayerBytes(i, names[i], int(c.param_bytes), int(c.grads), int(c.act_bytes), attention[i])
+             for i, c in enumerate(costs)]
+    decoder = max(parts[1:-1], key=lambda p: p.total)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    head_w = layers[-1].lm_head.weight
+    vocab, hidden = head_w.shape
+    return ContextFit(model=name or str(getattr(cfg, "model_type", "?")), seq_len=seq, device_memory=device_memory,
+                      workers=workers, dtype=dtype, binding=parts[binding], embedding=parts[0], decoder=decoder,
+                      head=parts[-1], head_workspace=_head_workspace(seq, hidden, vocab, itemsize),
+                      full_logits=seq * vocab * 4, plan=_fits(costs, workers, device_memory),
+                      at_search_limit=seq >= MAX_TOKENS)
