@@ -61,7 +61,7 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
     Random draws go to the worker's own generator, so workers run layers side by side; long
     compute runs outside the worker's turn (Worker.compute_span)."""
     reps = ctx.replicas[w.name]
-    with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop), report), w.rng.stream(), \
+    with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop), report) as span, w.rng.stream(), \
             ctx.precision.autocast_on(w.device.type):
         for l in layers:
             if ctx.abort_requested():
@@ -73,5 +73,6 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                 dtype_mismatch_note(e)
                 raise tag(e, f"layer {l}")
             if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
-                publish(l + 1, x)
+                with span.untracked():   # host staging of the handoff is not the layers' workspace
+                    publish(l + 1, x)
     return x

@@ -32,7 +32,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ from roundpipe import testing
 from roundpipe.engine.executor import SerialExecutor
 from roundpipe.engine.microbatch import tree_leaves, tree_unflatten
 from roundpipe.engine.recompute import WorkerRng
-from roundpipe.workers.ledger import DeviceLedger
+from roundpipe.workers.ledger import DeviceLedger, WorkspaceTracker
 from roundpipe.workers.transfers import Bulk, Transfers
 
 Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
@@ -155,8 +155,20 @@ class Worker(ABC):
         long, so a slow layer never holds the turn even once; forward and backward have their
         own keys, since a cheap forward says nothing about its backward.  `report(t0, t1)` gets
         the compute's execution time, waits for the turn excluded (`timer_stop`: on a GPU once
-        its events completed), for the trace."""
+        its events completed), for the trace.  What the compute allocates is workspace in the
+        ledger where the worker records it (`_workspace_tracker`); the span's `untracked()` is a
+        context for the engine's own steps inside it (publishing an activation)."""
         return _ComputeSpan(self, seconds, key, report)
+
+    def _workspace_tracker(self) -> WorkspaceTracker | None:
+        """A dispatch mode recording a compute span's allocations as workspace (CPU workers, ledger.py),
+        or None: on CUDA torch.cuda.memory_allocated already counts them."""
+        return None
+
+    # True to record the layer compute's allocations as workspace in the ledger (CPU workers only:
+    # a CUDA worker's torch.cuda.memory_allocated counts them already).  Off by default for its
+    # per-op cost (roundpipe/workers/cpu.py); on where a device-memory cap is to be checked.
+    records_workspace: bool = False
 
     # True when issuing the next stage's weights and the next microbatch's input early
     # overlaps compute.  Copies are asynchronous on both kinds of worker, but on a CPU worker
@@ -416,21 +428,42 @@ class Worker(ABC):
 
 
 class _ComputeSpan:
-    __slots__ = ("w", "seconds", "key", "report", "yielded", "t0", "timer")
+    __slots__ = ("w", "seconds", "key", "report", "yielded", "t0", "timer", "tracker")
 
     def __init__(self, w: Worker, seconds: dict, key: Hashable, report: Callable[[float, float], None] | None):
         self.w, self.seconds, self.key, self.report = w, seconds, key, report
         self.yielded = w.yielded() if seconds.get(key, LONG_COMPUTE_S + 1) > LONG_COMPUTE_S else None
+        self.tracker = None
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> "_ComputeSpan":
         if self.yielded is not None:
             self.yielded.__enter__()
         testing.delay_point("compute")
         self.timer = self.w.timer_start() if self.report is not None else None
+        self.tracker = self.w._workspace_tracker()
+        if self.tracker is not None:
+            self.tracker.__enter__()
         self.t0 = time.perf_counter()
+        return self
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """The engine's own work inside the span: its allocations are not the compute's workspace."""
+        tracker = self.tracker
+        if tracker is None or tracker.paused:
+            yield
+            return
+        tracker.paused = True
+        try:
+            yield
+        finally:
+            tracker.paused = False
 
     def __exit__(self, *exc) -> None:
         self.seconds[self.key] = time.perf_counter() - self.t0
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+            self.tracker = None
         if self.timer is not None and exc[0] is None:
             self.w.timer_stop(self.timer, self.report)
         if self.yielded is not None:
