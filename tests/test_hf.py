@@ -240,3 +240,17 @@ def test_kernel_patched_model_wraps():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     subprocess.run([sys.executable, "-c", KERNELS_SCRIPT], check=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_gpu_workers_size_estimate_counts_activations(kind):
+    """The planner's dry run for GPU workers (meta device) counts an HF model's activations as the CPU
+    workers' dry run does (before: the mask functions' packed-sequence search called .item() on meta
+    position ids, the dry run failed silently and every layer's activations counted 0 bytes)."""
+    from roundpipe.engine.autoplan import size_costs
+    from roundpipe.hf.model import _layers
+    layers = _layers(tiny(kind))
+    x = torch.randint(0, 64, (2, 32))
+    on_cpu = [c.act_bytes for c in size_costs(layers, ((x,), {}), torch.float32, "cpu")]
+    on_meta = [c.act_bytes for c in size_costs(layers, ((x,), {}), torch.float32, "cuda")]
+    assert all(b > 0 for b in on_meta) and on_meta == on_cpu, (on_meta, on_cpu)

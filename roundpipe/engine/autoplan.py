@@ -271,8 +271,10 @@ def size_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict] | None, d
                 with torch.random.fork_rng(devices=[]), sdpa_kernel(SDPBackend.MATH):
                     return _dry_run_costs(layers, sample, dtype, rates, "cpu")
             return _dry_run_costs(layers, sample, dtype, rates, "meta")
-        except Exception:  # noqa: BLE001 - a layer that cannot run there: fall back to sizes
-            pass
+        except Exception as e:  # noqa: BLE001 - a layer that cannot run there: fall back to sizes, loudly
+            warnings.warn(f"roundpipe planner: the dry run of the first microbatch failed ({type(e).__name__}: {e}); "
+                          "planning from parameter counts, without activation bytes, so a device-memory cap "
+                          "bounds only weights and gradients", stacklevel=2)
     tokens = 1
     if sample is not None:   # leading dims of the widest input, e.g. (batch, seq) of token ids
         for t in tree_leaves(sample):

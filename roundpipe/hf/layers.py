@@ -76,9 +76,14 @@ class Embed(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> Activation:
         hidden = self.embed_tokens(input_ids)
+        given = position_ids
         if position_ids is None:   # as the HF model does without a cache: 0..T-1 whatever the padding
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = self._masks(hidden, attention_mask, position_ids)
+        # Made here (0..T-1), they are not shown to the mask functions: with position ids transformers
+        # searches them for packed sequences with .item(), a device sync per microbatch on CUDA and an
+        # error on the meta device, where the planner's dry run then lost every activation byte of
+        # the model (GPU workers planned HF models as if activations were free).
+        masks = self._masks(hidden, attention_mask, given)
         cos = sin = None
         if self.rotary_emb is not None:
             cos, sin = self.rotary_emb(hidden, position_ids)
