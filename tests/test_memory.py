@@ -201,3 +201,17 @@ def test_a_batch_that_cannot_fit_is_refused_before_any_work():
             model.forward_backward(x, labels=x, loss_fn=F.mse_loss)
         assert all(w.ledger.stats()["peak_total"] == 0 for w in model.workers)
         model.forward_backward(x[:64], labels=x[:64], loss_fn=F.mse_loss)   # a batch that fits still trains
+
+
+def test_low_precision_gradient_accumulators_are_in_the_ledger():
+    """bf16 compute: a backward stage's fp32 gradient accumulators count as gradients from the first
+    microbatch on (before: only their bf16 download copies were in the ledger, half the bytes, late)."""
+    torch.manual_seed(0)
+    layers = mlp(2, width=128)
+    per_layer_fp32 = (128 * 128 + 128) * 4
+    plan = rp.Plan(forward=[range(0, 1)], backward=[range(1, 2), range(0, 1)])
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=2, compute_dtype=torch.bfloat16, plan=plan) as model:
+        model.forward_backward(torch.randn(8, 128), labels=torch.randn(8, 128), loss_fn=F.mse_loss)
+        model.wait_calls()
+        assert model.workers[0].ledger.stats()["peak"]["gradients"] >= per_layer_fp32
+        assert_nothing_live(model, "after the call")

@@ -227,7 +227,8 @@ class StageRun:
                 for k, j in enumerate(self.ctx.host.layers[l].trainable):
                     g = bound[j].grad
                     if g is not None:
-                        acc[k] = g.float() if acc[k] is None else acc[k].add_(g)
+                        # the fp32 accumulator is held until the stage's download: in the ledger
+                        acc[k] = self.w.ledger.track(g.float(), "gradients") if acc[k] is None else acc[k].add_(g)
                         bound[j].grad = None
 
     def fused(self, m: int) -> None:
