@@ -111,3 +111,31 @@ def test_fences_reuse_pooled_events():
     f = stream_fence(s)
     make_stream_wait(f)
     assert torch.equal(y * 1, torch.full_like(x, 2.0))
+
+
+def test_cuda_worker_host_waits_use_blocking_events(monkeypatch):
+    """The CUDA worker's own host waits (the end of its part of a call, stage timers) go through events
+    created with blocking sync, so the waiting thread sleeps instead of spinning a core (issue 26 part 2,
+    item 5); checked with torch.cuda.Event and the streams replaced by recorders (no GPU needed)."""
+    from roundpipe.workers.cuda import CudaWorker
+
+    made = []
+
+    class Event:
+        def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+            made.append(blocking)
+
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class Worker:
+        s_compute = s_param_up = s_act_up = s_act_down = s_grad_down = object()
+        _timers: list = []
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    CudaWorker._sync_streams(Worker())
+    CudaWorker.timer_start(Worker())
+    assert made and all(made), made

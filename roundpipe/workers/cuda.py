@@ -127,12 +127,12 @@ class CudaWorker(Worker):
 
     # ---- GPU timing
     def timer_start(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event(enable_timing=True, blocking=True)   # a blocking wait sleeps (item 5)
         ev.record(self.s_compute)
         return ev
 
     def timer_stop(self, start: torch.cuda.Event, report: Callable[[float, float], None]) -> None:
-        end = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True, blocking=True)
         end.record(self.s_compute)
         self._timers.append((start, end, report))
         self._resolve_timers(block=False)
@@ -152,8 +152,16 @@ class CudaWorker(Worker):
             report(at + anchor.elapsed_time(start) / 1e3, at + anchor.elapsed_time(end) / 1e3)
 
     def _sync_streams(self) -> None:
+        # Through blocking-sync events, not Stream.synchronize: under the default device flags that
+        # spins a core for the whole wait (every call's end), beside the OpenMP optimizer step
+        # that needs the cores (issue 26 part 2, item 5; the pooled fences are created the same way).
+        events = []
         for s in (self.s_compute, self.s_param_up, self.s_act_up, self.s_act_down, self.s_grad_down):
-            s.synchronize()
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(s)
+            events.append(ev)
+        for ev in events:
+            ev.synchronize()
 
     def drain(self) -> None:
         self.copies.synchronize()
