@@ -64,6 +64,19 @@ class RunningMean(nn.Module):
         return torch.tanh(self.fc(x))
 
 
+class InPlaceFirst(nn.Module):
+    """Its first op writes the stage input in place whenever autograd allows it (forward stages run
+    under no_grad), like ReLU(inplace=True) or `x += b` at the top of a block; out of place in a recompute."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = x.mul_(2.0).add_(1.0) if not x.requires_grad else x * 2.0 + 1.0
+        return torch.tanh(self.fc(x))
+
+
 class Slow(nn.Module):
     """Wraps a layer and sleeps a random time first, to shake up the schedule."""
 

@@ -16,6 +16,15 @@ C = _native._C
 KiB, MiB = 1 << 10, 1 << 20
 
 
+def run_in_threads(work, n):
+    """work(seed) on n threads at once; returns when all ended (a hang is the suite's watchdog's)."""
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def small_arena(**kw):
     cfg = dict(chunk_bytes=256 * KiB, alignment=256, backend="host")
     cfg.update(kw)
@@ -247,11 +256,7 @@ def test_thread_stress():
                 held.append((b, v))
         held.clear()
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(work, 4)
     assert not errors
     s = arena.stats()
     assert s.in_use_bytes == 0 and s.num_blocks == 0 and s.num_free_segments == s.num_chunks
@@ -365,11 +370,7 @@ def test_concurrent_growth_and_release_corrupt_nothing():
             errors.append(repr(e))
         held.clear()
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(work, 4)
     assert not errors
     s = arena.stats()
     assert s["peak_reserved_bytes"] <= 768 * KiB and s["in_use_bytes"] == 0 and s["num_blocks"] == 0

@@ -7,21 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import roundpipe as rp
-from rp_models import max_rel_err
+from rp_models import InPlaceFirst, max_rel_err
 from roundpipe import testing
-
-
-class InPlaceFirst(torch.nn.Module):
-    """Its first op writes the stage input in place whenever autograd allows it (forward stages run
-    under no_grad), like ReLU(inplace=True) or `x += b` at the top of a block; out of place in a recompute."""
-
-    def __init__(self, width=8):
-        super().__init__()
-        self.fc = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        x = x.mul_(2.0).add_(1.0) if not x.requires_grad else x * 2.0 + 1.0
-        return torch.tanh(self.fc(x))
 
 
 PLAN = rp.Plan(forward=[range(0, 2), range(2, 4)], backward=[range(4, 6), range(2, 4), range(0, 2)])

@@ -13,26 +13,14 @@ import torch
 import torch.nn.functional as F
 
 import roundpipe as rp
-from rp_models import max_rel_err
+from rp_models import InPlaceFirst, max_rel_err
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multigpu]
 
 
-class InPlaceFirst(torch.nn.Module):
-    """Writes its input in place under no_grad (forward stages), out of place when autograd records."""
-
-    def __init__(self, width=64):
-        super().__init__()
-        self.fc = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        x = x.mul_(2.0).add_(1.0) if not x.requires_grad else x * 2.0 + 1.0
-        return torch.tanh(self.fc(x))
-
-
 def _grads_error(devices, input_device, calls=3):
     torch.manual_seed(0)
-    layers = [InPlaceFirst() for _ in range(8)]
+    layers = [InPlaceFirst(64) for _ in range(8)]
     ref = torch.nn.Sequential(*copy.deepcopy(layers))
     batches = [(torch.randn(32, 64), torch.randn(32, 64)) for _ in range(calls)]
     for x, y in batches:

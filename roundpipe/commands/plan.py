@@ -20,7 +20,7 @@ import sys
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32")   # names of commands/train_loops.DTYPES (torch is imported later)
 
 
 def parse_bytes(text: str) -> int:
@@ -69,10 +69,9 @@ def _gib(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
+    from roundpipe.commands.train_loops import DTYPES as TORCH_DTYPES   # imports torch: after parsing
     from roundpipe.hf.context import SHAPES, max_seq_len
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     fits = []
     for config in args.hf_config or list(SHAPES):
         try:

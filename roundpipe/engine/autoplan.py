@@ -170,30 +170,37 @@ class _FlopCount(TorchDispatchMode):
         return out
 
 
+def fused_attention_bytes(args: tuple, kwargs: dict, out: torch.Tensor) -> int:
+    """What a fused attention kernel (flash or memory-efficient on GPUs, the flash kernel for CPU on
+    CPU workers) saves for the backward of `F.scaled_dot_product_attention(*args, **kwargs) -> out`:
+    q, k, v, the output and an fp32 log-sum-exp per query row; 0 when autograd records nothing."""
+    q, k, v = (args[i] if i < len(args) else kwargs[name] for i, name in enumerate(("query", "key", "value")))
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return 0
+    rows = q.numel() // q.shape[-1]   # one log-sum-exp per (batch, head, query)
+    return sum(t.numel() * t.element_size() for t in (q, k, v, out)) + rows * 4
+
+
 class _FusedAttentionBytes(TorchFunctionMode):
     """In the dry run, `F.scaled_dot_product_attention` runs as math (FLOPs counted, the only backend
-    the meta device has) but its saved bytes are those of the fused kernel a worker runs (flash or
-    memory-efficient on GPUs, the flash kernel for CPU on CPU workers): q, k, v, the output and an
-    fp32 log-sum-exp per query row, never the [B, heads, T, T] scores the math backend keeps.
-    Counted as math, one tiny-decoder layer at 4 x 1,024 tokens came to 177 MiB against 51 MiB."""
+    the meta device has) but its saved bytes are `fused_attention_bytes`, what the fused kernel a
+    worker runs keeps, never the [B, heads, T, T] scores the math backend keeps.  Counted as math,
+    one tiny-decoder layer at 4 x 1,024 tokens came to 177 MiB against 51 MiB."""
 
-    def __init__(self, saved: list[int], counting: list[bool]):
+    def __init__(self, saved: list[int]):
         super().__init__()
-        self.saved, self.counting = saved, counting
+        self.saved, self.counting = saved, True   # counting: the saved-tensor hook counts (off inside SDPA)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        self.counting[0] = False
+        self.counting = False
         try:
             out = func(*args, **kwargs)
         finally:
-            self.counting[0] = True
-        q, k, v = (args + (None,) * 3)[:3] if len(args) >= 3 else (kwargs["query"], kwargs["key"], kwargs["value"])
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            rows = q.numel() // q.shape[-1]   # one log-sum-exp per (batch, head, query)
-            self.saved[0] += sum(t.numel() * t.element_size() for t in (q, k, v, out)) + rows * 4
+            self.counting = True
+        self.saved[0] += fused_attention_bytes(args, kwargs, out)
         return out
 
 
@@ -216,22 +223,22 @@ def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtyp
         memo.update({id(b): b.detach().to(device, copy=True) for b in layer.buffers()})
         replica = copy.deepcopy(layer, memo)
         params = {id(p) for p in replica.parameters()}
-        saved, counting = [0], [True]
+        saved = [0]
+        attention = _FusedAttentionBytes(saved)
 
         def pack(t: torch.Tensor) -> None:
             # Counts and keeps nothing (no backward runs here): packing t itself would close a
             # cycle through the autograd graph (an op saving its own output) that Python's gc
             # cannot see, and every layer copy would outlive the dry run (0.84 B/param of
             # bf16 weights for the 200M decoder).
-            if counting[0] and id(t) not in params:
+            if attention.counting and id(t) not in params:
                 saved[0] += t.numel() * t.element_size()
         if i > 0:
             x = tree_map(lambda t: t.detach().requires_grad_(True)
                          if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
         in_bytes = _nbytes(x)
         counter = _FlopCount()
-        with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), \
-                _FusedAttentionBytes(saved, counting):
+        with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), attention:
             x = replica(*x[0], **x[1]) if i == 0 else replica(x)
         out_bytes = _nbytes(x)
         param_bytes = sum(p.numel() for p in replica.parameters()) * dtype.itemsize

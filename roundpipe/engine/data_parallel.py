@@ -200,14 +200,9 @@ def reduce_device(backend: str, devices: Sequence[torch.device], local_rank: str
     current device (the caller's torch.cuda.set_device)."""
     if backend != "nccl":
         return torch.device("cpu")
-    rank = None
-    if local_rank is not None and local_rank != "":
-        try:
-            rank = int(local_rank)
-        except ValueError:
-            rank = -1
-        if rank < 0:
-            raise ValueError(f"LOCAL_RANK={local_rank!r} must be a non-negative integer (torchrun sets it)")
+    if local_rank and not local_rank.strip().isdigit():
+        raise ValueError(f"LOCAL_RANK={local_rank!r} must be a non-negative integer (torchrun sets it)")
+    rank = int(local_rank) if local_rank else None
     cuda = list(dict.fromkeys(torch.device(d) for d in devices if torch.device(d).type == "cuda"))
     if cuda:
         return cuda[0] if rank is None else cuda[rank % len(cuda)]

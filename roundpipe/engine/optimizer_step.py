@@ -124,13 +124,17 @@ class _Scaling:
     def __init__(self, scaler: Any, step_index: int, used: int, host: HostState):
         self.scaler, self.step_index, self.used, self.host = scaler, step_index, used, host
         self.scale, self.skipped = 1.0, False
+        self._inverse: float | None = None
 
     def inverse(self) -> float | None:
-        """The fp32 factor that unscales the step's gradients (None without loss scaling)."""
+        """The fp32 factor that unscales the step's gradients (None without loss scaling); asked per
+        layer, worked out once (the scale its calls used never changes)."""
         if self.scaler is None:
             return None
-        from roundpipe.engine.loss_scale import inverse_scale
-        return inverse_scale(self.scaler.scale_of(self.used))
+        if self._inverse is None:
+            from roundpipe.engine.loss_scale import inverse_scale
+            self._inverse = inverse_scale(self.scaler.scale_of(self.used))
+        return self._inverse
 
     def divisor(self, layer: int) -> float:
         """What the step divides layer's gradients by: the scale, or 1 once they are unscaled."""

@@ -21,14 +21,6 @@ budget; the engine turns that into a ValueError before any work.  Here:
 Only one layer has to fit half the budget, so the worker count does not change the answer (it
 changes the plan, not the refusal); it is an argument because the plan at that length is returned.
 
-Two things the engine's dry run cannot do on the meta device are bridged here, both no-ops for
-the bytes counted:
-  - transformers' `find_packed_sequence_indices` reads a tensor value (`.item()`) to look for
-    packed sequences in the position ids; the embedding layer's position ids are 0..T-1 (one
-    sequence), so it is answered "none" without reading.  The engine itself hits this on GPU
-    workers and falls back to parameter-size costs without activations (see docs/benchmarks.md).
-  - nothing else; CPU workers run the same dry run on the CPU, which counts the same bytes in fp32.
-
 What the model does not count (reported beside it, `ContextFit.head_workspace`): the LM-head loss.
 The head layer hands (normed hidden, head weight) to the loss in the fused tail stage, so the dry
 run stops before the loss; on CUDA the fused linear + cross-entropy (roundpipe.kernels) holds a
@@ -37,7 +29,6 @@ the full [T, V] logits.  Shapes: T tokens, H hidden, V vocabulary, b bytes per c
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -192,26 +183,9 @@ def meta_layers(config) -> list[nn.Module]:
     return _layers(hf_model)
 
 
-@contextlib.contextmanager
-def _one_sequence():
-    """transformers' packed-sequence search reads a value (.item()), which the meta device has not; the
-    embedding's position ids are 0..T-1, one sequence, which is what the search would find."""
-    import transformers.masking_utils as mu
-
-    original = getattr(mu, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    mu.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        mu.find_packed_sequence_indices = original
-
-
 class _AttentionBytes(torch.overrides.TorchFunctionMode):
-    """Per dry run, the bytes the engine's estimate charges to attention (the same count as
-    autoplan._FusedAttentionBytes: q, k, v, output, fp32 log-sum-exp), collected per layer."""
+    """Per dry run, the bytes the engine's estimate charges to attention (autoplan.fused_attention_bytes),
+    collected per call."""
 
     def __init__(self):
         super().__init__()
@@ -221,10 +195,10 @@ class _AttentionBytes(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is torch.nn.functional.scaled_dot_product_attention:
-            q, k, v = args[:3] if len(args) >= 3 else (kwargs["query"], kwargs["key"], kwargs["value"])
-            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-                rows = q.numel() // q.shape[-1]
-                self.calls.append(sum(t.numel() * t.element_size() for t in (q, k, v, out)) + rows * 4)
+            from roundpipe.engine.autoplan import fused_attention_bytes
+            nbytes = fused_attention_bytes(args, kwargs, out)
+            if nbytes:
+                self.calls.append(nbytes)
         return out
 
 
@@ -236,7 +210,7 @@ def layer_costs(layers: list[nn.Module], seq_len: int, dtype: torch.dtype, atten
     sample = ((), {"input_ids": torch.zeros(1, seq_len, dtype=torch.long), "attention_mask": None,
                    "position_ids": None})
     mode = _AttentionBytes()
-    with _one_sequence(), mode:
+    with mode:
         costs = _dry_run_costs(layers, sample, dtype, _RATES["cuda"], "meta")
     if attention is not None:
         attention[:] = _split_attention(layers, mode.calls)
@@ -271,6 +245,12 @@ def _head_workspace(seq_len: int, hidden: int, vocab: int, itemsize: int) -> int
     return c.temporary_bytes + c.gradient_bytes
 
 
+def _need(c) -> float:
+    """One layer's bytes in a backward stage, as the partitioner counts them (planner.costs.backward_memory)."""
+    from roundpipe.planner.costs import backward_memory
+    return backward_memory([c], range(1))
+
+
 def _names(layers: list[nn.Module]) -> list[str]:
     return ["embedding"] + [f"decoder {i}" for i in range(len(layers) - 2)] + ["norm + LM head"]
 
@@ -280,12 +260,11 @@ def _guess(layers: list[nn.Module], dtype: torch.dtype, limit: int) -> int:
     tokens), so two dry runs give the length at which the first layer reaches the limit."""
     a, b = 1024, 2048
     ca, cb = layer_costs(layers, a, dtype), layer_costs(layers, b, dtype)
-    need = lambda c: c.param_bytes + c.grads + c.act_bytes   # noqa: E731
     best = MAX_TOKENS
     for x, y in zip(ca, cb):
-        slope = (need(y) - need(x)) / (b - a)
+        slope = (_need(y) - _need(x)) / (b - a)
         if slope > 0:
-            best = min(best, int(a + (limit - need(x)) / slope))
+            best = min(best, int(a + (limit - _need(x)) / slope))
     return max(1, min(best, MAX_TOKENS))
 
 
@@ -333,10 +312,9 @@ def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.
 
     if plan_at(1) is None:
         costs = layer_costs(layers, 1, dtype)
-        worst = max(range(len(costs)), key=lambda i: costs[i].param_bytes + costs[i].grads + costs[i].act_bytes)
-        c = costs[worst]
+        worst = max(range(len(costs)), key=lambda i: _need(costs[i]))
         raise ValueError(f"device_memory={device_memory:,}: even one token does not fit; {_names(layers)[worst]} "
-                         f"needs {c.param_bytes + c.grads + c.act_bytes:,.0f} bytes in a backward stage, more than "
+                         f"needs {_need(costs[worst]):,.0f} bytes in a backward stage, more than "
                          f"half the cap ({device_memory // 2:,}); raise device_memory")
     lo, hi = _bracket(plan_at, _guess(layers, dtype, device_memory // 2))
     seq = lo
@@ -344,9 +322,8 @@ def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.
     costs = layer_costs(layers, seq, dtype, attention)
     nxt = layer_costs(layers, seq + 1, dtype)
     limit = device_memory // 2
-    need = lambda c: c.param_bytes + c.grads + c.act_bytes   # noqa: E731
-    over = [i for i, c in enumerate(nxt) if need(c) > limit]
-    binding = over[0] if over else max(range(len(costs)), key=lambda i: need(costs[i]))
+    over = [i for i, c in enumerate(nxt) if _need(c) > limit]
+    binding = over[0] if over else max(range(len(costs)), key=lambda i: _need(costs[i]))
     names = _names(layers)
     parts = [LayerBytes(i, names[i], int(c.param_bytes), int(c.grads), int(c.act_bytes), attention[i])
              for i, c in enumerate(costs)]

@@ -146,8 +146,9 @@ def _fresh_returns(func: Any) -> tuple[tuple[int, ...], bool]:
 class WorkspaceTracker(TorchDispatchMode):
     """While entered on a thread: the storage of every new tensor an op returns on `device_type` is workspace.
 
-    One per compute span (a mode instance keeps per-entry state).  `paused()` lets the engine
-    run its own steps inside a span (publishing an activation allocates host staging) unseen."""
+    One per compute span (a mode instance keeps per-entry state).  `paused` (set through the span's
+    `untracked()`) lets the engine run its own steps inside a span (publishing an activation
+    allocates host staging) unseen."""
 
     def __init__(self, ledger: DeviceLedger, device_type: str) -> None:
         super().__init__()
