@@ -9,6 +9,11 @@ stream is held out.  The model is loaded straight into host memory (`rp.hf.from_
 and trained with roundpipe.optim.AdamW, the same warmup + cosine schedule as `roundpipe train`;
 `--save OUT` writes the fine-tuned model and the tokenizer with save_pretrained.
 
+The training flags of `roundpipe train` work as they do there: --max-grad-norm, --checkpoint
+(--checkpoint-every), --resume (bitwise as if never stopped), --compensation, --async/--sync,
+--dtype, --microbatches, --devices.  The flags that shape the built-in decoder (--size,
+--layers, --hidden, --heads) are errors: the checkpoint's config.json fixes the shape.
+
     roundpipe train --hf ./my-model --data ./notes --steps 100 --save ./my-model-tuned
 """
 from __future__ import annotations
@@ -48,6 +53,9 @@ class TokenCorpus:
             ids += tokenizer(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
             if eos is not None:
                 ids.append(eos)
+        if len(ids) == (len(files) if eos is not None else 0):   # nothing but the EOS tokens it added
+            raise ValueError(f"the tokenizer of --hf turned the {len(files)} text file(s) of {root} into no tokens; "
+                             "check that the folder's tokenizer files are the model's")
         return cls(torch.tensor(ids, dtype=torch.long), f"{root} ({len(files)} text files, {len(ids):,} tokens)")
 
     def batches(self, batch_size: int, seq_len: int, seed: int, split: str = "train", steps: int | None = None):
@@ -75,6 +83,36 @@ def held_out_loss(model, corpus: TokenCorpus, cfg) -> float | None:
     return total / cfg.eval_batches
 
 
+# what save_pretrained writes for a tokenizer that can encode text (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")
+# flags of `roundpipe train` that shape the built-in decoder: with --hf, config.json does
+SHAPE_FLAGS = {"size": "--size", "layers": "--layers", "hidden": "--hidden", "heads": "--heads"}
+
+
+def check_hf_flags(cfg) -> None:
+    """ValueError naming a flag `roundpipe train --hf` cannot honour, or a folder it cannot use."""
+    for name, flag in SHAPE_FLAGS.items():
+        if getattr(cfg, name) is not None:
+            raise ValueError(f"{flag} {getattr(cfg, name)} shapes the built-in decoder; with --hf the checkpoint's "
+                             f"config.json fixes the model's shape: drop {flag}")
+    folder = Path(cfg.hf)
+    if not folder.is_dir():
+        raise ValueError(f"--hf {cfg.hf!r} is not a directory; give a folder written by save_pretrained "
+                         "(config.json, *.safetensors and the tokenizer); nothing is downloaded")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"--hf {cfg.hf!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the model's "
+                         "tokenizer into it with tokenizer.save_pretrained(folder); nothing is downloaded")
+    if cfg.resume is not None and not Path(cfg.resume).is_dir():
+        raise ValueError(f"--resume {cfg.resume!r} is not a directory; give a folder written by --checkpoint")
+
+
+def checkpoint_due(step: int, cfg) -> bool:
+    """Whether --checkpoint is written after step `step` (0-based): at the end, and every --checkpoint-every."""
+    done = step + 1
+    return cfg.checkpoint is not None and (done == cfg.steps or (
+        cfg.checkpoint_every is not None and done % cfg.checkpoint_every == 0))
+
+
 def train_hf(cfg, save: str | None = None) -> dict:
     """Fine-tunes cfg.hf on cfg.data_dir (a resolved TrainConfig); returns losses and timings."""
     from tqdm.auto import tqdm
@@ -83,15 +121,19 @@ def train_hf(cfg, save: str | None = None) -> dict:
     import roundpipe as rp
     from roundpipe.commands.train import lr_at, make_optimizer
     from roundpipe.commands.train_loops import DTYPES
+    from roundpipe.engine.staleness import StalenessCompensation
 
-    if not Path(cfg.hf).is_dir():
-        raise ValueError(f"--hf {cfg.hf!r} is not a directory; give a folder written by save_pretrained "
-                         "(config.json, *.safetensors and the tokenizer); nothing is downloaded")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.hf)
+    check_hf_flags(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.hf)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--hf {cfg.hf!r}: its tokenizer could not be loaded ({exc})") from exc
     corpus = TokenCorpus.load(cfg.data_dir, tokenizer)
     next(corpus.batches(cfg.batch_size, cfg.seq_len, cfg.seed, "val" if cfg.eval_batches else "train"))
+    compensation = None if cfg.compensation is None else StalenessCompensation(cfg.compensation)
     with rp.hf.from_pretrained(cfg.hf, devices=cfg.devices, num_microbatches=cfg.microbatches,
-                               compute_dtype=DTYPES[cfg.dtype] if cfg.dtype else None) as model:
+                               compute_dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
+                               compensation=compensation) as model:
         model.train()   # from_pretrained leaves a model in eval mode, as transformers does
         n_params = sum(p.numel() for p in model.parameters())
         print(f"model: {cfg.hf} ({model.config.model_type}, {n_params / 1e6:.2f}M parameters)\n"
@@ -101,13 +143,26 @@ def train_hf(cfg, save: str | None = None) -> dict:
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         optimizer = make_optimizer(trainable, cfg.lr, cfg.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
-        val_start = held_out_loss(model, corpus, cfg)
-        bar = tqdm(total=cfg.steps, unit="step", disable=not cfg.progress, dynamic_ncols=True, file=sys.stderr)
+        first = 0
+        if cfg.resume is not None:   # the model, optimizer, schedule and RNG as they were after step `first`
+            first = model.load_checkpoint(cfg.resume, optimizer, schedule).get("step", 0)
+            if first >= cfg.steps:
+                raise ValueError(f"--resume {cfg.resume!r} was saved after step {first}; --steps {cfg.steps} leaves "
+                                 "nothing to train")
+        val_start = held_out_loss(model, corpus, cfg) if cfg.resume is None else None
+        bar = tqdm(total=cfg.steps - first, unit="step", disable=not cfg.progress, dynamic_ncols=True,
+                   file=sys.stderr)
         losses: list[float] = []
         start = time.perf_counter()
         for step, ids in enumerate(corpus.batches(cfg.batch_size, cfg.seq_len, cfg.seed, steps=cfg.steps)):
+            if step < first:   # the batches a resumed run already trained on
+                continue
             losses.append(float(model.forward_backward(input_ids=ids, labels=ids)))
-            model.step(optimizer, lr_scheduler=schedule, asynchronous=cfg.asynchronous)
+            model.step(optimizer, lr_scheduler=schedule, asynchronous=cfg.asynchronous,
+                       max_grad_norm=cfg.max_grad_norm)
+            if checkpoint_due(step, cfg):
+                model.save_checkpoint(cfg.checkpoint.replace("{step}", str(step + 1)), optimizer, schedule,
+                                      extra={"step": step + 1})
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
             bar.update()
         model.synchronize()
@@ -118,16 +173,17 @@ def train_hf(cfg, save: str | None = None) -> dict:
             model.save_pretrained(save)
             tokenizer.save_pretrained(save)
     return {"losses": losses, "val_start": val_start, "val_end": val_end, "seconds": seconds,
-            "tokens": cfg.steps * cfg.batch_size * cfg.seq_len}
+            "tokens": (cfg.steps - first) * cfg.batch_size * cfg.seq_len, "first": first}
 
 
 def run(cfg, save: str | None) -> int:
     """What `roundpipe train --hf` prints."""
     r = train_hf(cfg, save)
     tail = r["losses"][-min(10, len(r["losses"])):]
+    resumed = f" (resumed after step {r['first']})" if r["first"] else ""
     val = "" if r["val_start"] is None else \
         f"\nheld-out loss: start {r['val_start']:.3f}  end {r['val_end']:.3f}  ({cfg.eval_batches} batches)"
     print(f"loss: start {r['losses'][0]:.3f}  end {sum(tail) / len(tail):.3f}  (nats/token; end = mean of the last "
-          f"{len(tail)} steps){val}\n{cfg.steps} steps, {r['tokens']:,} tokens in {r['seconds']:.1f} s: "
+          f"{len(tail)} steps){val}\n{len(r['losses'])} steps{resumed}, {r['tokens']:,} tokens in {r['seconds']:.1f} s: "
           f"{r['tokens'] / r['seconds']:,.0f} tokens/s" + (f"\nsaved to {save}" if save else ""))
     return 0
