@@ -162,11 +162,34 @@ class HFRoundPipe(RoundPipe):
 
 
 def launched_group():
-    """torch.distributed's world group when this process is one of several ranks (torchrun), else None."""
+    """torch.distributed's world group when this process is one of several ranks (torchrun), else None.
+
+    Under torchrun (WORLD_SIZE > 1 in the environment) a process that has not called
+    init_process_group yet joins the world group here (env:// rendezvous: RANK, MASTER_ADDR and
+    MASTER_PORT from the environment; gloo, which reduces on the CPU whatever the workers are;
+    for NCCL call init_process_group("nccl") before wrapping), so that wrapping first and building
+    TrainingArguments after, or a hand loop without init_process_group, never trains the ranks apart."""
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD if dist.get_world_size() > 1 else None
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if not world:
+        return None
+    if not world.isdigit():
+        raise ValueError(f"WORLD_SIZE={world!r} in the environment must be a positive integer (torchrun sets it)")
+    if int(world) <= 1:
+        return None
+    how = ("launch every rank with torchrun, or call torch.distributed.init_process_group() before rp.hf.wrap, "
+           "or pass process_group=None to train this process alone")
+    if not dist.is_available():
+        raise ValueError(f"WORLD_SIZE={world}: this process is one of {world} ranks, but torch.distributed is not "
+                         f"built into this torch; unset WORLD_SIZE or pass process_group=None to train alone")
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={world}: this process is one of {world} ranks, but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set in the environment; {how}")
+    dist.init_process_group(backend="gloo", init_method="env://")
+    return dist.group.WORLD
 
 
 def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
@@ -176,8 +199,9 @@ def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
 
     The HF model must be on the CPU; it becomes the host master (its parameters turn fp32 in place).
     roundpipe_kwargs go to RoundPipe (microbatches_per_round, planning, device_memory, ...).  Under
-    torchrun (torch.distributed initialized, more than one rank) the ranks train data-parallel on the
-    world group unless process_group= says otherwise; the token mean is then over all ranks' tokens."""
+    torchrun (more than one rank) the ranks train data-parallel on the world group unless process_group=
+    says otherwise (None: this process alone), joining it first if torch.distributed is not initialized
+    yet (`launched_group`); the token mean is then over all ranks' tokens."""
     return HFRoundPipe(hf_model, devices, num_microbatches, compute_dtype, plan, **roundpipe_kwargs)
 
 

@@ -1,0 +1,146 @@
+"""Two ranks under a torchrun-like environment (gloo on loopback) that never call init_process_group:
+rp.hf.wrap joins the world group itself; rp.hf.Trainer logs what transformers.Trainer + DDP logs.
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/test_hf_trainer_ranks.py CONFIG_JSON
+runs one rank (the tests below start both).
+"""
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import roundpipe as rp
+
+V = 32
+
+
+def tiny_llama():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)).float()
+
+
+def rows(n=16, t=9):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        ids = torch.randint(1, V, (t,), generator=g)
+        mask = torch.ones(t, dtype=torch.long)
+        mask[t - 1 - i % 5:] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def run_loop(cfg: dict) -> dict:
+    """A hand loop: wrap (no process group yet), 3 steps on this rank's half of each batch."""
+    import torch.distributed as dist
+    model = rp.hf.wrap(tiny_llama(), devices=["cpu"], num_microbatches=2)
+    joined = dist.is_initialized()
+    rank = dist.get_rank() if joined else 0
+    opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+    with model:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(1, V, (4, 9), generator=g)
+            part = ids[2 * rank:2 * rank + 2]
+            model.forward_backward(input_ids=part, labels=part)
+            model.step(opt, asynchronous=False)
+        model.synchronize()
+        return {"joined": joined, "world": model.dp.world if model.dp is not None else 1,
+                "final": [p.detach().clone() for p in model.parameters()]}
+
+
+def run_trainer(cfg: dict) -> dict:
+    """rp.hf.Trainer given a plain model (it wraps it, joining the group), then transformers.Trainer with DDP."""
+    import transformers
+    from transformers import TrainingArguments
+    hf = tiny_llama()
+    ref_model = copy.deepcopy(hf)
+
+    def args(out):
+        return TrainingArguments(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 max_steps=3, learning_rate=0.5, max_grad_norm=1e3, optim="sgd", report_to=[],
+                                 save_strategy="no", seed=0, disable_tqdm=True, use_cpu=True,
+                                 dataloader_num_workers=0, logging_steps=1,
+                                 average_tokens_across_devices=cfg["average_tokens"])
+    trainer = rp.hf.Trainer(model=hf, args=args(cfg["out"] + ".rp"), train_dataset=rows(),
+                            devices=["cpu"], num_microbatches=2)
+    trainer.train()
+    world = trainer.rp_model.dp.world if trainer.rp_model.dp is not None else 1
+    final = [p.detach().clone() for p in trainer.rp_model.parameters()]
+    trainer.rp_model.close()
+    ref = transformers.Trainer(model=ref_model, args=args(cfg["out"] + ".ref"), train_dataset=rows())
+    ref.train()
+    return {"final": final, "ref": [p.detach().clone() for p in ref_model.parameters()], "world": world,
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "ref_losses": [h["loss"] for h in ref.state.log_history if "loss" in h]}
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    try:
+        result = (run_trainer if cfg["mode"] == "trainer" else run_loop)(cfg)
+    except Exception as e:
+        result = {"error": f"{type(e).__name__}: {e}"}
+    torch.save(result, cfg["out"] + f".{os.environ['RANK']}")
+
+
+def launch(cfg: dict, tmp_path, world: int = 2, timeout: float = 240) -> list[dict]:
+    """Runs this file as `world` ranks with torchrun's environment; what each rank saved."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = dict(cfg, out=str(tmp_path / "rank"))
+    procs = [subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+             for r in range(world)]
+    errs = []
+    try:
+        for p in procs:
+            errs.append(p.communicate(timeout=timeout)[1])
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for r in range(world):
+        path = tmp_path / f"rank.{r}"
+        assert path.exists(), f"rank {r} wrote nothing:\n{errs[r][-3000:]}"
+        results.append(torch.load(path))
+        assert "error" not in results[-1], (results[-1], errs[r][-3000:])
+    return results
+
+
+needs_dist = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+
+@needs_dist
+def test_wrap_joins_the_world_group_itself(tmp_path):
+    """Wrapping before any init_process_group under WORLD_SIZE=2 joins the group: 3 steps leave equal weights."""
+    pytest.importorskip("transformers")
+    ranks = launch({"mode": "loop"}, tmp_path)
+    assert [r["joined"] for r in ranks] == [True, True] and [r["world"] for r in ranks] == [2, 2]
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["final"], ranks[1]["final"]))
+
+
+def test_wrap_under_world_size_without_rendezvous_says_how(monkeypatch):
+    """WORLD_SIZE=2 without MASTER_ADDR/MASTER_PORT is a ValueError naming what is missing and how to launch."""
+    pytest.importorskip("transformers")
+    for k in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="MASTER_ADDR, MASTER_PORT are not set.*torchrun"):
+        rp.hf.wrap(tiny_llama(), devices=["cpu"])
+
+
+if __name__ == "__main__":
+    main()
