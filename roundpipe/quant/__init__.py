@@ -1,10 +1,19 @@
 """roundpipe.quant: frozen 4-bit (NF4/FP4) weights in bitsandbytes' format.
 
-format      the layout, code tables and Quant4State
-reference   quantize/dequantize in PyTorch (CPU backend, bitwise equal to bitsandbytes' CPU backend)
+format      the layout, code tables, Quant4State, packed_nbytes
+reference   quantize/dequantize in PyTorch (the CPU backend; bitwise equal to bitsandbytes' CPU backend)
+functional  dequantize with a backend per device (CUDA: the Triton kernel in roundpipe.kernels.dequant4)
+linear      QuantLinear, the frozen 4-bit Linear (dequantizes just before each product)
+bnb         from / to bitsandbytes Params4bit, Linear4bit and 4-bit checkpoint tensors
+convert     whole-model replacement (quantize_model, convert_bnb_model)
 """
+from .bnb import from_bnb, state_from_state_dict, to_state_dict
+from .convert import convert_bnb_model, quantize_model
 from .format import QUANT_TYPES, Quant4State, code_table, dynamic_map, packed_nbytes
+from .functional import dequantize
+from .linear import QuantLinear, quant_linear
 from .reference import dequantize_4bit_ref, quantize_4bit
 
-__all__ = ["QUANT_TYPES", "Quant4State", "code_table", "dynamic_map", "packed_nbytes", "quantize_4bit",
-           "dequantize_4bit_ref"]
+__all__ = ["QUANT_TYPES", "Quant4State", "QuantLinear", "code_table", "convert_bnb_model", "dequantize",
+           "dequantize_4bit_ref", "dynamic_map", "from_bnb", "packed_nbytes", "quant_linear", "quantize_4bit",
+           "quantize_model", "state_from_state_dict", "to_state_dict"]

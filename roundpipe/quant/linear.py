@@ -1,0 +1,123 @@
+"""QuantLinear: a frozen Linear whose weight is stored 4-bit and dequantized just before each product.
+
+The packed weight and its statistics are buffers (uint8/fp32, never trainable),
+so they move with the module and can live in a pinned host arena; the
+dequantized [out, in] weight is a transient of the forward (and, again, of the
+backward) and is never saved for backward: the autograd Function keeps only a
+reference to the packed state, so between forward and backward a layer holds
+0.52 bytes per weight instead of 2-4.
+
+Gradients flow to the input (and to a bias that requires grad), never to the weight.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .format import Quant4State, check_quant_type
+from .functional import dequantize
+from .reference import quantize_4bit
+
+_STATE_BUFFERS = ("absmax", "nested_absmax", "nested_code", "offset")
+
+
+class QuantLinearFunction(torch.autograd.Function):
+    """y = x W^T + b with W dequantized from `state` in x's dtype, in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, x, bias, state):
+        ctx.state = state   # the packed tensors, not the dequantized weight
+        return F.linear(x, dequantize(state, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = db = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ dequantize(ctx.state, dy.dtype)
+        if ctx.needs_input_grad[1]:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0)
+        return dx, db, None
+
+
+def quant_linear(x: torch.Tensor, state: Quant4State, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ dequantize(state)^T + bias, state of shape [out, in]; gradients w.r.t. x and bias only."""
+    if x.shape[-1] != state.shape[-1]:
+        raise ValueError(f"x.shape={tuple(x.shape)} does not end in in_features={state.shape[-1]}")
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return QuantLinearFunction.apply(x, bias, state)
+
+
+class QuantLinear(nn.Module):
+    """A frozen Linear with a 4-bit (NF4/FP4, bitsandbytes layout) weight.
+
+    Buffers: `weight` (packed uint8 [ceil(out * in / 2)]), `absmax` and, double-
+    quantized, `nested_absmax`, `nested_code`, `offset`; an optional `bias`
+    Parameter.  With `compute_dtype` the input is cast to it for the product and
+    the output cast back (bitsandbytes' Linear4bit semantics); without it the
+    product runs in the input's dtype.
+    """
+
+    def __init__(self, state: Quant4State, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        if not isinstance(state, Quant4State):
+            raise TypeError(f"state must be a roundpipe.quant.Quant4State, got {type(state).__name__}")
+        if len(state.shape) != 2:
+            raise ValueError(f"state.shape={tuple(state.shape)} must be [out_features, in_features]")
+        self.out_features, self.in_features = state.shape
+        self.quant_type = state.quant_type
+        self.blocksize, self.nested_blocksize = state.blocksize, state.nested_blocksize
+        self.weight_dtype = state.dtype
+        self.compute_dtype = compute_dtype
+        self.register_buffer("weight", state.data)
+        for name in _STATE_BUFFERS:
+            self.register_buffer(name, getattr(state, name))
+        if bias is not None:
+            if bias.shape != (self.out_features,):
+                raise ValueError(f"bias.shape={tuple(bias.shape)} must be ({self.out_features},)")
+            bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), requires_grad=False)
+        self.bias = bias
+
+    @property
+    def quant_state(self) -> Quant4State:
+        """The Quant4State over the module's current buffers (wherever they now live)."""
+        return Quant4State(data=self.weight, shape=(self.out_features, self.in_features), dtype=self.weight_dtype,
+                           quant_type=self.quant_type, blocksize=self.blocksize,
+                           nested_blocksize=self.nested_blocksize,
+                           **{name: getattr(self, name) for name in _STATE_BUFFERS})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is None or x.dtype == self.compute_dtype:
+            return quant_linear(x, self.quant_state, self.bias)
+        return quant_linear(x.to(self.compute_dtype), self.quant_state, self.bias).to(x.dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, quant_type: str = "nf4", double_quant: bool = True,
+                    compute_dtype: torch.dtype | None = None) -> "QuantLinear":
+        """Quantizes a frozen nn.Linear's weight (bitwise as bitsandbytes' quantize_4bit); bias kept as is."""
+        check_quant_type(quant_type)
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"QuantLinear.from_linear needs a torch.nn.Linear, got {type(linear).__name__}")
+        if not linear.weight.is_floating_point():
+            raise TypeError(f"{type(linear).__name__}.weight is {linear.weight.dtype}, already quantized; "
+                            "use QuantLinear.from_bnb for a bitsandbytes Linear4bit")
+        if linear.weight.requires_grad:
+            raise ValueError(f"the weight of {linear!r} requires grad, but a quantized weight is frozen; "
+                             "call linear.weight.requires_grad_(False) first (train it with LoRA instead)")
+        state = quantize_4bit(linear.weight, quant_type, double_quant).to(linear.weight.device)
+        return cls(state, linear.bias, compute_dtype)
+
+    @classmethod
+    def from_bnb(cls, module) -> "QuantLinear":
+        """Takes a bitsandbytes Linear4bit's packed weight and statistics as they are (no dequantization)."""
+        from .bnb import from_bnb
+
+        return cls(from_bnb(module), module.bias, getattr(module, "compute_dtype", None))
+
+    def extra_repr(self) -> str:
+        double = self.nested_absmax is not None
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"quant_type={self.quant_type}, double_quant={double}, compute_dtype={self.compute_dtype}")
+
