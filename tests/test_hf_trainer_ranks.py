@@ -131,6 +131,22 @@ def test_wrap_joins_the_world_group_itself(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["final"], ranks[1]["final"]))
 
 
+@needs_dist
+@pytest.mark.parametrize("average_tokens", [True, False])
+def test_trainer_under_torchrun_logs_what_ddp_logs(tmp_path, average_tokens):
+    """Two ranks, rp.hf.Trainer given a plain model (joining the group as it wraps it): the logged losses and the
+    weights equal transformers.Trainer's with DDP (the loss was logged divided by the world size)."""
+    pytest.importorskip("transformers")
+    ranks = launch({"mode": "trainer", "average_tokens": average_tokens}, tmp_path)
+    for r in ranks:
+        assert r["world"] == 2
+        assert len(r["losses"]) == len(r["ref_losses"]) == 3
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+        for a, b in zip(r["final"], r["ref"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["final"], ranks[1]["final"]))
+
+
 def test_wrap_under_world_size_without_rendezvous_says_how(monkeypatch):
     """WORLD_SIZE=2 without MASTER_ADDR/MASTER_PORT is a ValueError naming what is missing and how to launch."""
     pytest.importorskip("transformers")

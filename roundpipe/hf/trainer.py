@@ -1,67 +1,203 @@
-"""`rp.hf.Trainer`: transformers.Trainer whose training step runs on a wrapped model.
+"""`rp.hf.Trainer`: transformers.Trainer whose training step runs on a RoundPipe.
 
-    model = rp.hf.wrap(hf_model, devices=["cuda:0", "cuda:1"])      # line 1
-    trainer = rp.hf.Trainer(model=model, args=args, train_dataset=ds, data_collator=collator)   # line 2
+    trainer = rp.hf.Trainer(model=hf_model, args=args, train_dataset=ds, data_collator=collator)   # one line
     trainer.train()
 
-Everything else is the Trainer's own: data loading, gradient accumulation (with HF's
-`num_items_in_batch`, so an accumulation group's loss is the token mean over the whole group),
-the optimizer and lr scheduler it builds, logging, callbacks, saving.  What changes:
+`model` is a transformers causal LM, a PEFT model around one (both wrapped here with
+`rp.hf.wrap(model, devices, **wrap_kwargs)`) or an `rp.hf.wrap`-ped model.  Everything else is the
+Trainer's own: data loading, gradient accumulation (with HF's `num_items_in_batch`, so an
+accumulation group's loss is the token mean over the whole group), parameter groups, the lr
+schedule, logging, callbacks, saving.  What changes:
 
-- `training_step` runs `model.forward_backward(**inputs, num_items_in_batch=...)`: the forward and
-  backward run on the RoundPipe's workers; the gradients land in the HF model's `p.grad` (the
-  masters are the HF model's parameters).
-- the optimizer's `step()` runs as `model.step(optimizer's own step, asynchronous=False)`: the
-  update is synchronous, so training equals transformers.Trainer's on the same model exactly,
-  lr scheduler and all (the one-step-stale asynchronous step is not used here).
-- gradient clipping and the logged gradient norm read `p.grad` after `model.synchronize()`.
-- saving goes through the HF model's `save_pretrained` (a PEFT model writes its adapter).
-- under torchrun the wrapped model trains data-parallel on the world group (docs/data_parallel.md);
-  the weights then equal transformers.Trainer's with DDP, with or without average_tokens_across_devices.
-- the batches stay on the CPU: TrainingArguments must resolve to the CPU device
-  (`use_cpu=True` on a machine with GPUs); the GPUs are the RoundPipe's workers.
+- `training_step` runs `model.forward_backward(**inputs, num_items_in_batch=...)` on the workers;
+  the batches stay on the CPU whatever `args.device` says (the Trainer gets a copy of `args` with
+  `use_cpu=True`: the GPUs are the RoundPipe's workers).
+- the optimizer: `adamw_torch`, `adamw_torch_fused`, `sgd`, `adagrad`, `lion_32bit` become their
+  roundpipe.optim versions over the Trainer's parameter groups (roundpipe/hf/trainer_optim.py) and
+  run the per-layer fused step; any other optimizer runs as one torch step (with a warning).  The
+  step is `model.step(optimizer, asynchronous=, max_grad_norm=args.max_grad_norm, lr_scheduler=)`.
+- `asynchronous=False` (default): the update is applied when the step returns, and training equals
+  transformers.Trainer's on the same model (tests/test_hf_trainer*.py).  `asynchronous=True`: the
+  one-step-stale step (docs/staleness.md), the update overlapping the next step's forward; the
+  logged `grad_norm` is then left out (it is known only on the host thread; reading it would be a
+  sync point per step).
+- `bf16=True` / `fp16=True` become the precision policy (compute_dtype bf16 / fp16 with autocast,
+  fp16 with the engine's dynamic loss scaling); the Trainer's copy of `args` has them off so that
+  accelerate adds no autocast or GradScaler of its own.  Neither: fp32, as transformers trains.
+- checkpoints (`save_steps`, `resume_from_checkpoint`) hold a `roundpipe/` folder written by
+  `model.save_checkpoint` (masters, optimizer, schedule, RNG): a resumed run equals an
+  uninterrupted one bit for bit.
+- under torchrun the model trains data-parallel on the world group (docs/data_parallel.md); the
+  weights and the logged loss equal transformers.Trainer's with DDP.
 
-Evaluation and prediction run the HF model itself on the host masters (plain PyTorch on the CPU).
+Evaluation and prediction run the HF model itself on the host masters (plain PyTorch on the CPU),
+after a sync point.  `TrainerMixin` carries all of it for other Trainer subclasses (TRL's):
+`class SFT(rp.hf.TrainerMixin, trl.SFTTrainer)`.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import warnings
+
 import torch
 import transformers
+from torch import nn
 
+from roundpipe.hf import trainer_optim
 from roundpipe.hf.loss import count_items, shift_labels
-from roundpipe.hf.model import HFRoundPipe
+from roundpipe.hf.model import HFRoundPipe, wrap
+
+# keyword arguments that go to rp.hf.wrap rather than to the Trainer
+WRAP_ARGS = frozenset({"num_microbatches", "compute_dtype", "plan", "microbatches_per_round", "split_fn", "planning",
+                       "device_memory", "batchnorm", "precision", "process_group", "shard_optimizer", "compensation"})
+CHECKPOINT_DIR = "roundpipe"   # the engine's checkpoint inside a Trainer checkpoint folder
 
 
-class Trainer(transformers.Trainer):
-    """transformers.Trainer training an `rp.hf.wrap`-ped model on its workers."""
+def precision_of(args) -> torch.dtype:
+    """The compute dtype TrainingArguments ask for: bf16, fp16, else fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
-    def __init__(self, model: HFRoundPipe = None, args: transformers.TrainingArguments = None, **kwargs):
-        if not isinstance(model, HFRoundPipe):
-            raise TypeError(f"model must be a model wrapped by rp.hf.wrap(hf_model), got {type(model).__name__}")
-        if args is not None and args.device.type != "cpu":
-            raise ValueError(f"TrainingArguments resolve to device {args.device}; pass use_cpu=True: the batches stay "
-                             "in host memory and the RoundPipe's workers are the GPUs")
-        self.rp_model = model
-        super().__init__(model=model.hf_model, args=args, **kwargs)
+
+def _engine_clears_grads(*args, **kwargs) -> None:
+    """model.zero_grad() inside the Trainer's loop: the engine clears the gradients after the step read them
+    (and in the asynchronous step it may still be reading them)."""
+
+
+class TrainerMixin:
+    """The RoundPipe side of `rp.hf.Trainer`, for any transformers.Trainer subclass:
+    `class SFT(rp.hf.TrainerMixin, trl.SFTTrainer)`."""
+
+    def __init__(self, model=None, args=None, *trainer_args, devices=None, asynchronous: bool = False, **kwargs):
+        if not isinstance(asynchronous, bool):
+            raise TypeError(f"asynchronous must be True or False, got {asynchronous!r}")
+        wrap_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in WRAP_ARGS}
+        if args is None:
+            args = transformers.TrainingArguments(output_dir="tmp_trainer")
+        self.rp_model = self._wrapped(model, args, devices, wrap_kwargs)
+        self.asynchronous = asynchronous
+        self._engine_scheduler = None
+        self._issued_lr: float | None = None
+        # the Trainer's copy: batches on the CPU, no autocast/GradScaler of accelerate's (the policy does it)
+        changes = {k: v for k, v in (("use_cpu", True), ("bf16", False), ("fp16", False)) if getattr(args, k) != v}
+        args = dataclasses.replace(args, **changes) if changes else args
+        super().__init__(self.rp_model.hf_model, args, *trainer_args, **kwargs)
         self.place_model_on_device = False
+
+    @staticmethod
+    def _wrapped(model, args, devices, wrap_kwargs: dict) -> HFRoundPipe:
+        dtype = precision_of(args)
+        flag = "bf16=True" if args.bf16 else "fp16=True" if args.fp16 else None
+        if isinstance(model, HFRoundPipe):
+            if devices is not None or wrap_kwargs:
+                raise TypeError(f"model is already wrapped by rp.hf.wrap; give devices/{sorted(wrap_kwargs)} to "
+                                "rp.hf.wrap, or pass the unwrapped model here")
+            if flag is not None and model.compute_dtype != dtype:
+                raise ValueError(f"TrainingArguments({flag}) but the wrapped model computes in {model.compute_dtype}; "
+                                 f"wrap it with compute_dtype={dtype}, or pass the unwrapped model here")
+            return model
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a transformers causal LM, a PEFT model around one or a model wrapped by "
+                            f"rp.hf.wrap, got {type(model).__name__}")
+        given = wrap_kwargs.get("compute_dtype") or getattr(wrap_kwargs.get("precision"), "compute_dtype", None)
+        if given is None:
+            wrap_kwargs["compute_dtype"] = dtype
+        elif flag is not None and given != dtype:
+            raise ValueError(f"TrainingArguments({flag}) and compute_dtype={given} disagree; give one of them")
+        return wrap(model, devices, **wrap_kwargs)
 
     def _move_model_to_device(self, model, device) -> None:
         """The HF model is the RoundPipe's host master: it stays where it is."""
 
+    # ---- the optimizer, its scheduler and the step
     def create_optimizer(self, model=None):
-        """The Trainer's optimizer, its step() routed through the RoundPipe (G-copies, update, upload copies)."""
-        optimizer = super().create_optimizer(model)
+        """The Trainer's optimizer (its roundpipe.optim version where there is one), its step() routed
+        through `model.step`."""
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            self.optimizer_cls_and_kwargs = trainer_optim.fused_cls_and_kwargs(
+                self.args, self.model if model is None else model)
+            try:
+                optimizer = super().create_optimizer(model)
+            finally:
+                self.optimizer_cls_and_kwargs = None
+        else:
+            optimizer = super().create_optimizer(model)
         if not getattr(optimizer, "_roundpipe_routed", False):
-            own_step = optimizer.step
-            rp_model = self.rp_model
-
-            def step(closure=None):
-                if closure is not None:
-                    raise ValueError("rp.hf.Trainer: an optimizer step with a closure cannot run on a RoundPipe")
-                rp_model.step(lambda: own_step(), asynchronous=False)
-            optimizer.step = step
-            optimizer._roundpipe_routed = True
+            self._route(optimizer)
         return optimizer
+
+    def _route(self, optimizer) -> None:
+        from roundpipe.optim import FusedOptimizer
+        if isinstance(optimizer, FusedOptimizer):
+            target = optimizer   # the engine calls its step_layer, never step()
+        else:
+            warnings.warn(trainer_optim.routed_warning(self.args, optimizer), stacklevel=3)
+            own_step = optimizer.step
+            target = lambda: own_step()   # noqa: E731 (the patched step() below would recurse)
+
+        def step(closure=None):
+            if closure is not None:
+                raise ValueError("rp.hf.Trainer: an optimizer step with a closure cannot run on a RoundPipe")
+            self._step(optimizer, target)
+        optimizer.step = step
+        optimizer._roundpipe_routed = True
+        self._rp_optimizer = optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's scheduler; one stepped once per update is stepped by the engine after that update."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if not isinstance(scheduler, trainer_optim.SteppedByEngine) and trainer_optim.is_stepwise(scheduler):
+            self.lr_scheduler = trainer_optim.SteppedByEngine(scheduler)
+        return self.lr_scheduler
+
+    def _engine_lr_scheduler(self):
+        sched = self.lr_scheduler
+        if not isinstance(sched, trainer_optim.SteppedByEngine):
+            return None
+        if self._engine_scheduler is None or self._engine_scheduler.scheduler is not sched.scheduler:
+            self._engine_scheduler = trainer_optim.EngineScheduler(sched.scheduler, self._rp_optimizer)
+        return self._engine_scheduler
+
+    def _step(self, optimizer, target) -> None:
+        scheduler = self._engine_lr_scheduler()
+        if scheduler is not None:
+            self._issued_lr = trainer_optim.scheduled_lr(scheduler.scheduler, self.state.global_step,
+                                                         self.asynchronous)
+        clip = self.args.max_grad_norm
+        self.rp_model.step(target, asynchronous=self.asynchronous, lr_scheduler=scheduler,
+                           max_grad_norm=clip if clip and clip > 0 else None)
+
+    def _get_learning_rate(self) -> float:
+        """The rate of the update just issued (the engine may have stepped the scheduler past it already)."""
+        if self._issued_lr is not None:
+            lr, self._issued_lr = self._issued_lr, None
+            return lr
+        return super()._get_learning_rate()
+
+    def _clip_grad_norm(self, model):
+        """The pre-clip gradient norm; the clipping itself is model.step(max_grad_norm=)'s."""
+        return self._get_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """clip_grad_norm_'s total norm of every p.grad (after a sync point), or None in the asynchronous step."""
+        if grad_norm is not None or self.asynchronous:
+            return grad_norm
+        self.rp_model.synchronize()
+        grads = [p.grad for p in self.rp_model.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+
+    # ---- the training loop
+    def _run_epoch(self, model, *args, **kwargs):
+        model.zero_grad = _engine_clears_grads   # the loop's model (accelerate's DDP wrapper under torchrun)
+        try:
+            return super()._run_epoch(model, *args, **kwargs)
+        finally:
+            vars(model).pop("zero_grad", None)
+
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        self.rp_model.synchronize()   # the last (asynchronous) update applied: the masters are final
+        return output
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         self.rp_model.train()
@@ -71,23 +207,44 @@ class Trainer(transformers.Trainer):
             # the Trainer then divides each batch's mean loss by the accumulation steps
             num_items_in_batch = count_items(shift_labels(labels)) * self.current_gradient_accumulation_steps
         dp = self.rp_model.dp
-        if dp is not None and num_items_in_batch is not None and not getattr(self.args, "average_tokens_across_devices",
-                                                                             False):
+        world = dp.world if dp is not None and num_items_in_batch is not None else 1
+        if world > 1 and not getattr(self.args, "average_tokens_across_devices", False):
             # a per-rank count: DDP would average the ranks' means, the RoundPipe sums its ranks' gradients
-            num_items_in_batch = num_items_in_batch * dp.world
+            num_items_in_batch = num_items_in_batch * world
         loss = self.rp_model.forward_backward(**inputs, num_items_in_batch=num_items_in_batch)
-        return loss.detach().to(self.args.device)
+        # the loss DDP's rank logs: its own sum over the ranks' count times the world (transformers scales it so)
+        return (loss * world).detach().to(self.args.device)
 
-    def _clip_grad_norm(self, model):
-        self.rp_model.synchronize()   # p.grad of every master, as the Trainer's clipping reads it
-        params = [p for p in self.rp_model.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None:
-            self.rp_model.synchronize()
-        return super()._get_grad_norm(model, grad_norm=grad_norm)
-
+    # ---- checkpoints, saving, evaluation
     def _save(self, output_dir=None, state_dict=None) -> None:
         self.rp_model.synchronize()
         super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine's checkpoint (masters, optimizer, schedule, RNG, loss scale) in output_dir/roundpipe."""
+        self.rp_model.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self._rp_optimizer,
+                                      self._checkpoint_scheduler())
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A roundpipe/ folder resumes bit for bit; a plain transformers.Trainer checkpoint loads as it does there."""
+        if checkpoint is not None and os.path.isdir(os.path.join(checkpoint, CHECKPOINT_DIR)):
+            self.rp_model.load_checkpoint(os.path.join(checkpoint, CHECKPOINT_DIR), self._rp_optimizer,
+                                          self._checkpoint_scheduler())
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _checkpoint_scheduler(self):
+        engine = self._engine_lr_scheduler()
+        return engine if engine is not None else self.lr_scheduler
+
+    def evaluate(self, *args, **kwargs):
+        self.rp_model.synchronize()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self.rp_model.synchronize()
+        return super().predict(*args, **kwargs)
+
+
+class Trainer(TrainerMixin, transformers.Trainer):
+    """transformers.Trainer training a (plain, PEFT or rp.hf.wrap-ped) causal LM on a RoundPipe's workers."""
