@@ -269,3 +269,13 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path, asynchronous):
     for (name, p), q in zip(whole.rp_model.named_parameters(), again.rp_model.parameters()):
         assert torch.equal(p, q), name
     assert [h["loss"] for h in logged(again)] == [h["loss"] for h in logged(whole)]   # steps 1-2 from the state
+
+
+def test_a_group_without_counted_tokens_gives_zero_loss(tmp_path):
+    """Labels all -100 over a whole accumulation group: loss 0.0 and finite weights (transformers: 0/0)."""
+    rows = [dict(r, labels=torch.full_like(r["labels"], -100)) for r in dataset()]
+    trainer = rp.hf.Trainer(model=tiny(), args=args(tmp_path, max_steps=2), train_dataset=rows, devices=["cpu"])
+    with trainer.rp_model:
+        trainer.train()
+        assert [h["loss"] for h in logged(trainer)] == [0.0, 0.0]
+        assert all(torch.isfinite(p).all() for p in trainer.rp_model.parameters())

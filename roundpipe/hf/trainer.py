@@ -206,6 +206,10 @@ class TrainerMixin:
         if num_items_in_batch is None and labels is not None:
             # the Trainer then divides each batch's mean loss by the accumulation steps
             num_items_in_batch = count_items(shift_labels(labels)) * self.current_gradient_accumulation_steps
+        if num_items_in_batch is not None and float(num_items_in_batch) == 0:
+            # no counted token in the accumulation group: a loss of 0 (transformers: 0 / 0 = nan) and the
+            # same zero gradients; docs/hf.md, Loss
+            num_items_in_batch = 1
         dp = self.rp_model.dp
         world = dp.world if dp is not None and num_items_in_batch is not None else 1
         if world > 1 and not getattr(self.args, "average_tokens_across_devices", False):
