@@ -14,11 +14,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments  # 
 V = 64
 
 
-def dataset(n=16, t=10):
+def dataset(n=16, t=10, vocab=V):
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(n):
-        ids = torch.randint(1, V, (t,), generator=g)
+        ids = torch.randint(1, vocab, (t,), generator=g)
         mask = torch.ones(t, dtype=torch.long)
         mask[t - 1 - i % 6:] = 0   # right padding of varying length: token counts differ per batch
         rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})

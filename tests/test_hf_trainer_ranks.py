@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import roundpipe as rp
+from test_hf_trainer import dataset
 
 V = 32
 
@@ -25,17 +26,6 @@ def tiny_llama():
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "llama", vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)).float()
-
-
-def rows(n=16, t=9):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(n):
-        ids = torch.randint(1, V, (t,), generator=g)
-        mask = torch.ones(t, dtype=torch.long)
-        mask[t - 1 - i % 5:] = 0
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
-    return out
 
 
 def run_loop(cfg: dict) -> dict:
@@ -70,13 +60,13 @@ def run_trainer(cfg: dict) -> dict:
                                  save_strategy="no", seed=0, disable_tqdm=True, use_cpu=True,
                                  dataloader_num_workers=0, logging_steps=1,
                                  average_tokens_across_devices=cfg["average_tokens"])
-    trainer = rp.hf.Trainer(model=hf, args=args(cfg["out"] + ".rp"), train_dataset=rows(),
+    trainer = rp.hf.Trainer(model=hf, args=args(cfg["out"] + ".rp"), train_dataset=dataset(vocab=V),
                             devices=["cpu"], num_microbatches=2)
     trainer.train()
     world = trainer.rp_model.dp.world if trainer.rp_model.dp is not None else 1
     final = [p.detach().clone() for p in trainer.rp_model.parameters()]
     trainer.rp_model.close()
-    ref = transformers.Trainer(model=ref_model, args=args(cfg["out"] + ".ref"), train_dataset=rows())
+    ref = transformers.Trainer(model=ref_model, args=args(cfg["out"] + ".ref"), train_dataset=dataset(vocab=V))
     ref.train()
     return {"final": final, "ref": [p.detach().clone() for p in ref_model.parameters()], "world": world,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
