@@ -50,10 +50,12 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from roundpipe.engine.memory_probe import measure_layer, measure_loss
 from roundpipe.engine.microbatch import tree_leaves, tree_map
 from roundpipe.engine.plan import Plan
 from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective, plan as partition_plan
 from roundpipe.planner.costs import BWD_PER_FWD
+from roundpipe.planner.memory import LayerMemory, layer_memory
 from roundpipe.planner.partition import LayerTooLarge
 
 # Rough device rates for the size-based estimate.  Only their ratio matters: once
@@ -205,7 +207,7 @@ class _FusedAttentionBytes(TorchFunctionMode):
 
 
 def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: torch.dtype,
-                   rates: tuple[float, float], device: str) -> list[LayerCost]:
+                   rates: tuple[float, float], device: str, loss: tuple[Callable, Any] | None = None) -> list[LayerCost]:
     """Size-based costs from one forward of the first microbatch through copies of the layers,
     on the meta device (shapes only) or on the CPU (see `size_costs`)."""
     flop_rate, byte_rate = rates
@@ -237,16 +239,22 @@ def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtyp
             x = tree_map(lambda t: t.detach().requires_grad_(True)
                          if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
         in_bytes = _nbytes(x)
+        call = (lambda v: replica(*v[0], **v[1])) if i == 0 else replica
+        memory = measure_layer(replica, call, x, device, first=i == 0)
+        if dtype == torch.float32:   # an fp32 .grad is the accumulator itself (StageRun._backward)
+            memory = dataclasses.replace(memory, param_grads=0)
         counter = _FlopCount()
         with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), attention:
             x = replica(*x[0], **x[1]) if i == 0 else replica(x)
         out_bytes = _nbytes(x)
         param_bytes = sum(p.numel() for p in replica.parameters()) * dtype.itemsize
         trainable = sum(p.numel() for p in replica.parameters() if p.requires_grad)
-        # fp32 accumulators, and in low precision one microbatch's .grad beside them (StageRun._backward)
-        grad_bytes = trainable * (4 + (dtype.itemsize if dtype != torch.float32 else 0))
         fwd = counter.flops / flop_rate + (param_bytes + in_bytes + out_bytes) / byte_rate
-        out.append(LayerCost(fwd, BWD_PER_FWD * fwd, param_bytes, max(saved[0], out_bytes), grad_bytes))
+        # fp32 gradient accumulators (a low-precision microbatch's .grad is in memory.param_grads)
+        if i == len(layers) - 1 and loss is not None and loss[0] is not None:   # labels as sent: never cast
+            labels = tree_map(lambda t: t.detach().to(device) if isinstance(t, torch.Tensor) else t, loss[1])
+            memory = dataclasses.replace(memory, loss=measure_loss(loss[0], x, labels, device))
+        out.append(LayerCost(fwd, BWD_PER_FWD * fwd, param_bytes, max(saved[0], out_bytes), trainable * 4, memory))
     return out
 
 
@@ -257,7 +265,7 @@ def _on_meta(layers: Sequence[nn.Module], sample: tuple[tuple, dict]) -> bool:
 
 
 def size_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict] | None, dtype: torch.dtype,
-               device_type: str) -> list[LayerCost]:
+               device_type: str, loss: tuple[Callable, Any] | None = None) -> list[LayerCost]:
     """Per-layer costs before anything is measured (see the module docstring).
 
     The dry run that gives FLOPs and activation bytes runs on the meta device for GPU workers
@@ -270,14 +278,16 @@ def size_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict] | None, d
     only one the meta device has, so both ways count the same FLOPs and saved bytes (except
     that layer norms in bf16 keep fp32 statistics on the CPU); the CPU generator's state is
     restored after it (dropout).  Meta tensors in the layers or the sample take the meta path.
+    `loss`: (loss_fn, the first microbatch's labels) of a training call, whose workspace the fused
+    stage's memory includes (roundpipe/engine/memory_probe.py).
     """
     if sample is not None:
         rates = _RATES.get(device_type, _RATES["cpu"])
         try:
             if device_type == "cpu" and not _on_meta(layers, sample):
                 with torch.random.fork_rng(devices=[]), sdpa_kernel(SDPBackend.MATH):
-                    return _dry_run_costs(layers, sample, dtype, rates, "cpu")
-            return _dry_run_costs(layers, sample, dtype, rates, "meta")
+                    return _dry_run_costs(layers, sample, dtype, rates, "cpu", loss)
+            return _dry_run_costs(layers, sample, dtype, rates, "meta", loss)
         except Exception as e:  # noqa: BLE001 - a layer that cannot run there: fall back to sizes, loudly
             warnings.warn(f"roundpipe planner: the dry run of the first microbatch failed ({type(e).__name__}: {e}); "
                           "planning from parameter counts, without activation bytes, so a device-memory cap "
@@ -349,6 +359,7 @@ class AutoPlanner:
         self._pending: Plan | None = None
         self._events: dict[int, list[tuple]] = {}   # call key -> its timing events (calls overlap)
         self._lock = threading.Lock()
+        self._memory: list[LayerMemory] | None = None   # layer_memory for a fixed plan
         if fixed is not None:
             self.plan = fixed
         elif not config.enabled:
@@ -379,6 +390,15 @@ class AutoPlanner:
                 f"cap ({e.limit:,.0f}; the other half holds the next stage's weights): raise device_memory{hint}, "
                 "or split the layer") from None
 
+    def layer_memory(self, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None = None) -> list[LayerMemory]:
+        """Each layer's device bytes for one microbatch (roundpipe/planner/memory.py): the first call's dry
+        run; with a fixed plan, a dry run made for it once."""
+        if self.profiler is not None:
+            return layer_memory(self.profiler.estimates)
+        if self._memory is None:
+            self._memory = layer_memory(size_costs(self.layers, sample, self.compute_dtype, self.device_type, loss))
+        return self._memory
+
     def request(self, plan: Plan) -> None:
         """Switches to `plan` at the next call's start (a safe point); keeps profiling and re-planning."""
         if not self.enabled:
@@ -394,12 +414,14 @@ class AutoPlanner:
         n = call - self.config.warmup
         return n >= 0 and (self.config.profile is None or n < self.config.profile)
 
-    def before_call(self, sample: tuple[tuple, dict], num_microbatches: int, training: bool) -> Plan:
-        """The plan of the call about to start (the only place the plan changes)."""
+    def before_call(self, sample: tuple[tuple, dict], num_microbatches: int, training: bool,
+                    loss: tuple[Callable, Any] | None = None) -> Plan:
+        """The plan of the call about to start (the only place the plan changes); `loss`: its
+        (loss_fn, first microbatch's labels) when it trains."""
         if not self.enabled:
             return self.plan
         if self.replanner is None:   # first call: the size-based plan for these inputs
-            self.profiler = Profiler(size_costs(self.layers, sample, self.compute_dtype, self.device_type),
+            self.profiler = Profiler(size_costs(self.layers, sample, self.compute_dtype, self.device_type, loss),
                                      alpha=self.config.alpha)
             self.replanner = self._bounded(lambda budget: Replanner(
                 self.profiler, self.workers, num_microbatches, budget, self.config.threshold), self.profiler.costs())

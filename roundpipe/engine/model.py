@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import signal
 import threading
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,7 +34,7 @@ from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine import batchnorm as batchnorm_stats
 from roundpipe.engine import checkpoint, loss_scale
 from roundpipe.engine.board import Board
-from roundpipe.engine.device_memory import check_schedule, resolve_caps
+from roundpipe.engine.device_memory import check_schedule, layer_bytes, resolve_caps
 from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_collected
@@ -45,6 +46,7 @@ from roundpipe.engine.recompute import draw_base
 from roundpipe.engine.replica import Replica
 from roundpipe.engine.stage import CallContext
 from roundpipe.engine.staleness import StalenessCompensation
+from roundpipe.planner.memory import worker_peaks
 from roundpipe.trace import Trace
 from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
 from roundpipe.workers.base import Handoff, gpu_input_snapshots
@@ -155,6 +157,7 @@ class RoundPipe:
         # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/engine/autoplan.py).
         self.planning = planning or PlanningConfig()
         self.device_memory = resolve_caps(device_memory, self.devices)   # worker name -> bytes or None
+        self._predicted: dict[str, int] = {}   # worker name -> predicted peak device bytes (_predict_peaks)
         caps = [c for c in self.device_memory.values() if c is not None]
         if caps and self.planning.memory_budget == "device":   # stages sized for the smallest cap
             self.planning = dataclasses.replace(self.planning, memory_budget=min(caps))
@@ -349,7 +352,8 @@ class RoundPipe:
         raises that error.  A failing call folds the errors of those before it into its own: each
         error is raised once (tests/test_call_errors.py)."""
         self._refresh_edited()
-        plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training)   # the safe point
+        loss = (self._as_run(loss_fn), mb.labels[0]) if training and loss_fn is not None else None
+        plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training, loss)   # the safe point
         if training and self.dp is not None:
             plan = self.autoplan.follow(self.dp.agree_plan(plan))   # rank 0's
         key = self.sync.iteration + 1   # the call about to begin
@@ -359,6 +363,7 @@ class RoundPipe:
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
         if not sched.fits_checked:   # before any work, once per schedule: a stage that cannot fit
             check_schedule(sched.tasks, self.device_memory, self.host)
+            self._predict_peaks(sched, (mb.args[0], mb.kwargs[0]), loss)
             sched.fits_checked = True
         if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
             self._grads_reserved = True
@@ -611,6 +616,8 @@ class RoundPipe:
         for w in self.workers:
             stats = w.ledger.stats()
             stats["device"] = str(w.device)
+            if w.name in self._predicted:
+                stats["predicted_peak"] = self._predicted[w.name]
             if w.device.type == "cuda":
                 stats["cuda_allocated"] = torch.cuda.memory_allocated(w.device)
             workers[w.name] = stats
@@ -619,6 +626,30 @@ class RoundPipe:
             host["optimizer_state"] = sum(v.nbytes for state in optimizer.state.values()
                                           for v in state.values() if isinstance(v, torch.Tensor))
         return {"workers": workers, "host": host}
+
+    def _as_run(self, loss_fn: Callable) -> Callable:
+        """loss_fn as the fused stage runs it (in the precision's autocast), for the planner's dry run."""
+        def run(out: Any, labels: Any) -> Any:
+            with self.precision.autocast_on(self.devices[0].type):
+                return loss_fn(out, labels)
+        return run
+
+    def _predict_peaks(self, sched, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None) -> None:
+        """The schedule's predicted peak device bytes per worker (memory_stats' "predicted_peak"), from the
+        planner's memory model; a warning where one exceeds the worker's cap (only an explicit plan can)."""
+        if self.autoplan.profiler is None and not any(c is not None for c in self.device_memory.values()):
+            self._predicted = {}   # a fixed plan without caps: no dry run just for the figure
+            return
+        weights, grads = layer_bytes(self.host)
+        prefetches = any(w.prefetches for w in self.workers)
+        self._predicted = worker_peaks(sched.tasks, weights, grads, self.autoplan.layer_memory(sample, loss), prefetches)
+        for name, need in self._predicted.items():
+            cap = self.device_memory.get(name)
+            if cap is not None and need > cap:
+                warnings.warn(f"worker {name}: the plan's predicted peak of {need:,} device bytes exceeds its "
+                              f"device_memory cap of {cap:,} (weights, gradients and activations; "
+                              "roundpipe/planner/memory.py); give a plan with smaller stages or fewer rows "
+                              "per microbatch, or let the planner choose", stacklevel=4)
 
     def reset_peak_memory(self) -> None:
         for w in self.workers:

@@ -366,6 +366,7 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
                 timer = w.timer_start() if ctx.on_timing is not None else None
                 step(m)
                 w.copies.pace()   # the previous stage's gradients leave during this stage, one window per microbatch
+                w.copies.release_completed()   # m's input (and landed downloads) die now, not at the stage's end
                 if timer is not None:   # execution time: on a GPU measured by events, reported later
                     w.timer_stop(timer, functools.partial(ctx.on_timing, w.name, task.kind, task.layers.start, m))
                 if i == 0 and next_task is not None and w.prefetches:

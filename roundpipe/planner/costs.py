@@ -10,17 +10,21 @@ layer of the sequence, so it always sits in the fused stage and is never recompu
 Stage memory (what must fit in half the device budget, the other half holding the
 prefetched next stage, docs/planner.md):
 
-    forward stage : sum(param_bytes) + max(act_bytes)          (one layer's activations live)
-    backward stage: sum(param_bytes + grad_bytes + act_bytes)
-                    (gradients of the trainable parameters: fp32 accumulators, plus one
-                     microbatch's low-precision .grad; GRAD_FACTOR * param_bytes when
-                     unknown; and the recomputed activations of every layer of the
-                     stage for one microbatch)
+    forward stage : sum(param_bytes) + its activations at their worst moment
+    backward stage: sum(param_bytes + grad_bytes) + its activations and workspace at their
+                    worst moment (recompute, the loss for the fused stage, backward)
+                    (grad_bytes: the fp32 accumulators of the trainable parameters,
+                     GRAD_FACTOR * param_bytes when unknown)
+
+The activation terms come from each layer's measured `LayerMemory` (roundpipe/planner/memory.py),
+or from `act_bytes` alone before anything was measured.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+from roundpipe.planner.memory import LayerMemory, backward_bytes, forward_bytes, layer_memory
 
 # fp32 gradient accumulators next to bf16/fp16 weights: 4 bytes per 2-byte parameter.
 GRAD_FACTOR = 2.0
@@ -36,9 +40,10 @@ class LayerCost:
     bwd_s: float            # recompute + backward time (what a backward stage spends on it)
     param_bytes: int = 0    # low-precision weights uploaded for the layer
     act_bytes: int = 0      # activations kept for its backward, one microbatch
-    # gradient bytes a backward stage holds for it (fp32 accumulators of its trainable parameters, and
-    # the low-precision .grad of one microbatch beside them); None: param_bytes * GRAD_FACTOR
+    # gradient bytes a backward stage holds for it (fp32 accumulators of its trainable parameters);
+    # None: param_bytes * GRAD_FACTOR
     grad_bytes: int | None = None
+    memory: LayerMemory | None = None   # measured by the dry run; None: LayerMemory.rough(act_bytes)
 
     def __post_init__(self):
         for name in ("fwd_s", "bwd_s", "param_bytes", "act_bytes", "grad_bytes"):
@@ -100,8 +105,8 @@ def backward_time(costs: Sequence[LayerCost], layers: range) -> float:
 
 
 def forward_memory(costs: Sequence[LayerCost], layers: range) -> float:
-    return sum(costs[i].param_bytes for i in layers) + max((costs[i].act_bytes for i in layers), default=0)
+    return sum(costs[i].param_bytes for i in layers) + forward_bytes(layer_memory(costs), layers)
 
 
-def backward_memory(costs: Sequence[LayerCost], layers: range) -> float:
-    return sum(costs[i].param_bytes + costs[i].grads + costs[i].act_bytes for i in layers)
+def backward_memory(costs: Sequence[LayerCost], layers: range, fused: bool = False) -> float:
+    return sum(costs[i].param_bytes + costs[i].grads for i in layers) + backward_bytes(layer_memory(costs), layers, fused)

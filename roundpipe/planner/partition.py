@@ -24,15 +24,17 @@ O(L log L) scans instead of O(L^2).  Measured on this repository's dev machine:
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from roundpipe.engine.plan import Plan
 from roundpipe.planner.costs import (LayerCost, backward_memory, backward_time, check_costs,
                                      forward_time)
+from roundpipe.planner.memory import BackwardFootprint, ForwardFootprint, layer_memory
 
 
 @dataclass(frozen=True)
@@ -149,8 +151,9 @@ def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
 
     count = lambda i: math.inf if at(i) is None else len(at(i).stages())
     if at(len(cand) - 1) is None:
-        worst = max(range(len(costs)), key=lambda i: backward_memory(costs, range(i, i + 1)))
-        raise LayerTooLarge(worst, backward_memory(costs, range(worst, worst + 1)), mem_limit, memory_budget)
+        need = [backward_memory(costs, range(i, i + 1), fused=i == len(costs) - 1) for i in range(len(costs))]
+        worst = max(range(len(costs)), key=need.__getitem__)
+        raise LayerTooLarge(worst, need[worst], mem_limit, memory_budget)
     lo, hi = 0, len(cand) - 1
     while lo < hi:  # first feasible candidate (feasibility is monotone in T)
         mid = (lo + hi) // 2

@@ -1,0 +1,163 @@
+"""The device-memory model: what a worker holds while it runs a stage, predicted per layer.
+
+The planner's dry run (roundpipe/engine/memory_probe.py) runs each layer once on one
+microbatch, forward without grad, forward with grad and backward, counting the bytes
+of every storage the layer's ops make, and when they die.  That gives a `LayerMemory` per layer (bytes, one microbatch):
+
+    in_bytes    the layer's input                 out_bytes   its output
+    nograd      peak made by a forward without grad (a forward stage), output included
+    saved       alive after a forward with grad: what its backward keeps, output included
+    recompute   peak made during that forward with grad
+    backward    peak made from the start of the forward with grad to the end of the
+                backward, the gradient flowing in not counted (it is the layer above's)
+    param_grads the .grad of its trainable parameters in low precision (0 in fp32), which
+                stays until the stage's backward ends (then it is added to fp32 accumulators)
+    loss        (the last layer, in a training call) peak made by the loss and its backward,
+                with the labels
+
+A stage of layers a..b on one worker then holds, at its worst moment (docs/architecture.md,
+"What a worker holds"):
+
+    forward    in_a + max_j (nograd_j + in_j for j > a)
+    backward   in_a + max( max_j (sum_{i<j} saved_i + recompute_j),
+                          max_j (sum_{i<j} saved_i + backward_j + out_j + param_grads of the layers above j) )
+               + the fp32 gradient accumulators of a..b
+    fused      as backward, with the loss's workspace at the top (measured; else twice the last output)
+
+plus the stage's weights, and the next stage's weights where the worker prefetches them.
+Layers run one microbatch at a time, so one microbatch's bytes count (and the next
+microbatch's input where it is uploaded ahead).  Without a dry run (no sample yet) a
+layer's figures come from its activation estimate alone (`LayerMemory.rough`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+LOSS_WORKSPACE = 2   # a loss's workspace, in outputs of the last layer: its difference and its gradient
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Device bytes of one layer for one microbatch (the module docstring says what each is)."""
+
+    in_bytes: int = 0
+    out_bytes: int = 0
+    nograd: int = 0
+    saved: int = 0
+    recompute: int = 0
+    backward: int = 0
+    param_grads: int = 0
+    loss: int = 0           # the last layer only: its loss's workspace and labels (0: unknown)
+
+    @classmethod
+    def rough(cls, act_bytes: int) -> "LayerMemory":
+        """From a saved-activation estimate alone: a forward stage holds its largest layer's, a
+        backward stage the sum of its layers'."""
+        return cls(0, 0, act_bytes, act_bytes, act_bytes, act_bytes, 0)
+
+
+def layer_memory(costs: Sequence) -> list[LayerMemory]:
+    """Each LayerCost's measured LayerMemory, or the rough one from its activation estimate."""
+    return [c.memory if c.memory is not None else LayerMemory.rough(c.act_bytes) for c in costs]
+
+
+class ForwardFootprint:
+    """A forward stage's activation bytes at its worst moment, one microbatch, grown a layer at a time
+    upwards (`add` the next layer up) (the partitioner packs forward stages from layer 0 up)."""
+
+    def __init__(self, mem: Sequence[LayerMemory], first: int) -> None:
+        self.mem, self.first = mem, first
+        self.worst = mem[first].nograd
+
+    def add(self, j: int) -> None:
+        self.worst = max(self.worst, self.mem[j].nograd + self.mem[j].in_bytes)
+
+    @property
+    def bytes(self) -> int:
+        return self.mem[self.first].in_bytes + self.worst
+
+
+class BackwardFootprint:
+    """A backward (or fused) stage's activation and workspace bytes at its worst moment, one
+    microbatch, fp32 gradient accumulators not included; grown a layer at a time downwards (`add` the next layer down) (the
+    partitioner packs backward stages from the fused boundary down)."""
+
+    def __init__(self, mem: Sequence[LayerMemory], top: int, fused: bool = False) -> None:
+        self.mem = mem
+        m = mem[top]
+        self.bottom = top
+        self.recompute = m.recompute            # max_j (saved below j + recompute_j)
+        self.loss = m.saved + (m.loss or LOSS_WORKSPACE * m.out_bytes) if fused else 0
+        self.backward = m.backward + m.out_bytes  # max_j (saved below j + backward_j + out_j + grads above j)
+        self.grads_above = m.param_grads
+
+    def add(self, j: int) -> None:
+        m = self.mem[j]
+        self.bottom = j
+        self.recompute = max(self.recompute + m.saved, m.recompute)
+        if self.loss:
+            self.loss += m.saved
+        self.backward = max(self.backward + m.saved, m.backward + m.out_bytes + self.grads_above)
+        self.grads_above += m.param_grads
+
+    @property
+    def bytes(self) -> int:
+        return self.mem[self.bottom].in_bytes + max(self.recompute, self.loss, self.backward)
+
+
+def forward_bytes(mem: Sequence[LayerMemory], layers: range) -> int:
+    fp = ForwardFootprint(mem, layers.start)
+    for j in layers[1:]:
+        fp.add(j)
+    return fp.bytes
+
+
+def backward_bytes(mem: Sequence[LayerMemory], layers: range, fused: bool = False) -> int:
+    fp = BackwardFootprint(mem, layers.stop - 1, fused)
+    for j in reversed(layers[:-1]):
+        fp.add(j)
+    return fp.bytes
+
+
+def stage_bytes(kind: str, layers: range, weights: Sequence[int], grads: Sequence[int],
+                mem: Sequence[LayerMemory]) -> int:
+    """Weights, gradient accumulators and activations of one stage at its worst moment, one microbatch."""
+    own = sum(weights[l] for l in layers)
+    if kind == "F":
+        return own + forward_bytes(mem, layers)
+    return own + sum(grads[l] for l in layers) + backward_bytes(mem, layers, kind == "fused")
+
+
+def _output_bytes(task, mem: Sequence[LayerMemory]) -> int:
+    """One microbatch's output of a stage task: the activation of a forward stage, the input
+    gradient of a backward one (none for layer 0)."""
+    r = task.layers
+    if task.kind == "F":
+        return mem[r.stop - 1].out_bytes
+    return mem[r.start].in_bytes if r.start > 0 else 0
+
+
+def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads: Sequence[int],
+                 mem: Sequence[LayerMemory], prefetches: bool) -> dict[str, int]:
+    """Predicted peak device bytes of each worker over its stage tasks (one call): the worst stage,
+    with the previous microbatch's output, and the gradients and last output of the worker's
+    previous stage beside it (they leave during this one, roundpipe/workers/transfers.py `pace`),
+    and where the worker prefetches, the next stage's
+    weights and the next microbatch's input."""
+    peaks = {}
+    for name, tasks in tasks_by_worker.items():
+        worst = 0
+        for i, task in enumerate(tasks):
+            need = stage_bytes(task.kind, task.layers, weights, grads, mem)
+            if i > 0:   # the previous stage's gradients and last output, until their downloads complete
+                need += _output_bytes(tasks[i - 1], mem)
+                if tasks[i - 1].kind != "F":
+                    need += sum(grads[l] for l in tasks[i - 1].layers)
+            if prefetches:
+                need += mem[task.layers.start].in_bytes
+                if i + 1 < len(tasks):
+                    need += sum(weights[l] for l in tasks[i + 1].layers)
+            worst = max(worst, need)
+        peaks[name] = worst
+    return peaks
