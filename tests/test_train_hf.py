@@ -12,12 +12,17 @@ TEXT = ("the quick brown fox jumps over the lazy dog . a small model learns the 
         "round pipes carry stages to workers and back again . ") * 8
 
 
-def local_checkpoint(root):
-    """A tiny Llama and a word-level tokenizer trained on the spot, saved with save_pretrained."""
+def word_tokenizer():
+    """A word-level tokenizer of TEXT, trained on the spot."""
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.train_from_iterator([TEXT], tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "</s>"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+
+
+def local_checkpoint(root):
+    """A tiny Llama and a word-level tokenizer trained on the spot, saved with save_pretrained."""
+    tokenizer = word_tokenizer()
     torch.manual_seed(0)
     cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
