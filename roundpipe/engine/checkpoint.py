@@ -9,7 +9,9 @@ A checkpoint is a directory:
     checkpoint.json       format and version, every file's size, the engine's counters, the
                           pending step, the loss scaler, the plan (for inspection)
     model.safetensors     the masters and buffers under the model's own names (state_dict);
-                          a tensor shared by several names is stored once (metadata `aliases`)
+                          a tensor shared by several names is stored once (metadata `aliases`);
+                          constant buffers (a 4-bit base's packed weights: host_state.py) are
+                          not: the model they came from holds them, and loading leaves them
     engine.safetensors    gradients not yet applied: what the next step reads (`p.grad`, or a
                           held low-precision one, in its dtype) and the landing sums not yet
                           moved into it; the caller's CPU (and CUDA) RNG state.  Saved as
@@ -67,11 +69,17 @@ VERSION = 1
 MANIFEST = "checkpoint.json"
 
 
+def _saved_state(model: "RoundPipe") -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds: the model's named state but its constant buffers."""
+    constants = {id(b) for st in model.host.layers for b in st.constants}
+    return {name: t for name, t in model._named_state().items() if id(t) not in constants}
+
+
 def _unique_state(model: "RoundPipe") -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
-    """The module's state_dict with each shared tensor once: (name, tensor) pairs and alias -> name."""
+    """The saved state with each shared tensor once: (name, tensor) pairs and alias -> name."""
     first: dict[tuple, str] = {}
     items, aliases = [], {}
-    for name, t in model._named_state().items():
+    for name, t in _saved_state(model).items():
         t = t.detach()
         key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if t.numel() and key in first:
@@ -335,7 +343,7 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
     with TensorFile(os.path.join(path, "model.safetensors")) as mf, \
             TensorFile(os.path.join(path, engine_file(rank, world))) as ef:
         aliases = json.loads(mf.metadata.get("aliases", "{}"))
-        state = {n: t for n, t in model._named_state().items() if n not in aliases}
+        state = {n: t for n, t in _saved_state(model).items() if n not in aliases}
         for name, t in state.items():
             mf.check(name, t.dtype, tuple(t.shape))
         extra = sorted(set(mf.entries) - set(state))

@@ -57,6 +57,15 @@ Buffers (BatchNorm running stats, ...) have no extra copy: forward stages
 upload them with the parameters and write them back after the stage; they stay
 in their own dtype, moved into arena blocks when wrapped (pinned uploads).
 
+Constant buffers: a module may name buffers that no forward ever writes in a
+class attribute `constant_buffers` (roundpipe.quant.QuantLinear: a 4-bit base
+weight's packed bytes and statistics).  They are frozen state: one arena block
+each, uploaded with the stage's parameters (prefetched, LPT windows), never
+downloaded back and not in checkpoints (the model they came from holds them);
+`LayerState.constants` / `written` split a layer's buffers by that.  host_bytes
+counts them apart ("constant_buffers"; "quantized_numel": how many base weights
+the 4-bit ones stand for).
+
 Every host buffer of a model comes from `HostState.alloc(shape, dtype)`: the
 upload copies and gradient landing buffers above, and the workers' staging
 buffers (stage inputs kept for backward, downloaded activations, gradients
@@ -126,6 +135,7 @@ class LayerState:
     gbuf: list[torch.Tensor | None]   # None for frozen parameters
     buffer_names: list[str]
     buffers: list[torch.Tensor]
+    constant: list[bool] = field(default_factory=list)  # per buffer: never written by a forward (constant_buffers)
     trainable: list[int] = field(default_factory=list)  # indices of params with requires_grad
     ghas: list[bool] = field(default_factory=list)       # per param: gbuf holds a gradient
     held: list[torch.Tensor | None] = field(default_factory=list)    # per param: low-precision gradient for the step
@@ -135,6 +145,26 @@ class LayerState:
     stamp: list[tuple] = field(default_factory=list)     # per param: _stamp(p) at the last P-copy
     alias: list[tuple[int, int] | None] = field(default_factory=list)   # per param: its owner (layer, index)
     owned: list[int] = field(default_factory=list)       # indices of params that are not aliases
+
+    @property
+    def constants(self) -> list[torch.Tensor]:
+        """The constant buffers, uploaded with the parameters and never downloaded."""
+        return [b for b, c in zip(self.buffers, self.constant) if c]
+
+    @property
+    def written(self) -> list[int]:
+        """Indices of the buffers a forward stage writes back (all but the constant ones)."""
+        return [i for i, c in enumerate(self.constant) if not c]
+
+
+def constant_buffer_flags(layer: nn.Module, buffer_names: list[str]) -> list[bool]:
+    """Per buffer of `layer` (named as named_buffers() gives them): whether its module lists it in
+    `constant_buffers`."""
+    out = []
+    for name in buffer_names:
+        owner, _, leaf = name.rpartition(".")
+        out.append(leaf in getattr(layer.get_submodule(owner) if owner else layer, "constant_buffers", ()))
+    return out
 
 
 class HostState:
@@ -150,6 +180,8 @@ class HostState:
         self._landed: dict[tuple[int, int], list[torch.Tensor] | None] = {}
         seen: dict[int, tuple[int, int]] = {}   # id(master) -> (owner layer, index)
         self.layers: list[LayerState] = []
+        # base weights held 4-bit in constant buffers (QuantLinear.quantized_numel), for bytes per parameter
+        self.quantized_numel = sum(getattr(m, "quantized_numel", 0) for layer in layers for m in layer.modules())
         for i, layer in enumerate(layers):
             names, params = zip(*layer.named_parameters()) if any(True for _ in layer.parameters()) else ((), ())
             for n, p in zip(names, params):
@@ -161,7 +193,8 @@ class HostState:
             bnames, bufs = zip(*layer.named_buffers()) if any(True for _ in layer.buffers()) else ((), ())
             for b in bufs:
                 self._stage_buffer(b)
-            state = LayerState(list(names), list(params), [], [], list(bnames), list(bufs))
+            state = LayerState(list(names), list(params), [], [], list(bnames), list(bufs),
+                               constant_buffer_flags(layer, list(bnames)))
             for j, p in enumerate(params):
                 owner = seen.get(id(p))
                 state.alias.append(owner)
@@ -290,7 +323,9 @@ class HostState:
                "upload_copies": total(lambda st: [u for u in st.upload if u.data_ptr() not in masters]),
                "grad_landing": total(lambda st: st.gbuf), "grads_held": total(lambda st: st.held),
                "grads": total(lambda st: [p.grad for p in st.params]),
-               "buffers": total(lambda st: st.buffers)}
+               "buffers": total(lambda st: [st.buffers[i] for i in st.written]),
+               "constant_buffers": total(lambda st: st.constants)}
+        out["quantized_numel"] = self.quantized_numel
         if self.arena is not None:
             a = self.arena.stats()
             out["arena_reserved"], out["arena_in_use"] = a.reserved_bytes, a.in_use_bytes

@@ -11,7 +11,8 @@ A B stage recomputes microbatch m before it asks for m's output gradient, so the
 recompute overlaps with the upstream backward; only the backward part waits.
 Parameter gradients accumulate in fp32 on the worker over the stage's
 microbatches and are downloaded once per stage, in the compute dtype; buffers are written back after
-F and fused stages only, so a recompute never updates them twice.
+F and fused stages only, so a recompute never updates them twice.  Constant buffers (a 4-bit base
+weight's packed bytes: host_state.py) ride in the parameters' upload and are never written back.
 
 The layer compute itself (layers in order, backward, error tags) is in
 roundpipe/engine/compute.py; the copies go through the worker (roundpipe/workers/).
@@ -132,7 +133,7 @@ class StageRun:
         ctx, task, w = self.ctx, self.task, self.w
         grad = task.kind != "F"
         for l in task.layers:
-            if ctx.host.layers[l].buffers and task.kind != "B" and task.round > 0:
+            if ctx.host.layers[l].written and task.kind != "B" and task.round > 0:
                 self._get(("buf", l, task.round - 1))   # buffers of the previous round's forward
         if prefetched is None:
             for l in task.layers:
@@ -144,7 +145,11 @@ class StageRun:
         stage_params = w.params_ready(prefetched)
         for l, rep, params in zip(task.layers, self.reps, stage_params):
             st = ctx.host.layers[l]
-            bufs = w.upload_buffers(st.buffers)
+            params, bufs = params[:len(st.params)], params[len(st.params):]   # uploads: parameters, then constants
+            if st.written:   # in buffer order: the constants uploaded with the parameters, the rest now
+                written = iter(w.upload_buffers([st.buffers[i] for i in st.written]))
+                constants = iter(bufs)
+                bufs = [next(constants) if c else next(written) for c in st.constant]
             self.bound.append(rep.bind(params, [grad and p.requires_grad for p in st.params], bufs))
             self.acc.append([None] * len(st.trainable))
 
@@ -285,8 +290,10 @@ class StageRun:
         ctx, task = self.ctx, self.task
         if task.kind != "B":
             for l, rep in zip(task.layers, self.reps):
-                if ctx.host.layers[l].buffers:
-                    self.w.download_buffers(rep.bound_buffers(), self._land_buffers(l))
+                written = ctx.host.layers[l].written
+                if written:
+                    bound = rep.bound_buffers()
+                    self.w.download_buffers([bound[i] for i in written], self._land_buffers(l))
         if task.kind != "F":
             per_layer = []
             dt = self.w.compute_dtype
@@ -303,7 +310,9 @@ class StageRun:
         skip = self.ctx.bn_skip.get(l, ())
 
         def land(host_bufs: list) -> None:
-            for i, (dst, src) in enumerate(zip(self.ctx.host.layers[l].buffers, host_bufs)):
+            st = self.ctx.host.layers[l]
+            for i, src in zip(st.written, host_bufs):
+                dst = st.buffers[i]
                 if i not in skip:   # whole-batch BatchNorm statistics: the call's end updates them
                     dst.copy_(src)
             self.ctx.board.put(("buf", l, self.task.round), True, 0 if self.task.last_round else 1)
@@ -323,7 +332,7 @@ class StageRun:
 
 def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int) -> Upload:
     """Issues the upload of a stage's weights (in `windows` LPT windows) and registers it per layer."""
-    up = w.upload_params([ctx.host.layers[l].upload for l in layers], windows)
+    up = w.upload_params([ctx.host.layers[l].upload + ctx.host.layers[l].constants for l in layers], windows)
     done = w.upload_done(up)
     for l in layers:
         ctx.sync.uploaded(ctx.call, l, done)

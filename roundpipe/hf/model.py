@@ -24,11 +24,13 @@ from roundpipe.engine.model import RoundPipe
 from roundpipe.hf.layers import Decoder, Embed, Head
 from roundpipe.hf.loss import TokenLoss, count_items, shift_labels
 from roundpipe.hf.presets import PRESETS, causal_lm, find_parts
+from roundpipe.hf.quantize import check_quantize, is_bnb_4bit, load_bnb_checkpoint, quantize_decoder
 from roundpipe.workers import parse_devices
 
 
-def _layers(hf_model: nn.Module) -> list[nn.Module]:
+def _layers(hf_model: nn.Module, quantize: str | None = None, double_quant: bool = True) -> list[nn.Module]:
     parts = find_parts(hf_model)
+    quantize_decoder(hf_model, parts.layers, quantize, double_quant)   # before the layers see the modules
     layers: list[nn.Module] = [Embed(parts.embed_tokens, parts.rotary_emb, parts.config, parts.attention_types)]
     layers += [Decoder(layer, kind) for layer, kind in zip(parts.layers, parts.attention_types)]
     layers.append(Head(parts.norm, parts.lm_head))
@@ -87,7 +89,8 @@ class HFRoundPipe(RoundPipe):
     """A RoundPipe over a Hugging Face causal LM (built by `wrap`); HF names, loss and files."""
 
     def __init__(self, hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
-                 compute_dtype: torch.dtype | None = None, plan=None, **roundpipe_kwargs):
+                 compute_dtype: torch.dtype | None = None, plan=None, *, quantize: str | None = None,
+                 double_quant: bool = True, **roundpipe_kwargs):
         if not isinstance(hf_model, nn.Module):
             raise TypeError(f"hf_model must be a transformers causal LM (an nn.Module), got {type(hf_model).__name__}")
         if "loss_reduction" in roundpipe_kwargs:
@@ -95,7 +98,8 @@ class HFRoundPipe(RoundPipe):
         if any(p.device.type != "cpu" for p in hf_model.parameters()):
             raise ValueError("hf_model must be on the CPU (roundpipe keeps every weight in host memory); "
                              "build or load it without device_map / .to('cuda')")
-        layers = _layers(hf_model)
+        check_quantize(quantize, double_quant)
+        layers = _layers(hf_model, quantize, double_quant)
         if "process_group" not in roundpipe_kwargs:   # launched by torchrun: the ranks train together
             roundpipe_kwargs["process_group"] = launched_group()
         self.hf_model = hf_model
@@ -193,7 +197,8 @@ def launched_group():
 
 
 def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
-         compute_dtype: torch.dtype | None = None, plan=None, **roundpipe_kwargs: Any) -> HFRoundPipe:
+         compute_dtype: torch.dtype | None = None, plan=None, *, quantize: str | None = None,
+         double_quant: bool = True, **roundpipe_kwargs: Any) -> HFRoundPipe:
     """A RoundPipe over a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or any decoder
     with embeddings, a list of decoder layers, a final norm and an LM head), or a PEFT model around one.
 
@@ -201,21 +206,39 @@ def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
     roundpipe_kwargs go to RoundPipe (microbatches_per_round, planning, device_memory, ...).  Under
     torchrun (more than one rank) the ranks train data-parallel on the world group unless process_group=
     says otherwise (None: this process alone), joining it first if torch.distributed is not initialized
-    yet (`launched_group`); the token mean is then over all ranks' tokens."""
-    return HFRoundPipe(hf_model, devices, num_microbatches, compute_dtype, plan, **roundpipe_kwargs)
+    yet (`launched_group`); the token mean is then over all ranks' tokens.
+
+    quantize="nf4" or "fp4" stores the frozen Linear weights of the decoder layers (a PEFT model's base
+    layers) 4-bit in bitsandbytes' format (double_quant: its 8-bit absmax, ~0.52 bytes a weight), packed
+    in host memory and over the copy path, dequantized on the workers (roundpipe/hf/quantize.py); a model
+    loaded with bitsandbytes' 4-bit Linears is taken as it is, with or without quantize=."""
+    return HFRoundPipe(hf_model, devices, num_microbatches, compute_dtype, plan, quantize=quantize,
+                       double_quant=double_quant, **roundpipe_kwargs)
 
 
-def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", **wrap_kwargs: Any) -> HFRoundPipe:
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", *, quantize: str | None = None,
+                    double_quant: bool = True, peft_config=None, **wrap_kwargs: Any) -> HFRoundPipe:
     """Loads a local checkpoint (safetensors) into host memory and wraps it.
 
     dtype "auto" keeps the checkpoint's dtype while loading: the wrap then turns every trainable
     parameter into its fp32 master in place, and parameters frozen before wrapping (see docs/hf.md)
-    stay as stored; torch.float32 loads everything in fp32."""
-    from transformers import AutoModelForCausalLM
+    stay as stored; torch.float32 loads everything in fp32.  peft_config (a peft.LoraConfig, ...) puts
+    that adapter around the model before wrapping (peft.get_peft_model: the base frozen); quantize=
+    then stores the frozen decoder Linears 4-bit (wrap).  A checkpoint of a bitsandbytes 4-bit model
+    (its config's quantization_config) is read as stored, without bitsandbytes (hf/quantize.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     if not os.path.isdir(path):
         raise ValueError(f"path={str(path)!r} is not a directory; give a folder written by save_pretrained "
                          "(config.json and *.safetensors); the hub is not reached from here")
     if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r} must be 'auto' or a floating torch.dtype")
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return wrap(hf_model, **wrap_kwargs)
+    check_quantize(quantize, double_quant)
+    config = AutoConfig.from_pretrained(path)
+    if is_bnb_4bit(config):
+        hf_model = load_bnb_checkpoint(path, config, dtype, peft_config)
+    else:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if peft_config is not None:
+            import peft
+            hf_model = peft.get_peft_model(hf_model, peft_config)
+    return wrap(hf_model, quantize=quantize, double_quant=double_quant, **wrap_kwargs)

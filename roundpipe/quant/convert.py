@@ -20,7 +20,7 @@ from torch import nn
 from .format import check_quant_type
 from .linear import QuantLinear
 
-_ADAPTER_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "modules_to_save"})
+ADAPTER_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "modules_to_save"})
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -51,7 +51,7 @@ def quantize_model(model: nn.Module, quant_type: str = "nf4", double_quant: bool
     else:
         skip, shared = frozenset(skip), _shared_weights(model)
         names = [name for name, m in model.named_modules() if type(m) is nn.Linear and not m.weight.requires_grad
-                 and id(m.weight) not in shared and not (set(name.split(".")) & (skip | _ADAPTER_PARTS))]
+                 and id(m.weight) not in shared and not (set(name.split(".")) & (skip | ADAPTER_PARTS))]
     for name in names:
         _replace(model, name, QuantLinear.from_linear(model.get_submodule(name), quant_type, double_quant,
                                                       compute_dtype))
@@ -65,5 +65,8 @@ def convert_bnb_model(model: nn.Module) -> int:
     names = [name for name, m in model.named_modules() if type(m).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4")
              and type(m).__module__.startswith("bitsandbytes")]
     for name in names:
-        _replace(model, name, QuantLinear.from_bnb(model.get_submodule(name)))
+        try:
+            _replace(model, name, QuantLinear.from_bnb(model.get_submodule(name)))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{name}: {e}") from None
     return len(names)

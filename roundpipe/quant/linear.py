@@ -59,6 +59,10 @@ class QuantLinear(nn.Module):
     product runs in the input's dtype.
     """
 
+    # The packed state never changes: the engine keeps it once in its arena, uploads it with the parameters
+    # and never downloads it back (roundpipe/engine/host_state.py, "Constant buffers").
+    constant_buffers = frozenset({"weight", *_STATE_BUFFERS})
+
     def __init__(self, state: Quant4State, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype | None = None):
         super().__init__()
@@ -87,6 +91,11 @@ class QuantLinear(nn.Module):
                            quant_type=self.quant_type, blocksize=self.blocksize,
                            nested_blocksize=self.nested_blocksize,
                            **{name: getattr(self, name) for name in _STATE_BUFFERS})
+
+    @property
+    def quantized_numel(self) -> int:
+        """How many weights the packed buffers stand for (out_features * in_features)."""
+        return self.out_features * self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is None or x.dtype == self.compute_dtype:
