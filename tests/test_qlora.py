@@ -290,3 +290,27 @@ def test_bad_quantize_arguments_name_themselves(saved):
     full = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SHAPE))
     with pytest.raises(ValueError, match=r"no frozen Linear.*model.layers.0.self_attn.q_proj.weight requires grad"):
         rp.hf.wrap(full, quantize="nf4")
+
+
+def test_train_hf_lora_quantize_command(tmp_path, capsys):
+    """`roundpipe train --hf DIR --lora 4 --quantize nf4` trains a LoRA adapter over a 4-bit base and --save writes
+    the adapter only; --quantize without --lora is a usage error naming it."""
+    from roundpipe.commands.train import main
+    from test_train_hf import local_checkpoint, text_folder
+
+    local_checkpoint(tmp_path / "model")
+    data = text_folder(tmp_path / "data")
+    out = tmp_path / "adapter"
+    rc = main(["--hf", str(tmp_path / "model"), "--data", str(data), "--steps", "6", "--batch-size", "2",
+               "--seq-len", "12", "--lr", "0.01", "--devices", "cpu,cpu", "--eval-batches", "1", "--no-progress",
+               "--lora", "4", "--quantize", "nf4", "--save", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "trained, base nf4)" in text and "tokens/s" in text
+    start, end = (float(w) for w in text.split("held-out loss: start ")[1].split("  (")[0].split("  end "))
+    assert end < start
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    with pytest.raises(SystemExit) as e:
+        main(["--hf", str(tmp_path / "model"), "--steps", "1", "--quantize", "fp4"])
+    assert e.value.code == 2 and "give lora" in capsys.readouterr().err

@@ -64,10 +64,12 @@ class TrainConfig:
     checkpoint_every: int | None = None
     resume: str | None = None            # continue from this checkpoint (bitwise as if never stopped)
     compensation: float | None = None    # asynchronous step: upload w + alpha (w - w_prev) (StalenessCompensation)
+    lora: int | None = None              # with hf: train a LoRA adapter of this rank (peft), the base frozen
+    quantize: Literal["nf4", "fp4"] | None = None   # with hf and lora: the frozen base 4-bit (roundpipe/hf/quantize.py)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "microbatches", "layers", "hidden", "heads", "warmup",
-                     "checkpoint_every"):
+                     "checkpoint_every", "lora"):
             value = getattr(self, name)
             if value is None and name != "steps":
                 continue
@@ -84,6 +86,14 @@ class TrainConfig:
             raise ValueError(f"compensation={self.compensation!r} must be None or a finite number >= 0")
         if self.compensation is not None and self.engine != "roundpipe":
             raise ValueError("compensation needs engine='roundpipe' (it acts on the asynchronous step)")
+        if self.quantize not in (None, "nf4", "fp4"):
+            raise ValueError(f"quantize={self.quantize!r} must be None, 'nf4' or 'fp4'")
+        for name in ("lora", "quantize"):
+            if getattr(self, name) is not None and self.hf is None:
+                raise ValueError(f"{name}={getattr(self, name)!r} needs hf (a Hugging Face checkpoint to fine-tune)")
+        if self.quantize is not None and self.lora is None:
+            raise ValueError(f"quantize={self.quantize!r} stores the frozen base 4-bit under a LoRA adapter: "
+                             "give lora (its rank) too")
         if self.checkpoint_every is not None and self.checkpoint is None:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} needs checkpoint (the directory to write)")
         if not isinstance(self.eval_batches, int) or self.eval_batches < 0:
@@ -304,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--hf", default=None, metavar="DIR", help="fine-tune the causal LM saved in DIR (save_pretrained's "
                    "files and its tokenizer) on --data's text files instead of the built-in decoder; no download")
     h.add_argument("--save", default=None, metavar="OUT", help="with --hf: write the fine-tuned model and tokenizer here")
+    h.add_argument("--lora", type=int, default=None, metavar="RANK", help="with --hf: train a LoRA adapter of this "
+                   "rank on every Linear of the decoder (peft), the base frozen; --save writes the adapter")
+    h.add_argument("--quantize", choices=("nf4", "fp4"), default=None, help="with --lora: keep the frozen base "
+                   "4-bit (QLoRA, bitsandbytes' format) in host memory and over the copy path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -318,7 +332,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        engine=args.engine, dtype=args.dtype, eval_batches=args.eval_batches, trace=args.trace,
                        progress=not args.no_progress, hf=args.hf, max_grad_norm=args.max_grad_norm,
                        checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                       compensation=args.compensation)
+                       compensation=args.compensation, lora=args.lora, quantize=args.quantize)
 
 
 def _describe(cfg: TrainConfig, corpus: ByteCorpus) -> str:

@@ -14,7 +14,12 @@ The training flags of `roundpipe train` work as they do there: --max-grad-norm, 
 --dtype, --microbatches, --devices.  The flags that shape the built-in decoder (--size,
 --layers, --hidden, --heads) are errors: the checkpoint's config.json fixes the shape.
 
+--lora RANK trains a PEFT LoRA adapter (alpha 2 x RANK, every Linear of the decoder, no dropout)
+with the base frozen, and --save writes the adapter; --quantize nf4|fp4 with it keeps the frozen
+base 4-bit (QLoRA: roundpipe/hf/quantize.py).  A bitsandbytes 4-bit checkpoint is read as stored.
+
     roundpipe train --hf ./my-model --data ./notes --steps 100 --save ./my-model-tuned
+    roundpipe train --hf ./my-model --lora 16 --quantize nf4 --save ./my-adapter
 """
 from __future__ import annotations
 
@@ -106,6 +111,15 @@ def check_hf_flags(cfg) -> None:
         raise ValueError(f"--resume {cfg.resume!r} is not a directory; give a folder written by --checkpoint")
 
 
+def lora_config(rank: int | None):
+    """The adapter --lora RANK trains: PEFT LoRA on every Linear of the decoder, alpha 2 x rank, no dropout."""
+    if rank is None:
+        return None
+    import peft
+    return peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0,
+                           task_type="CAUSAL_LM")
+
+
 def checkpoint_due(step: int, cfg) -> bool:
     """Whether --checkpoint is written after step `step` (0-based): at the end, and every --checkpoint-every."""
     done = step + 1
@@ -133,10 +147,14 @@ def train_hf(cfg, save: str | None = None) -> dict:
     compensation = None if cfg.compensation is None else StalenessCompensation(cfg.compensation)
     with rp.hf.from_pretrained(cfg.hf, devices=cfg.devices, num_microbatches=cfg.microbatches,
                                compute_dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
-                               compensation=compensation) as model:
+                               compensation=compensation, peft_config=lora_config(cfg.lora),
+                               quantize=cfg.quantize) as model:
         model.train()   # from_pretrained leaves a model in eval mode, as transformers does
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"model: {cfg.hf} ({model.config.model_type}, {n_params / 1e6:.2f}M parameters)\n"
+        n_params = sum(p.numel() for p in model.parameters()) + model.host.quantized_numel
+        n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        base = f", base {cfg.quantize}" if cfg.quantize else ""
+        print(f"model: {cfg.hf} ({model.config.model_type}, {n_params / 1e6:.2f}M parameters, "
+              f"{n_trained / 1e6:.2f}M trained{base})\n"
               f"data:  {corpus.source}\n"
               f"run:   {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, lr {cfg.lr:g}, seed {cfg.seed}, "
               f"on {','.join(cfg.devices)}, {'async' if cfg.asynchronous else 'sync'} step", flush=True)
