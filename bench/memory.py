@@ -34,7 +34,11 @@ parameter.  Device rows give each worker's peak ledger bytes against the floor t
 pre-call check predicts (a stage's weights, the prefetched next stage's, its
 gradients; roundpipe/engine/device_memory.py); activations come on top of it.
 
-    python bench/memory.py [--quick] [--out DIR_OR_FILE] [--no-save]
+The device-side table (`memory_device`) gives each CPU worker's peak against the plan's
+predicted peak and the cap, for Linear stacks of depth 12-96 and the tiny decoder at
+128-512 tokens.
+
+    python bench/memory.py [--quick] [--device-only] [--out DIR_OR_FILE] [--no-save]
 """
 from __future__ import annotations
 
@@ -137,10 +141,67 @@ def accounted_bytes(host: dict) -> int:
     return state + host["arena_reserved"] + max(0, copies - host["arena_in_use"])
 
 
+def device_rows(quick: bool) -> Report:
+    """Device side: each CPU worker's ledger peak against the plan's predicted peak and the cap, for
+    Linear(256) + Tanh stacks of depth 12-96 (512 rows, 3 MiB cap) and the tiny decoder at 8 x 128-512
+    tokens (64 MiB cap), fp32 and bf16, 1 and 2 workers."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import roundpipe as rp
+    from roundpipe.models.tiny_decoder import DecoderConfig, build_layers, loss_fn
+
+    report = Report("memory_device", columns=["model", "dtype", "workers", "microbatches", "worker", "cap",
+                                              "predicted", "peak", "peak / predicted", "peak / cap"], device="cpu")
+    cases = []
+    for depth in ([12, 48] if quick else [12, 24, 48, 96]):
+        gen = torch.Generator().manual_seed(0)
+        cases.append((f"stack {depth} x Linear(256)", lambda d=depth: [nn.Sequential(nn.Linear(256, 256), nn.Tanh())
+                                                                      for _ in range(d)],
+                      torch.randn(512, 256, generator=gen), torch.randn(512, 256, generator=gen), F.mse_loss, 3 << 20))
+    for seq in ([128] if quick else [128, 256, 512]):
+        gen = torch.Generator().manual_seed(0)
+        cases.append((f"tiny decoder 8 x {seq}", lambda: build_layers(DecoderConfig(hidden=128, layers=6, heads=4), seed=0),
+                      torch.randint(0, 256, (8, seq), generator=gen), torch.randint(0, 256, (8, seq), generator=gen),
+                      loss_fn, 64 << 20))
+    for name, make, x, y, loss, cap in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            for workers, mbs in ((1, 2), (2, 4)):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    try:
+                        with rp.RoundPipe(make(), devices=["cpu"] * workers, num_microbatches=mbs, device_memory=cap,
+                                          compute_dtype=dtype) as model:
+                            opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
+                            for _ in range(2):
+                                model.forward_backward(x, labels=y, loss_fn=loss)
+                                model.step(opt)
+                            stats = model.memory_stats()["workers"]
+                    except ValueError as e:   # one layer's working set exceeds the cap: refused before any work
+                        report.add(model=name, dtype=str(dtype).split(".")[-1], workers=workers, microbatches=mbs,
+                                   worker=f"refused: {str(e)[:60]}", cap=cap)
+                        continue
+                for w, st in stats.items():
+                    report.add(model=name, dtype=str(dtype).split(".")[-1], workers=workers, microbatches=mbs, worker=w,
+                               cap=cap, predicted=st["predicted_peak"], peak=st["peak_total"],
+                               **{"peak / predicted": st["peak_total"] / st["predicted_peak"],
+                                  "peak / cap": st["peak_total"] / cap})
+    report.note("CPU workers with the ledger's workspace tracking (on under a cap): peak = memory_stats()'s "
+                "peak_total, predicted = its predicted_peak (roundpipe/planner/memory.py); unmeasured on GPU")
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/memory.py", description=__doc__.split("\n\n")[0])
     add_common_args(parser)
+    parser.add_argument("--device-only", action="store_true", help="only the device rows (peak vs prediction vs cap)")
     args = parser.parse_args(argv)
+    device_rows(args.quick).finish(args.out, save=not args.no_save)
+    if args.device_only:
+        return 0
     sizes = [("tiny", 3, 16, 128)] + ([] if args.quick else [("base", 2, 2, 64)])
     ds_lo, ds_hi = DEEPSPEED_DOCUMENTED
     report = Report("memory", columns=["model", "provider", "params", "RSS B/param", "worker-held B/param",

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     print(f"device memory {_gib(args.device_memory)} GiB per worker ({args.device_memory:,} bytes), "
           f"{args.workers} worker(s), {args.dtype}, batch 1; GiB per part at the max length "
-          "(a prediction of the planner's memory model, half the cap per stage):")
+          "(a prediction of the planner's memory model, partition_for_cap's stage limit):")
     for r in rows:
         print("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     if args.details:

@@ -53,10 +53,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from roundpipe.engine.memory_probe import measure_layer, measure_loss
 from roundpipe.engine.microbatch import tree_leaves, tree_map
 from roundpipe.engine.plan import Plan
-from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective, plan as partition_plan
+from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective
 from roundpipe.planner.costs import BWD_PER_FWD
 from roundpipe.planner.memory import LayerMemory, layer_memory
-from roundpipe.planner.partition import LayerTooLarge
+from roundpipe.planner.partition import LayerTooLarge, partition_for_cap
 
 # Rough device rates for the size-based estimate.  Only their ratio matters: once
 # anything is measured the profiler rescales unmeasured layers by the measured ratio.
@@ -366,14 +366,13 @@ class AutoPlanner:
             self.plan = fallback()
         else:
             costs = size_costs(self.layers, None, compute_dtype, self.device_type)
-            self.plan = self._bounded(lambda budget: partition_plan(costs, self.workers, microbatches, budget), costs)
+            self.plan = self._bounded(lambda budget: self._solver(costs, self.workers, microbatches, budget), costs)
         self.history.append(self.plan)
 
     def _bounded(self, solve: Callable[[int | None], Any], costs: Sequence[LayerCost] | None = None) -> Any:
-        """solve(memory_budget).  The bound is never dropped: when one layer cannot fit a stage (its
-        weights, fp32 gradients and one microbatch's saved activations in half the budget, the other
-        half holding the next stage), a ValueError names the layer, the bytes and the cap, with the
-        microbatch size that would fit, before any work of the call."""
+        """solve(memory_budget) with the partitioner's cap rule (planner.partition_for_cap).  The bound is never
+        dropped: when one layer cannot fit a stage, a ValueError names the layer, the bytes and the cap, with
+        the microbatch size that would fit, before any work of the call."""
         try:
             return solve(self.memory_budget)
         except LayerTooLarge as e:
@@ -381,14 +380,18 @@ class AutoPlanner:
             if costs is not None:
                 c = costs[e.layer]
                 fixed = c.param_bytes + c.grads
-                if fixed < e.limit and c.act_bytes > 0:   # activations scale with the microbatch's rows
-                    hint = (f" or microbatches {math.ceil(c.act_bytes / (e.limit - fixed))}x smaller "
+                acts = e.need - fixed
+                if fixed < e.limit and acts > 0:   # activations scale with the microbatch's rows
+                    hint = (f" or microbatches {math.ceil(acts / (e.limit - fixed))}x smaller "
                             "(num_microbatches=, or fewer rows per call)")
             raise ValueError(
                 f"device_memory: layer {e.layer} needs about {e.need:,.0f} bytes in a backward stage (its weights, "
-                f"fp32 gradients and one microbatch's saved activations), more than half the {e.budget:,.0f}-byte "
-                f"cap ({e.limit:,.0f}; the other half holds the next stage's weights): raise device_memory{hint}, "
-                "or split the layer") from None
+                f"fp32 gradients, one microbatch's activations and workspace), more than the {e.limit:,.0f} bytes "
+                f"a stage may use of the {e.budget:,.0f}-byte cap (the rest holds its neighbouring stages' "
+                f"weights, gradients and outputs): raise device_memory{hint}, or split the layer") from None
+
+    def _solver(self, costs: Sequence[LayerCost], workers: int, microbatches: int, budget: float | None) -> Plan:
+        return partition_for_cap(costs, workers, microbatches, budget, prefetch=self.device_type == "cuda").plan
 
     def layer_memory(self, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None = None) -> list[LayerMemory]:
         """Each layer's device bytes for one microbatch (roundpipe/planner/memory.py): the first call's dry
@@ -424,7 +427,8 @@ class AutoPlanner:
             self.profiler = Profiler(size_costs(self.layers, sample, self.compute_dtype, self.device_type, loss),
                                      alpha=self.config.alpha)
             self.replanner = self._bounded(lambda budget: Replanner(
-                self.profiler, self.workers, num_microbatches, budget, self.config.threshold), self.profiler.costs())
+                self.profiler, self.workers, num_microbatches, budget, self.config.threshold, self._solver),
+                self.profiler.costs())
             self._switch(self.replanner.plan, count=False)
         with self._lock:
             pending, self._pending = self._pending, None

@@ -147,13 +147,15 @@ def measure_layer(layer: nn.Module, call: Callable[[Any], Any], x: Any, device_t
                   first: bool) -> LayerMemory:
     """The LayerMemory of `layer` (a private copy: its .grad is written) on input x; `call(x)` runs it.
     `first`: x is the model's input (data: no gradient wanted for it)."""
-    def nbytes(v: Any) -> int:
-        return sum(t.numel() * t.element_size() for t in _float_leaves(v))
+    params = {id(p) for p in layer.parameters()}
+
+    def nbytes(v: Any) -> int:   # a layer may hand on one of its parameters (the HF head its weight)
+        return sum(t.numel() * t.element_size() for t in _float_leaves(v) if id(t) not in params)
     timeline = Timeline(device_type)
     attention = _AttentionAsFused(timeline)
     with timeline, attention, torch.no_grad():
         out = call(x)
-    nograd, out_bytes = timeline.peak, nbytes(out)
+    nograd = timeline.peak
     del out
     base = timeline.reset_peak()
     if not first:
@@ -162,6 +164,7 @@ def measure_layer(layer: nn.Module, call: Callable[[Any], Any], x: Any, device_t
     with timeline, attention, torch.enable_grad():
         out = call(x)
     saved, recompute = timeline.live - base, timeline.peak - base
+    out_bytes = nbytes(out)   # as a backward stage sees it (the HF head gives logits only without grad)
     roots = [t for t in _float_leaves(out) if t.requires_grad]
     if roots:
         grads = [torch.ones_like(t) for t in roots]   # the gradient flowing in: the layer above's bytes

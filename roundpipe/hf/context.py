@@ -7,9 +7,10 @@ The prediction is the engine's own refusal rule, not a second model of it.  The 
 first call from per-layer `LayerCost`s (roundpipe/engine/autoplan.py: a dry run of the first
 microbatch through copies of the layers, saved bytes counted by autograd's saved-tensor hooks,
 attention counted as the fused kernel keeps it) and `planner.partition(costs, workers,
-microbatches, budget)`, which raises `LayerTooLarge` when one layer's weights, gradients (fp32
-accumulators plus one low-precision .grad) and one microbatch's saved activations exceed half the
-budget; the engine turns that into a ValueError before any work.  Here:
+microbatches, budget)` under the cap rule (`planner.partition_for_cap`), which raises `LayerTooLarge`
+when one layer's weights, fp32 gradient accumulators and one microbatch's activations and workspace
+(planner/memory.py) exceed what a stage may hold; the engine turns that into a ValueError before any
+work.  Here:
 
     1. the model is built from its config on the meta device (no weights, no download) and cut
        into roundpipe layers as `rp.hf.wrap` cuts it (hf/model.py `_layers`);
@@ -18,7 +19,7 @@ budget; the engine turns that into a ValueError before any work.  Here:
     3. `partition(costs, workers, 1, device_memory)` succeeds or raises LayerTooLarge: the
        largest T that succeeds is found by doubling and bisection (costs grow with T).
 
-Only one layer has to fit half the budget, so the worker count does not change the answer (it
+Only one layer has to fit a stage, so the worker count does not change the answer (it
 changes the plan, not the refusal); it is an argument because the plan at that length is returned.
 
 What the model does not count (reported beside it, `ContextFit.head_workspace`): the LM-head loss.
@@ -64,7 +65,7 @@ class LayerBytes:
     name: str            # "embedding", "decoder 5", "norm + LM head"
     weights: int         # compute-dtype weights uploaded for it
     gradients: int       # fp32 accumulators + one low-precision .grad of its trainable parameters
-    activations: int     # saved for backward, one microbatch (batch 1, seq_len tokens)
+    activations: int     # activations and workspace at a backward stage's worst moment, one microbatch
     attention: int       # of which: fused attention's q, k, v, output and fp32 log-sum-exp
 
     @property
@@ -89,11 +90,9 @@ class ContextFit:
     full_logits: int           # fp32 [T, V] logits, what an unfused loss would hold (for comparison)
     plan: Plan = field(repr=False)
     at_search_limit: bool = False   # seq_len == MAX_TOKENS: it fits at least this long
-
-    @property
-    def stage_limit(self) -> int:
-        """Half the cap: the most one stage may hold (the other half holds the prefetched next stage)."""
-        return self.device_memory // 2
+    # the most one stage may hold: half the cap, or the cap less what the largest one-layer neighbouring
+    # stage holds when one layer does not fit half (planner.partition_for_cap)
+    stage_limit: int = 0
 
     def table(self) -> str:
         """Bytes per part at seq_len for the binding layer, the largest decoder layer, the head and the embedding."""
@@ -108,7 +107,7 @@ class ContextFit:
                  f"{unit} per part:"]
         lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in rows]
-        lines.append(f"  stage limit {self.stage_limit / scale:.2f} {unit} (half the cap); LM-head loss workspace "
+        lines.append(f"  stage limit {self.stage_limit / scale:.2f} {unit} (the rest holds neighbouring stages); LM-head loss workspace "
                      f"{self.head_workspace / scale:.2f} {unit}, not counted (fp32 [T, V] logits: "
                      f"{self.full_logits / scale:.2f} {unit})")
         return "\n".join(lines)
@@ -228,12 +227,17 @@ def _split_attention(layers: list[nn.Module], calls: list[int]) -> list[int]:
 
 
 def _fits(costs, workers: int, device_memory: int) -> Plan | None:
-    from roundpipe.planner.partition import LayerTooLarge, partition
+    from roundpipe.planner.partition import LayerTooLarge, partition_for_cap
 
-    try:
-        return partition(costs, workers, 1, device_memory).plan
+    try:   # the engine's rule for GPU workers (they prefetch)
+        return partition_for_cap(costs, workers, 1, device_memory, prefetch=True).plan
     except LayerTooLarge:
         return None
+
+
+def _stage_limit(costs, device_memory: int) -> int:
+    from roundpipe.planner.memory import beside_bytes
+    return int(max(device_memory // 2, device_memory - beside_bytes(costs, prefetch=True)))
 
 
 def _head_workspace(seq_len: int, hidden: int, vocab: int, itemsize: int) -> int:
@@ -314,19 +318,19 @@ def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.
         costs = layer_costs(layers, 1, dtype)
         worst = max(range(len(costs)), key=lambda i: _need(costs[i]))
         raise ValueError(f"device_memory={device_memory:,}: even one token does not fit; {_names(layers)[worst]} "
-                         f"needs {_need(costs[worst]):,.0f} bytes in a backward stage, more than "
-                         f"half the cap ({device_memory // 2:,}); raise device_memory")
-    lo, hi = _bracket(plan_at, _guess(layers, dtype, device_memory // 2))
+                         f"needs {_need(costs[worst]):,.0f} bytes in a backward stage, more than a stage may "
+                         f"hold ({_stage_limit(costs, device_memory):,}); raise device_memory")
+    lo, hi = _bracket(plan_at, _guess(layers, dtype, _stage_limit(layer_costs(layers, 1024, dtype), device_memory)))
     seq = lo
     attention: list[int] = []
     costs = layer_costs(layers, seq, dtype, attention)
     nxt = layer_costs(layers, seq + 1, dtype)
-    limit = device_memory // 2
+    limit = _stage_limit(nxt, device_memory)
     over = [i for i, c in enumerate(nxt) if _need(c) > limit]
     binding = over[0] if over else max(range(len(costs)), key=lambda i: _need(costs[i]))
     names = _names(layers)
-    parts = [LayerBytes(i, names[i], int(c.param_bytes), int(c.grads), int(c.act_bytes), attention[i])
-             for i, c in enumerate(costs)]
+    parts = [LayerBytes(i, names[i], int(c.param_bytes), int(c.grads), int(_need(c) - c.param_bytes - c.grads),
+                        attention[i]) for i, c in enumerate(costs)]
     decoder = max(parts[1:-1], key=lambda p: p.total)
     itemsize = torch.empty((), dtype=dtype).element_size()
     head_w = layers[-1].lm_head.weight
@@ -335,4 +339,4 @@ def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.
                       workers=workers, dtype=dtype, binding=parts[binding], embedding=parts[0], decoder=decoder,
                       head=parts[-1], head_workspace=_head_workspace(seq, hidden, vocab, itemsize),
                       full_logits=seq * vocab * 4, plan=_fits(costs, workers, device_memory),
-                      at_search_limit=seq >= MAX_TOKENS)
+                      at_search_limit=seq >= MAX_TOKENS, stage_limit=_stage_limit(costs, device_memory))

@@ -106,6 +106,13 @@ class BackwardFootprint:
         return self.mem[self.bottom].in_bytes + max(self.recompute, self.loss, self.backward)
 
 
+def beside_bytes(costs: Sequence, prefetch: bool) -> float:
+    """The most a one-layer neighbouring stage holds beside a stage on its worker: its gradients, an output
+    and an input (and where workers prefetch, the next stage's weights and the next microbatch's input)."""
+    return max(c.grads + m.out_bytes + m.in_bytes + (c.param_bytes + m.in_bytes if prefetch else 0)
+               for c, m in zip(costs, layer_memory(costs)))
+
+
 def forward_bytes(mem: Sequence[LayerMemory], layers: range) -> int:
     fp = ForwardFootprint(mem, layers.start)
     for j in layers[1:]:

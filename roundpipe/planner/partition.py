@@ -34,7 +34,7 @@ import numpy as np
 from roundpipe.engine.plan import Plan
 from roundpipe.planner.costs import (LayerCost, backward_memory, backward_time, check_costs,
                                      forward_time)
-from roundpipe.planner.memory import BackwardFootprint, ForwardFootprint, layer_memory
+from roundpipe.planner.memory import BackwardFootprint, ForwardFootprint, beside_bytes, layer_memory
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,13 @@ class Partition:
 
 
 class LayerTooLarge(ValueError):
-    """One layer alone does not fit a backward stage within half the memory budget."""
+    """One layer alone does not fit a backward stage within the stage limit (half the memory budget, or
+    `partition_for_cap`'s larger one)."""
 
     def __init__(self, layer: int, need: float, limit: float, budget: float | None):
         self.layer, self.need, self.limit, self.budget = layer, need, limit, budget
         super().__init__(f"memory_budget={budget!r}: layer {layer} alone needs {need:.0f} bytes in a backward "
-                         f"stage, more than half the budget ({limit:.0f}); raise the budget or split the layer")
+                         f"stage, more than a stage may hold ({limit:.0f}); raise the budget or split the layer")
 
 
 def check_args(workers: int, microbatches: int, memory_budget: float | None) -> float:
@@ -79,24 +80,27 @@ def objective(plan: Plan, costs: Sequence[LayerCost], workers: int, microbatches
 
 
 def _pack(order: range, t: float, mem_limit: float, times: list[float], params: list[float],
-          acts: list[float], act_sum: bool) -> list[range] | None:
+          footprint: Callable[[int], Any]) -> list[range] | None:
     """Fewest contiguous parts of the layers in `order` (scanned in that direction), each with
     time <= t and memory <= mem_limit; None if a layer alone does not fit.  Memory is
-    sum(params) plus sum(acts) (act_sum) or max(acts)."""
+    sum(params) plus the activation footprint `footprint(first)` (planner/memory.py), grown by `.add`."""
     parts: list[range] = []
     step = order.step
-    begin = None
-    time = param = act = 0.0
+    begin = acts = None
+    time = param = 0.0
     for i in order:
         if begin is not None:
-            nt, np_, na = time + times[i], param + params[i], act + acts[i] if act_sum else max(act, acts[i])
-            if nt <= t and np_ + na <= mem_limit:
-                time, param, act = nt, np_, na
+            grown = copy.copy(acts)
+            grown.add(i)
+            nt, np_ = time + times[i], param + params[i]
+            if nt <= t and np_ + grown.bytes <= mem_limit:
+                time, param, acts = nt, np_, grown
                 continue
             parts.append(range(begin, i) if step > 0 else range(i + 1, begin + 1))
-        if times[i] > t or params[i] + acts[i] > mem_limit:
+        acts = footprint(i)
+        if times[i] > t or params[i] + acts.bytes > mem_limit:
             return None
-        begin, time, param, act = i, times[i], params[i], acts[i]
+        begin, time, param = i, times[i], params[i]
     if begin is not None:
         parts.append(range(begin, order.stop) if step > 0 else range(order.stop + 1, begin + 1))
     return parts
@@ -109,16 +113,23 @@ def greedy(costs: Sequence[LayerCost], t: float, mem_limit: float = math.inf) ->
     bwd = [c.bwd_s for c in costs]
     bparam = [c.param_bytes + c.grads for c in costs]
     fparam = [float(c.param_bytes) for c in costs]
-    act = [float(c.act_bytes) for c in costs]
+    mem = layer_memory(costs)
     # The fused tail: the longest suffix that fits, at least the last layer.
-    a, time, mem = L, 0.0, 0.0
-    while a > 0 and time + bwd[a - 1] <= t and mem + bparam[a - 1] + act[a - 1] <= mem_limit:
-        a -= 1
-        time, mem = time + bwd[a], mem + bparam[a] + act[a]
+    a, time, param = L, 0.0, 0.0
+    tail = BackwardFootprint(mem, L - 1, fused=True)
+    while a > 0 and time + bwd[a - 1] <= t:
+        grown = tail
+        if a < L:
+            grown = copy.copy(tail)
+            grown.add(a - 1)
+        if param + bparam[a - 1] + grown.bytes > mem_limit:
+            break
+        a, tail = a - 1, grown
+        time, param = time + bwd[a], param + bparam[a]
     if a == L:
         return None
-    backward = _pack(range(a - 1, -1, -1), t, mem_limit, bwd, bparam, act, act_sum=True)
-    forward = _pack(range(0, a), t, mem_limit, fwd, fparam, act, act_sum=False)
+    backward = _pack(range(a - 1, -1, -1), t, mem_limit, bwd, bparam, lambda i: BackwardFootprint(mem, i))
+    forward = _pack(range(0, a), t, mem_limit, fwd, fparam, lambda i: ForwardFootprint(mem, i))
     if backward is None or forward is None:
         return None
     return Plan(forward=forward, backward=[range(a, L)] + backward)
@@ -135,10 +146,13 @@ def candidates(costs: Sequence[LayerCost]) -> np.ndarray:
 
 
 def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
-              memory_budget: float | None = None) -> Partition:
-    """The optimal plan under the objective above (see the module docstring)."""
+              memory_budget: float | None = None, stage_limit: float | None = None) -> Partition:
+    """The optimal plan under the objective above (see the module docstring); each stage within
+    `stage_limit` bytes (default: half the memory budget)."""
     costs = check_costs(costs)
     mem_limit = check_args(workers, microbatches, memory_budget)
+    if stage_limit is not None and memory_budget is not None:
+        mem_limit = stage_limit
     cand = candidates(costs)
     # Tolerance so a candidate equal to a stage's sum still admits it after float reordering.
     cand = cand * (1 + 1e-12) + 1e-300
@@ -178,6 +192,22 @@ def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
         if best is None or obj < best.objective:
             best = Partition(p, max(stage_times(p, costs)), obj)
     return best
+
+
+def partition_for_cap(costs: Sequence[LayerCost], workers: int, microbatches: int,
+                      memory_budget: float | None = None, prefetch: bool = False) -> Partition:
+    """`partition` for a device cap, the engine's rule: each stage within half the budget (the other half
+    holds what its neighbouring stages leave on the worker); when one layer does not fit that, within the
+    budget less what the largest one-layer neighbour holds (`memory.beside_bytes`).  The schedule's
+    predicted peaks are checked against the cap after (memory.worker_peaks).  LayerTooLarge names the
+    last limit tried."""
+    try:
+        return partition(costs, workers, microbatches, memory_budget)
+    except LayerTooLarge as e:
+        relaxed = memory_budget - beside_bytes(check_costs(costs), prefetch)
+        if relaxed <= e.limit:
+            raise
+        return partition(costs, workers, microbatches, memory_budget, stage_limit=relaxed)
 
 
 def plan(costs: Sequence[LayerCost], workers: int, microbatches: int,
