@@ -189,8 +189,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._check_param_state(i, params[i], state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, after check_state_dict; a group key the writer lacks (a peer's state dict: bitsandbytes'
+        has no decoupled_weight_decay) takes this optimizer's default instead of falling back to none."""
         self.check_state_dict(state_dict)
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
 
     @staticmethod
     def _step_of(state: dict[str, Any]) -> float:
