@@ -99,7 +99,7 @@ def train_hf(cfg, save: str | None = None) -> dict:
               f"run:   {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, lr {cfg.lr:g}, seed {cfg.seed}, "
               f"on {','.join(cfg.devices)}, {'async' if cfg.asynchronous else 'sync'} step", flush=True)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        optimizer = make_optimizer(trainable, cfg.lr, cfg.weight_decay)
+        optimizer = make_optimizer(trainable, cfg.lr, cfg.weight_decay, cfg.optim)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
         val_start = held_out_loss(model, corpus, cfg)
         bar = tqdm(total=cfg.steps, unit="step", disable=not cfg.progress, dynamic_ncols=True, file=sys.stderr)
