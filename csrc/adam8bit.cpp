@@ -13,24 +13,10 @@
 namespace rp {
 
 Adam8bitCoeffs adam8bit_coeffs(const AdamOptions& o, double step, const Adam8bitTables& tables) {
-  // bitsandbytes: correction1 = 1 - beta1 ** step, correction2 = math.sqrt(1 - beta2 ** step),
-  // step size -lr / correction1, in double; each rounded to fp32 where it meets a tensor.
   Adam8bitCoeffs c{};
-  c.grad_mul = static_cast<float>(o.grad_mul);
-  c.maximize = o.maximize;
-  c.l2 = o.weight_decay != 0.0 && !o.decoupled;
-  c.decay_weight = o.weight_decay != 0.0 && o.decoupled;
-  c.l2_decay = static_cast<float>(o.weight_decay);
-  c.weight_scale = static_cast<float>(1.0 - o.lr * o.weight_decay);
+  c.adam = adam_coeffs(o, step);   // -lr / (1 - beta1 ** step), 1 - beta1, 1 - beta2, ... as bitsandbytes rounds them
+  c.adam.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(o.beta2, step)));  // math.sqrt, not ** 0.5
   c.beta1 = static_cast<float>(o.beta1);
-  c.lerp_w = static_cast<float>(1.0 - o.beta1);
-  c.beta2 = static_cast<float>(o.beta2);
-  c.sq_w = static_cast<float>(1.0 - o.beta2);
-  c.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(o.beta2, step)));
-  c.neg_step = static_cast<float>(-o.lr / (1.0 - std::pow(o.beta1, step)));
-  c.eps = static_cast<float>(o.eps);
-  c.predict = static_cast<float>(o.predict);
-  c.predicting = o.predict != 0.0;
   c.tables = tables;
   return c;
 }

@@ -68,11 +68,12 @@ struct Adam8bitTensor {
   double step = 1;
 };
 
-// The per-tensor fp32 constants of one step, rounded from double where
-// bitsandbytes' torch ops round their Python scalars.
+// The per-tensor constants of one step: the fp32 Adam ones (bitsandbytes' torch
+// ops round its Python scalars where torch's AdamW does, but takes sqrt(bc2)
+// with math.sqrt), beta1 for m * beta1, and the tables.
 struct Adam8bitCoeffs {
-  float grad_mul, l2_decay, weight_scale, beta1, lerp_w, beta2, sq_w, bc2_sqrt, neg_step, eps, predict;
-  bool maximize, l2, decay_weight, predicting;
+  AdamCoeffs adam;
+  float beta1;
   Adam8bitTables tables;
 };
 

@@ -21,13 +21,15 @@
 namespace {
 
 struct Adam8bitVecs {
-  explicit Adam8bitVecs(const rp::Adam8bitCoeffs& c)
+  explicit Adam8bitVecs(const rp::Adam8bitCoeffs& c8)
+      : Adam8bitVecs(c8.adam, c8) {}
+  Adam8bitVecs(const rp::AdamCoeffs& c, const rp::Adam8bitCoeffs& c8)
       : grad_mul(vset(c.grad_mul)), l2_decay(vset(c.l2_decay)), weight_scale(vset(c.weight_scale)),
-        beta1(vset(c.beta1)), lerp_w(vset(c.lerp_w)), beta2(vset(c.beta2)), sq_w(vset(c.sq_w)),
+        beta1(vset(c8.beta1)), lerp_w(vset(c.lerp_w)), beta2(vset(c.beta2)), sq_w(vset(c.sq_w)),
         bc2_sqrt(vset(c.bc2_sqrt)), neg_step(vset(c.neg_step)), eps(vset(c.eps)), predict(vset(c.predict)),
         minus_one(vset(-1.0f)), one(vset(1.0f)), half(vset(0.5f)),
         last_bin(vset(static_cast<float>(rp::kQuantBins - 1))), maximize(c.maximize), l2(c.l2),
-        decay_weight(c.decay_weight), predicting(c.predicting), t(c.tables) {}
+        decay_weight(c.decay_weight), predicting(c.predicting), t(c8.tables) {}
   Vec grad_mul, l2_decay, weight_scale, beta1, lerp_w, beta2, sq_w, bc2_sqrt, neg_step, eps, predict;
   Vec minus_one, one, half, last_bin;
   bool maximize, l2, decay_weight, predicting;

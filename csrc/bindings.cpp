@@ -410,6 +410,21 @@ void check_steps(const std::vector<double>& steps, size_t count) {
     if (!(steps[i] >= 1)) throw py::value_error(item("steps", i) + "=" + std::to_string(steps[i]) + " must be >= 1");
 }
 
+// The options of an Adam step with lr, betas, eps and weight_decay checked (ValueError naming them).
+rp::AdamOptions adam_options(double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+                             bool amsgrad, bool maximize, double grad_mul, double predict) {
+  check_range("lr", lr, 0.0, INFINITY, true);
+  check_range("beta1", beta1, 0.0, 1.0, true);
+  check_range("beta2", beta2, 0.0, 1.0, true);
+  check_range("eps", eps, 0.0, INFINITY, true);
+  check_range("weight_decay", weight_decay, 0.0, INFINITY, true);
+  rp::AdamOptions opt;
+  opt.lr = lr, opt.beta1 = beta1, opt.beta2 = beta2, opt.eps = eps, opt.weight_decay = weight_decay;
+  opt.decoupled = decoupled, opt.amsgrad = amsgrad, opt.maximize = maximize, opt.grad_mul = grad_mul;
+  opt.predict = predict;
+  return opt;
+}
+
 void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
                const Addrs& exp_avgs, const Addrs& exp_avg_sqs, const Addrs& max_exp_avg_sqs, const Addrs& shadows,
                const std::vector<std::string>& shadow_dtypes, const std::vector<size_t>& numels,
@@ -425,16 +440,8 @@ void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::s
     throw py::value_error("max_exp_avg_sqs must be empty when amsgrad=False, got " +
                           std::to_string(max_exp_avg_sqs.size()) + " entries");
   check_steps(steps, count);
-  check_range("lr", lr, 0.0, INFINITY, true);
-  check_range("beta1", beta1, 0.0, 1.0, true);
-  check_range("beta2", beta2, 0.0, 1.0, true);
-  check_range("eps", eps, 0.0, INFINITY, true);
-  check_range("weight_decay", weight_decay, 0.0, INFINITY, true);
-
-  rp::AdamOptions opt;
-  opt.lr = lr, opt.beta1 = beta1, opt.beta2 = beta2, opt.eps = eps, opt.weight_decay = weight_decay;
-  opt.decoupled = decoupled, opt.amsgrad = amsgrad, opt.maximize = maximize, opt.grad_mul = grad_mul;
-  opt.predict = predict;
+  const rp::AdamOptions opt =
+      adam_options(lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, grad_mul, predict);
   std::vector<rp::AdamTensor> ts(count);
   for (size_t i = 0; i < count; ++i) {
     rp::AdamTensor& t = ts[i];
@@ -467,11 +474,8 @@ void adam8bit_step(const Addrs& params, const Addrs& grads, const std::vector<st
   if (tables.size() != 4)
     throw py::value_error("tables has " + std::to_string(tables.size()) +
                           " entries; expected 4 addresses: code1, lut1, code2, lut2");
-  check_range("lr", lr, 0.0, INFINITY, true);
-  check_range("beta1", beta1, 0.0, 1.0, true);
-  check_range("beta2", beta2, 0.0, 1.0, true);
-  check_range("eps", eps, 0.0, INFINITY, true);
-  check_range("weight_decay", weight_decay, 0.0, INFINITY, true);
+  const rp::AdamOptions opt =
+      adam_options(lr, beta1, beta2, eps, weight_decay, decoupled, false, maximize, grad_mul, predict);
   rp::Adam8bitTables tab;
   tab.code1 = static_cast<const float*>(args.input("tables[0] (code1)", tables[0], 256 * sizeof(float)));
   tab.lut1 = static_cast<const uint8_t*>(args.input("tables[1] (lut1)", tables[1], rp::kQuantBins + 3));
@@ -480,9 +484,6 @@ void adam8bit_step(const Addrs& params, const Addrs& grads, const std::vector<st
   if (reinterpret_cast<std::uintptr_t>(tab.code1) % 4 || reinterpret_cast<std::uintptr_t>(tab.code2) % 4)
     throw py::value_error("tables: code1 and code2 must be 4-byte aligned fp32 arrays");
 
-  rp::AdamOptions opt;
-  opt.lr = lr, opt.beta1 = beta1, opt.beta2 = beta2, opt.eps = eps, opt.weight_decay = weight_decay;
-  opt.decoupled = decoupled, opt.maximize = maximize, opt.grad_mul = grad_mul, opt.predict = predict;
   std::vector<rp::Adam8bitTensor> ts(count);
   for (size_t i = 0; i < count; ++i) {
     rp::Adam8bitTensor& t = ts[i];
