@@ -25,12 +25,18 @@ most 16M elements, as a model's matrices would be):
       "cpu" accelerator unless DS_ACCELERATOR says otherwise; an op that fails to
       build is reported as that row's skip reason.
 
+adamw8bit: roundpipe's AdamW8bit (moments in bitsandbytes' 8-bit blocks) in (c)/(c'),
+against torch's fp32 AdamW in (a)/(b)/(b') and (e) bitsandbytes' CPU AdamW8bit (fp32
+grads, in place, no copy: the work of (c')), when bitsandbytes imports; a note gives
+its ratios to roundpipe's fp32 AdamW (c) of the same run and size and to (e).
+
 "vs torch" = the time of torch's faster fp32 step, (b) or (b'), over the row's.
 "B/param" is the traffic of the one-pass update (no write-allocate traffic, as
 STREAM counts), the same for every provider of an optimizer so that "GB/s" is a
 speed: AdamW 28 = read w, m, v (12) + grad, write w, m, v (12) + bf16 copy,
 with a bf16 grad and copy (2 + 2) or an fp32 grad and no copy (4); SGD, Adagrad
-and Lion 20 = one fp32 state instead of two.  A multi-pass provider moves more
+and Lion 20 = one fp32 state instead of two; AdamW8bit 16 = one byte each for m and v
+(read and written) instead of four, the per-block absmax aside.  A multi-pass provider moves more
 (torch's foreach AdamW ~84 B/param, its sequence (a) 20 more than the fused step).
 
 Bandwidth: three STREAM-style kernels over fp32 buffers far larger than the
@@ -59,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from roundpipe import _native  # noqa: E402
 from roundpipe.bench.runner import Report, add_common_args, median_time  # noqa: E402
-from roundpipe.optim import SGD, Adagrad, AdamW, Lion, accumulate_  # noqa: E402
+from roundpipe.optim import SGD, Adagrad, AdamW, AdamW8bit, Lion, accumulate_  # noqa: E402
 
 CHUNK = 16 << 20
 LOSS_SCALE = 1024.0
@@ -96,6 +102,16 @@ class Spec:
     deepspeed: tuple[str, str, dict] | None   # (module, class, extra kwargs)
     kwargs: dict = field(default_factory=dict)
     bytes: int = 20
+    peer: Callable[[list], Any] | None = None   # (e): a peer's optimizer over the fp32 grads (bitsandbytes)
+
+
+def bnb_adamw8bit(params: list) -> Any:
+    """(e) bitsandbytes' CPU AdamW8bit, or None when it does not import."""
+    try:
+        import bitsandbytes
+    except Exception:  # a peer's failure must not stop the run
+        return None
+    return bitsandbytes.optim.AdamW8bit(params, lr=1e-4)
 
 
 OPTIMIZERS = {
@@ -108,6 +124,9 @@ OPTIMIZERS = {
     "adagrad": Spec(lambda ps: Adagrad(ps, lr=1e-4), lambda ps: torch.optim.Adagrad(ps, lr=1e-4, foreach=True),
                     lambda ps: torch.optim.Adagrad(ps, lr=1e-4, fused=True),
                     ("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad", {}), dict(lr=1e-4)),
+    "adamw8bit": Spec(lambda ps: AdamW8bit(ps, lr=1e-4), lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
+                      lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), None, dict(lr=1e-4), 16,
+                      peer=bnb_adamw8bit),
     "lion": Spec(lambda ps: Lion(ps, lr=1e-4), lambda ps: ForeachLion(ps, lr=1e-4), None,
                  ("deepspeed.ops.lion", "DeepSpeedCPULion", dict(betas=(0.9, 0.99))), dict(lr=1e-4)),
 }
@@ -136,6 +155,7 @@ class Bench:
         self.torch_fused = spec.fused(self.params) if spec.fused else None
         self.ours = spec.ours(self.params)
         self.deepspeed = ds_cls(self.params, **spec.kwargs, **spec.deepspeed[2]) if ds_cls is not None else None
+        self.peer = spec.peer(self.params) if spec.peer else None
 
     @torch.no_grad()
     def torch_seq(self) -> None:
@@ -215,7 +235,25 @@ def providers(bench: Bench, name: str, levels: bool) -> list[tuple[str, Callable
                  for lv in ("avx2", "scalar") if lv != level]
     if bench.deepspeed is not None:
         runs.append((f"(d) {type(bench.deepspeed).__name__} fp32", bench.deepspeed.step))
+    if bench.peer is not None:
+        runs.append((f"(e) bitsandbytes {type(bench.peer).__name__} fp32", bench.peer.step))
     return runs
+
+
+def adamw8bit_ratios(medians: dict[tuple[str, int], dict[str, float]], n: int) -> str:
+    """The note on AdamW8bit at n parameters: its times over roundpipe's fp32 AdamW and over bitsandbytes'."""
+    eight, fp32 = medians.get(("adamw8bit", n)), medians.get(("adamw", n))
+    if eight is None:
+        return ""
+    pick = lambda rows, prefix: next((t for label, t in rows.items() if label.startswith(prefix)), None)  # noqa: E731
+    parts = []
+    for ours in ("(c) ", "(c') "):
+        t = pick(eight, ours)
+        if fp32 is not None and pick(fp32, ours):
+            parts.append(f"AdamW8bit {ours.strip()} is {pick(fp32, ours) / t:.2f}x roundpipe fp32 AdamW {ours.strip()}")
+        if pick(eight, "(e)"):
+            parts.append(f"AdamW8bit {ours.strip()} is {pick(eight, '(e)') / t:.2f}x bitsandbytes' CPU AdamW8bit")
+    return f"{n / 1e6:.0f}M params: " + "; ".join(parts) if parts else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     triad = [torch.empty(triad_n), torch.rand(triad_n), torch.rand(triad_n)]
     probes: dict[str, list[float]] = {"triad a = b + 3c (torch)": [], "in-place scale a *= s (torch)": [],
                                       "in-place add a += b (roundpipe native)": []}
+    medians: dict[tuple[str, int], dict[str, float]] = {}
     for name in names:
         for n in counts:
             bench = Bench(n, name, ds.get(name))
@@ -273,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             bw = max(statistics.median(values[-rounds:]) for values in probes.values())
             t_torch = min(statistics.median(samples[label]) for label, _ in runs if label.startswith("(b"))
             nbytes = OPTIMIZERS[name].bytes
+            medians[name, n] = {label: statistics.median(samples[label]) for label, _ in runs}
             for label, _ in runs:
                 t = statistics.median(samples[label])
                 gbs = nbytes * n / t / 1e9
@@ -281,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                     "% BW": 100 * gbs / bw, "BW GB/s": bw})
             del bench, runs
             gc.collect()
+    for text in filter(None, (adamw8bit_ratios(medians, n) for n in counts)):
+        report.note(text)
     for probe, values in probes.items():
         report.note(f"STREAM-style {probe}, fp32, {triad_n >> 20}M-element buffers: median "
                     f"{statistics.median(values):.1f} GB/s of {len(values)} samples interleaved with the providers "

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "adam.h"
+#include "adam8bit.h"
 #include "checks.h"
 #include "convert.h"
 #include "copy_cuda.h"
@@ -358,10 +359,23 @@ class GroupArgs {
 
   size_t size() const { return params_.size(); }
 
-  // Entry i's fp32 output buffer `arg`[i] of numels[i] elements: checked, recorded, returned.
-  float* f32(const char* arg, size_t i, std::uintptr_t addr) {
-    overlaps_.add(item(arg, i), addr, elems(item(arg, i), addr, numels_[i], rp::DType::F32), true);
+  // Entry i's fp32 output buffer `arg`[i] of n (default numels[i]) elements: checked, recorded, returned.
+  float* f32(const char* arg, size_t i, std::uintptr_t addr) { return f32(arg, i, addr, numels_[i]); }
+  float* f32(const char* arg, size_t i, std::uintptr_t addr, size_t n) {
+    overlaps_.add(item(arg, i), addr, elems(item(arg, i), addr, n, rp::DType::F32), true);
     return static_cast<float*>(ptr(addr));
+  }
+
+  // Entry i's byte output buffer `arg`[i] of numels[i] elements (8-bit codes).
+  uint8_t* u8(const char* arg, size_t i, std::uintptr_t addr) {
+    overlaps_.add(item(arg, i), addr, rp::check::span(item(arg, i), addr, numels_[i], 1, 1), true);
+    return static_cast<uint8_t*>(ptr(addr));
+  }
+
+  // A read-only buffer of `bytes` bytes shared by the group (a code table).
+  const void* input(const std::string& arg, std::uintptr_t addr, size_t bytes) {
+    overlaps_.add(arg, addr, rp::check::span(arg, addr, bytes, 1, 1), false);
+    return ptr(addr);
   }
 
   // Fills the fields every kernel's tensor struct shares (param, grad, shadow, n).
@@ -396,6 +410,21 @@ void check_steps(const std::vector<double>& steps, size_t count) {
     if (!(steps[i] >= 1)) throw py::value_error(item("steps", i) + "=" + std::to_string(steps[i]) + " must be >= 1");
 }
 
+// The options of an Adam step with lr, betas, eps and weight_decay checked (ValueError naming them).
+rp::AdamOptions adam_options(double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+                             bool amsgrad, bool maximize, double grad_mul, double predict) {
+  check_range("lr", lr, 0.0, INFINITY, true);
+  check_range("beta1", beta1, 0.0, 1.0, true);
+  check_range("beta2", beta2, 0.0, 1.0, true);
+  check_range("eps", eps, 0.0, INFINITY, true);
+  check_range("weight_decay", weight_decay, 0.0, INFINITY, true);
+  rp::AdamOptions opt;
+  opt.lr = lr, opt.beta1 = beta1, opt.beta2 = beta2, opt.eps = eps, opt.weight_decay = weight_decay;
+  opt.decoupled = decoupled, opt.amsgrad = amsgrad, opt.maximize = maximize, opt.grad_mul = grad_mul;
+  opt.predict = predict;
+  return opt;
+}
+
 void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
                const Addrs& exp_avgs, const Addrs& exp_avg_sqs, const Addrs& max_exp_avg_sqs, const Addrs& shadows,
                const std::vector<std::string>& shadow_dtypes, const std::vector<size_t>& numels,
@@ -411,16 +440,8 @@ void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::s
     throw py::value_error("max_exp_avg_sqs must be empty when amsgrad=False, got " +
                           std::to_string(max_exp_avg_sqs.size()) + " entries");
   check_steps(steps, count);
-  check_range("lr", lr, 0.0, INFINITY, true);
-  check_range("beta1", beta1, 0.0, 1.0, true);
-  check_range("beta2", beta2, 0.0, 1.0, true);
-  check_range("eps", eps, 0.0, INFINITY, true);
-  check_range("weight_decay", weight_decay, 0.0, INFINITY, true);
-
-  rp::AdamOptions opt;
-  opt.lr = lr, opt.beta1 = beta1, opt.beta2 = beta2, opt.eps = eps, opt.weight_decay = weight_decay;
-  opt.decoupled = decoupled, opt.amsgrad = amsgrad, opt.maximize = maximize, opt.grad_mul = grad_mul;
-  opt.predict = predict;
+  const rp::AdamOptions opt =
+      adam_options(lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, grad_mul, predict);
   std::vector<rp::AdamTensor> ts(count);
   for (size_t i = 0; i < count; ++i) {
     rp::AdamTensor& t = ts[i];
@@ -433,6 +454,50 @@ void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::s
   args.check();
   py::gil_scoped_release release;
   rp::adam_step(ts.data(), ts.size(), opt);
+}
+
+// Adam / AdamW over 8-bit blockwise moments (adam8bit.h).  tables: the addresses of
+// code1 (256 fp32), lut1 (65536 + 3 bytes), code2, lut2.
+void adam8bit_step(const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
+                   const Addrs& state1s, const Addrs& state2s, const Addrs& absmax1s, const Addrs& absmax2s,
+                   const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
+                   const std::vector<size_t>& numels, const std::vector<double>& steps, const Addrs& tables,
+                   double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+                   bool maximize, double grad_mul, double predict) {
+  GroupArgs args(params, grads, grad_dtypes, shadows, shadow_dtypes, numels, grad_mul);
+  check_range("predict", predict, 0.0, INFINITY, true);
+  const size_t count = args.size();
+  for (const auto& [name, list] : {std::pair<const char*, const Addrs&>{"state1s", state1s}, {"state2s", state2s},
+                                   {"absmax1s", absmax1s}, {"absmax2s", absmax2s}})
+    check_len(name, list.size(), count);
+  check_steps(steps, count);
+  if (tables.size() != 4)
+    throw py::value_error("tables has " + std::to_string(tables.size()) +
+                          " entries; expected 4 addresses: code1, lut1, code2, lut2");
+  const rp::AdamOptions opt =
+      adam_options(lr, beta1, beta2, eps, weight_decay, decoupled, false, maximize, grad_mul, predict);
+  rp::Adam8bitTables tab;
+  tab.code1 = static_cast<const float*>(args.input("tables[0] (code1)", tables[0], 256 * sizeof(float)));
+  tab.lut1 = static_cast<const uint8_t*>(args.input("tables[1] (lut1)", tables[1], rp::kQuantBins + 3));
+  tab.code2 = static_cast<const float*>(args.input("tables[2] (code2)", tables[2], 256 * sizeof(float)));
+  tab.lut2 = static_cast<const uint8_t*>(args.input("tables[3] (lut2)", tables[3], rp::kQuantBins + 3));
+  if (reinterpret_cast<std::uintptr_t>(tab.code1) % 4 || reinterpret_cast<std::uintptr_t>(tab.code2) % 4)
+    throw py::value_error("tables: code1 and code2 must be 4-byte aligned fp32 arrays");
+
+  std::vector<rp::Adam8bitTensor> ts(count);
+  for (size_t i = 0; i < count; ++i) {
+    rp::Adam8bitTensor& t = ts[i];
+    t.step = steps[i];
+    args.fill(i, t);
+    const size_t blocks = t.n / rp::kQuantBlock + (t.n % rp::kQuantBlock != 0);
+    t.state1 = args.u8("state1s", i, state1s[i]);
+    t.state2 = args.u8("state2s", i, state2s[i]);
+    t.absmax1 = args.f32("absmax1s", i, absmax1s[i], blocks);
+    t.absmax2 = args.f32("absmax2s", i, absmax2s[i], blocks);
+  }
+  args.check();
+  py::gil_scoped_release release;
+  rp::adam8bit_step(ts.data(), ts.size(), opt, tab);
 }
 
 // SGD, Adagrad and Lion: one state buffer per tensor (`states`; empty for SGD
@@ -533,6 +598,15 @@ void bind_adam(py::module_& m) {
         "params, grads (+ dtype), moments, max_exp_avg_sqs (amsgrad only, else empty), shadow copies "
         "(0 = none, + dtype), element counts and step numbers (>= 1, after increment). The gradient is "
         "multiplied by grad_mul (clip_coef / loss_scale). Arithmetic equals torch's fused CPU AdamW.");
+  m.def("adam8bit_step", &adam8bit_step, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"),
+        py::arg("state1s"), py::arg("state2s"), py::arg("absmax1s"), py::arg("absmax2s"), py::arg("shadows"),
+        py::arg("shadow_dtypes"), py::arg("numels"), py::arg("steps"), py::arg("tables"), py::kw_only(),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("decoupled"), py::arg("maximize"), py::arg("grad_mul"), py::arg("predict") = 0.0,
+        "One fused Adam/AdamW step over fp32 tensors with 8-bit blockwise moments (bitsandbytes 0.50's format), "
+        "given by address: per-tensor lists as adam_step, with uint8 codes (state1s: m, state2s: v) and fp32 "
+        "absmax per 256-element block; tables: code1, lut1, code2, lut2 (roundpipe/optim/blockwise.py). "
+        "Arithmetic equals bitsandbytes' CPU AdamW8bit.");
   m.def("grad_sumsq", [](const Addrs& grads, const std::vector<std::string>& dtypes, const std::vector<size_t>& numels) {
     check_len("dtypes", dtypes.size(), grads.size());
     check_len("numels", numels.size(), grads.size());

@@ -76,14 +76,15 @@ class TensorRanges {
 
 // One optimizer step over a group (adam_step, optim_step): the per-tensor
 // constants from coeffs_of(tensor), then the kernel of the SIMD level in use
-// over every piece.  32 elements = one cache line of a bf16 shadow, two of
-// the fp32 state; 32K elements (~0.9 MB of traffic) per thread before a
-// second one helps.
+// over every piece.  align 32 elements = one cache line of a bf16 shadow, two
+// of the fp32 state (an 8-bit step passes its block size, so pieces are whole
+// blocks); 32K elements (~0.9 MB of traffic) per thread before a second one
+// helps.
 template <class Tensor, class Coeffs, class CoeffsOf>
 void step_group(const Tensor* tensors, size_t count, CoeffsOf&& coeffs_of,
                 void (*scalar)(const Tensor&, const Coeffs&, size_t, size_t),
                 void (*avx2)(const Tensor&, const Coeffs&, size_t, size_t),
-                void (*avx512)(const Tensor&, const Coeffs&, size_t, size_t)) {
+                void (*avx512)(const Tensor&, const Coeffs&, size_t, size_t), size_t align = 32) {
   auto* fn = simd_level() == SimdLevel::Avx512 ? avx512 : simd_level() == SimdLevel::Avx2 ? avx2 : scalar;
   std::vector<size_t> sizes(count);
   std::vector<Coeffs> coeffs(count);
@@ -91,7 +92,7 @@ void step_group(const Tensor* tensors, size_t count, CoeffsOf&& coeffs_of,
     sizes[k] = tensors[k].n;
     coeffs[k] = coeffs_of(tensors[k]);
   }
-  TensorRanges ranges(sizes.data(), count, 32, size_t{1} << 15);
+  TensorRanges ranges(sizes.data(), count, align, size_t{1} << 15);
   ranges.run([&](int, size_t k, size_t b, size_t e) { fn(tensors[k], coeffs[k], b, e); });
 }
 

@@ -66,4 +66,31 @@ inline Vec vsign(Vec a) {
                        _mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_LT_OQ), one));
 }
 
+// ---- 8-bit code tables (adam8bit_body.h; see vec_scalar.h) ------------------------------------
+using VecI = __m256i;
+inline VecI vload_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline void vstore_u8(uint8_t* p, VecI v) {
+  const __m256i w = _mm256_packus_epi32(v, v);
+  const __m256i b = _mm256_packus_epi16(w, w);  // bytes 0-3 of each 128-bit half: its 4 codes
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p),
+                   _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+inline Vec vgather(const float* table, VecI idx) { return _mm256_i32gather_ps(table, idx, 4); }
+inline VecI vgather_u8(const uint8_t* table, VecI idx) {
+  const __m256i w = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), idx, 1);
+  return _mm256_and_si256(w, _mm256_set1_epi32(0xff));
+}
+inline VecI vtrunc(Vec a) { return _mm256_cvttps_epi32(a); }
+inline Vec vabs(Vec a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
+inline float vreduce_max(Vec a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
 }  // namespace

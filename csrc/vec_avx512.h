@@ -120,4 +120,18 @@ inline Vec vsign(Vec a) {
   return _mm512_mask_mov_ps(pos, _mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
 }
 
+// ---- 8-bit code tables (adam8bit_body.h; see vec_scalar.h) ------------------------------------
+using VecI = __m512i;
+inline VecI vload_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore_u8(uint8_t* p, VecI v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v)); }
+inline Vec vgather(const float* table, VecI idx) { return _mm512_i32gather_ps(idx, table, 4); }
+inline VecI vgather_u8(const uint8_t* table, VecI idx) {
+  return _mm512_and_si512(_mm512_i32gather_epi32(idx, table, 1), _mm512_set1_epi32(0xff));
+}
+inline VecI vtrunc(Vec a) { return _mm512_cvttps_epi32(a); }
+inline Vec vabs(Vec a) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff))); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
+inline float vreduce_max(Vec a) { return _mm512_reduce_max_ps(a); }
+
 }  // namespace

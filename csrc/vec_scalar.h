@@ -52,4 +52,20 @@ inline Vec vmax_nan(Vec a, Vec b) {
 // sign(a): 1, -1 or +0 (also for -0 and NaN), as torch.sign on CPU.
 inline Vec vsign(Vec a) { return a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : 0.0f; }
 
+// ---- 8-bit code tables (adam8bit_body.h) ----------------------------------------------------
+// VecI: int32 lanes.  Code bytes load zero-extended and store as their low byte;
+// vgather reads table[idx] (fp32), vgather_u8 the byte at table + idx (the
+// vector levels read 4 bytes there: tables carry 3 bytes of slack).
+using VecI = int32_t;
+inline VecI vload_u8(const uint8_t* p) { return *p; }
+inline void vstore_u8(uint8_t* p, VecI v) { *p = static_cast<uint8_t>(v); }
+inline Vec vgather(const float* table, VecI idx) { return table[idx]; }
+inline VecI vgather_u8(const uint8_t* table, VecI idx) { return table[idx]; }
+inline VecI vtrunc(Vec a) { return static_cast<int32_t>(a); }  // toward zero; callers keep a in int range
+inline Vec vabs(Vec a) { return std::fabs(a); }
+// maxps / minps semantics: a unless it is not greater (smaller) than b, so a NaN `a` gives b.
+inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
+inline Vec vmin(Vec a, Vec b) { return a < b ? a : b; }
+inline float vreduce_max(Vec a) { return a; }
+
 }  // namespace

@@ -7,7 +7,7 @@ results list), a call {"op", "a", "k"} runs and answers {"r": "ok"|"exc"|"skip"|
 resumes engines, drops the batch's objects and restores the SIMD level and thread
 count.  Arguments reference worker objects by marker: {"$buf": k, "off": o} an
 address in pool buffer k, {"$high": d} the address 2**64 - d, {"$res": j} call
-j's result, {"$fence": "set"|"failed"|"pending"}, {"$q": name} / {"$qint": v} a
+j's result, {"$table": k} the address of 8-bit coder table k, {"$fence": "set"|"failed"|"pending"}, {"$q": name} / {"$qint": v} a
 CopyQueue, {"$t": spec} a tensor view of the batch's byte stores, {"$junk": 1}
 an object().  Imported, it gives the parent side: `Worker`.
 """
@@ -68,6 +68,10 @@ class _Batch:
         if "$addr_of" in x:  # an arena block's address (+ offset); looked up by the arena, never dereferenced
             block = self.results[x["$addr_of"]] if x["$addr_of"] < len(self.results) else None
             return (block.address if isinstance(block, self.C.ArenaBlock) else 0) + x["plus"]
+        if "$table" in x:  # the 8-bit coder's tables (code1, lut1, code2, lut2): what adam8bit_step must be given
+            from roundpipe.optim import blockwise
+            t = blockwise.tables()
+            return (t.code1, t.lut1, t.code2, t.lut2)[x["$table"]].data_ptr()
         if "$t" in x:
             return _make_tensor(self, x["$t"])
         return {k: self.resolve(v) for k, v in x.items()}

@@ -41,6 +41,8 @@ def build(cfg: dict):
     params = list(model.parameters())
     if cfg.get("optimizer", "rp") == "rp":
         opt = rp.optim.AdamW(params, lr=3e-3, weight_decay=0.05)
+    elif cfg["optimizer"] == "adamw8bit":   # 8-bit states on the 16x16 and 16x4 weights, fp32 ones on the biases
+        opt = rp.optim.AdamW8bit(params, lr=3e-3, weight_decay=0.05, min_8bit_size=64)
     else:
         opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))

@@ -36,6 +36,8 @@ CASES = [
     dict(asynchronous=True, dtype="float16"),                # the loss scale grows across the checkpoint
     dict(asynchronous=True, optimizer="torch", dtype="float16"),
     dict(asynchronous=True, compensation=True, dtype="bfloat16"),   # workers read predicted weights
+    dict(asynchronous=False, optimizer="adamw8bit"),         # 8-bit blockwise states saved and resumed bitwise
+    dict(asynchronous=True, optimizer="adamw8bit", dtype="bfloat16"),
 ]
 
 
@@ -62,10 +64,14 @@ def test_save_resume_and_never_save_end_bitwise_equal(tmp_path, case):
     for name, t in c_masters.items():
         assert torch.equal(a_masters[name], t), name
         assert torch.equal(b["masters"][name], t), name
+    if case.get("optimizer") == "adamw8bit":   # the codes themselves were saved, not a dequantized copy
+        saved = torch.load(os.path.join(cfg["path"], "optimizer.pt"))["state"]
+        assert sorted(str(s["state1"].dtype) for s in saved.values()) == ["torch.float32"] * 5 + ["torch.uint8"] * 5
     manifest = json.load(open(os.path.join(cfg["path"], "checkpoint.json")))
     pending = manifest["pending_step"]
     if case["asynchronous"]:   # saved right after an asynchronous step: still pending, window open
-        assert pending["window"] == per_step and pending["kind"] == ("copy" if case.get("optimizer") else "update")
+        torch_opt = case.get("optimizer") == "torch"
+        assert pending["window"] == per_step and pending["kind"] == ("copy" if torch_opt else "update")
     else:
         assert pending is None
 

@@ -179,8 +179,8 @@ def optim_tensors(draw, count):
 
 
 def gen_kernels(draw, _):
-    op = draw(st.sampled_from(["convert", "accumulate", "grad_sumsq", "adam_step", "sgd_step", "adagrad_step",
-                               "lion_step"]))
+    op = draw(st.sampled_from(["convert", "accumulate", "grad_sumsq", "adam_step", "adam8bit_step", "sgd_step",
+                               "adagrad_step", "lion_step"]))
     if op == "convert":
         sd, dd = dtype_name(draw), dtype_name(draw)
         kind, n = buffer_arg(draw, [elem_of(sd), elem_of(dd)])
@@ -204,6 +204,8 @@ def gen_kernels(draw, _):
             lists["numels"].append(n)
         lists = perturb(draw, lists)
         return op, [lists["grads"], lists["dtypes"], lists["numels"]], {}
+    if op == "adam8bit_step":
+        return gen_adam8bit(draw, count)
     if op != "adam_step":
         return gen_optim(draw, op, count)
     amsgrad = draw(st.booleans())
@@ -242,6 +244,31 @@ OPTIM = {
     "lion_step": ("exp_avgs", None, {"lr": 1e-4, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.01,
                                      "grad_mul": 1.0, "predict": 0.5}, ("maximize",)),
 }
+
+
+def gen_adam8bit(draw, count):
+    """adam8bit_step: pool slices for weights, gradients, codes, absmax and shadows; the real code tables
+    (their sizes cannot be checked at an address: a caller's contract), or a list of them that is short or
+    holds a null address."""
+    keys = ("params", "grads", "grad_dtypes", "state1s", "state2s", "absmax1s", "absmax2s", "shadows",
+            "shadow_dtypes", "numels", "steps")
+    lists = {k: [] for k in keys}
+    for gd, sd, n, addr in optim_tensors(draw, count):
+        for role, key in enumerate(("params", "grads", "state1s", "state2s", "absmax1s", "absmax2s")):
+            lists[key].append(addr(role))
+        lists["grad_dtypes"].append(gd)
+        lists["shadows"].append(mostly(draw, st.just(addr(6)), st.just(0), 3))
+        lists["shadow_dtypes"].append(sd)
+        lists["numels"].append(n)
+        lists["steps"].append(mostly(draw, st.sampled_from([1.0, 2.0, 1e9]), floats))
+    lists = perturb(draw, lists)
+    tables = [{"$table": k} for k in range(4)]
+    tables = mostly(draw, st.just(tables), st.sampled_from([tables[:3], [0] + tables[1:], tables[:3] + [0]]), 1)
+    kwargs = {k: mostly(draw, st.just(v), floats, 1) for k, v in
+              {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "grad_mul": 1.0,
+               "predict": 0.5}.items()}
+    kwargs.update(decoupled=draw(st.booleans()), maximize=draw(st.booleans()))
+    return "adam8bit_step", [lists[k] for k in keys] + [tables], kwargs
 
 
 def gen_optim(draw, op, count):
@@ -529,7 +556,8 @@ def gen_wrap_offload(draw, outcomes):
 SURFACE = {
     "cpu": ["simd_level", "best_simd_level", "cpu_features", "num_threads", "openmp", "cuda_status", "cuda_flavor",
             "set_simd_level", "set_num_threads"],
-    "kernels": ["convert", "accumulate", "grad_sumsq", "adam_step", "sgd_step", "adagrad_step", "lion_step"],
+    "kernels": ["convert", "accumulate", "grad_sumsq", "adam_step", "adam8bit_step", "sgd_step", "adagrad_step",
+                "lion_step"],
     "fences": ["Fence", "Fence.done", "Fence.wait", "Fence.state", "Fence.error", "Fence.kind", "Fence.cuda_event",
                "HostFence", "HostFence.set", "HostFence.fail", "HostFence.wait_for", "CudaEventFence",
                "CudaEventFence.borrow", "CudaEventFence.record", "CudaEventFence.make_stream_wait",

@@ -99,7 +99,21 @@ def test_optimizer_decays_matrices_only():
     assert plain["weight_decay"] == 0.0 and len(plain["params"]) == 3
 
 
+def test_optim_adamw8bit_learns_with_8bit_states():
+    """--optim adamw8bit: rp.optim.AdamW8bit (8-bit blocks for the 256x32 embedding, fp32 states below 4096
+    elements) and the tiny model learns as with AdamW, through the asynchronous RoundPipe step."""
+    model = torch.nn.Sequential(torch.nn.Embedding(256, 32), torch.nn.Linear(32, 4))
+    opt = rt.make_optimizer(model.named_parameters(), 1e-3, 0.1, "adamw8bit")
+    assert isinstance(opt, roundpipe.optim.AdamW8bit) and opt.param_groups[0]["decoupled_weight_decay"]
+    args = rt.build_parser().parse_args(["--optim", "adamw8bit"])
+    assert rt.config_from_args(args).optim == "adamw8bit"
+    result = rt.train(rt.TrainConfig(optim="adamw8bit", devices=["cpu", "cpu"], asynchronous=True, **TINY))
+    assert result.end_loss < result.start_loss - 1.5
+    assert result.val_end < result.val_start - 1.5
+
+
 @pytest.mark.parametrize("argv, match", [
+    (["--optim", "sgd"], "invalid choice: 'sgd'"),
     (["--steps", "0"], "steps=0 must be an int >= 1"),
     (["--batch-size", "-2"], "batch_size=-2"),
     (["--lr", "0"], "lr=0.0 must be"),
@@ -140,7 +154,8 @@ def test_data_dir_errors_exit_with_a_message(capsys, tmp_path):
 
 @pytest.mark.parametrize("kwargs, error", [({"engine": "jax"}, ValueError), ({"dtype": "fp8"}, ValueError),
                                            ({"devices": "cpu"}, ValueError), ({"devices": []}, ValueError),
-                                           ({"eval_batches": -1}, ValueError), ({"steps": True}, ValueError)])
+                                           ({"eval_batches": -1}, ValueError), ({"steps": True}, ValueError),
+                                           ({"optim": "lamb"}, ValueError)])
 def test_bad_config_raises(kwargs, error):
     """TrainConfig validates every field at construction."""
     with pytest.raises(error):

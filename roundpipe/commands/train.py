@@ -26,7 +26,7 @@ import torch
 
 from roundpipe.commands.data import ByteCorpus
 from roundpipe.models.tiny_decoder import PRESETS, DecoderConfig, build_layers, loss_fn
-from roundpipe.optim import AdamW
+from roundpipe.optim import AdamW, AdamW8bit
 from roundpipe.commands.train_loops import DTYPES, make_engine
 from roundpipe.workers import parse_devices
 
@@ -48,6 +48,7 @@ class TrainConfig:
     devices: list[str] | None = None     # None: every GPU, else one CPU worker
     lr: float = 3e-3
     weight_decay: float = 0.1
+    optim: Literal["adamw", "adamw8bit"] = "adamw"   # adamw8bit: moments in 8-bit blocks (rp.optim.AdamW8bit)
     warmup: int | None = None            # linear warmup steps; None: 10% of steps, at most 50
     data_dir: str | None = None          # None: the standard library's *.py files
     seed: int = 0
@@ -104,6 +105,8 @@ class TrainConfig:
             raise ValueError(f"lr={self.lr!r} must be a finite number > 0")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay={self.weight_decay!r} must be a number >= 0")
+        if self.optim not in OPTIMIZERS:
+            raise ValueError(f"optim={self.optim!r} must be one of {sorted(OPTIMIZERS)}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine={self.engine!r} must be one of {ENGINES}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -187,17 +190,20 @@ class TrainResult:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-def make_optimizer(named_params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """roundpipe.optim.AdamW over the fp32 master weights; matrices decay, norms and biases do not.
+OPTIMIZERS = {"adamw": AdamW, "adamw8bit": AdamW8bit}
 
-    The native fused step (torch.optim.AdamW's arithmetic); through RoundPipe it runs per
-    layer and writes each layer's upload copy in the same pass.
+
+def make_optimizer(named_params, lr: float, weight_decay: float, optim: str = "adamw") -> torch.optim.Optimizer:
+    """roundpipe.optim.AdamW (or AdamW8bit) over the fp32 master weights; matrices decay, norms and biases do not.
+
+    The native fused step (torch.optim.AdamW's arithmetic; AdamW8bit: bitsandbytes'); through
+    RoundPipe it runs per layer and writes each layer's upload copy in the same pass.
     """
     named = list(named_params)
     decay = [p for _, p in named if p.dim() >= 2]
     no_decay = [p for _, p in named if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+    return OPTIMIZERS[optim]([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -229,7 +235,7 @@ def train(cfg: TrainConfig, corpus: ByteCorpus | None = None) -> TrainResult:
     layers = build_layers(model_cfg, seed=cfg.seed)
     losses: list[float] = []
     with make_engine(layers, cfg) as model:
-        optimizer = make_optimizer(model.named_parameters(), cfg.lr, cfg.weight_decay)
+        optimizer = make_optimizer(model.named_parameters(), cfg.lr, cfg.weight_decay, cfg.optim)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
         first = 0
         if cfg.resume is not None:   # the model, optimizer, schedule and RNG as they were after step `first`
@@ -282,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"peak AdamW learning rate; linear warmup, cosine decay to 10%% (default {TrainConfig.lr:g})")
     t.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay,
                    help=f"AdamW weight decay of the matrices (default {TrainConfig.weight_decay:g})")
+    t.add_argument("--optim", choices=sorted(OPTIMIZERS), default=TrainConfig.optim,
+                   help="adamw (default), or adamw8bit: its moments in bitsandbytes' 8-bit blocks (~10 instead of "
+                        "16 bytes of host memory per parameter)")
     t.add_argument("--warmup", type=int, default=None, help="warmup steps (default 10%% of --steps, at most 50)")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help="seed of the initial weights and the batches (default 0)")
     t.add_argument("--data-dir", "--data", default=None, help="train on the text files under this folder "
@@ -327,7 +336,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     devices = None if args.devices is None else [d.strip() for d in args.devices.split(",")]
     return TrainConfig(size=args.size, layers=args.layers, hidden=args.hidden, heads=args.heads, steps=args.steps,
                        batch_size=args.batch_size, seq_len=args.seq_len, microbatches=args.microbatches,
-                       devices=devices, lr=args.lr, weight_decay=args.weight_decay, warmup=args.warmup,
+                       devices=devices, lr=args.lr, weight_decay=args.weight_decay, optim=args.optim,
+                       warmup=args.warmup,
                        data_dir=args.data_dir, seed=args.seed, asynchronous=args.asynchronous,
                        engine=args.engine, dtype=args.dtype, eval_batches=args.eval_batches, trace=args.trace,
                        progress=not args.no_progress, hf=args.hf, max_grad_norm=args.max_grad_norm,

@@ -159,7 +159,7 @@ def train_hf(cfg, save: str | None = None) -> dict:
               f"run:   {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, lr {cfg.lr:g}, seed {cfg.seed}, "
               f"on {','.join(cfg.devices)}, {'async' if cfg.asynchronous else 'sync'} step", flush=True)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        optimizer = make_optimizer(trainable, cfg.lr, cfg.weight_decay)
+        optimizer = make_optimizer(trainable, cfg.lr, cfg.weight_decay, cfg.optim)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
         first = 0
         if cfg.resume is not None:   # the model, optimizer, schedule and RNG as they were after step `first`

@@ -433,6 +433,12 @@ def _check_optimizer(optimizer: Any, state: Any, fpath: str) -> None:
     mine = [len(g["params"]) for g in groups]
     if saved != mine:
         raise ValueError(f"load_checkpoint: {fpath} has parameter groups of sizes {saved}; the optimizer's are {mine}")
+    if callable(getattr(optimizer, "check_state_dict", None)):   # a roundpipe.optim one judges its own format
+        try:
+            optimizer.check_state_dict(state)
+        except ValueError as e:
+            raise ValueError(f"load_checkpoint: {fpath}: {e}") from None
+        return
     params = [p for g in groups for p in g["params"]]
     for i, s in state.get("state", {}).items():
         for k, v in s.items():

@@ -28,6 +28,8 @@ class Adam(FusedOptimizer):
     """torch.optim.Adam's interface and results (AdamW with decoupled_weight_decay=True)."""
 
     _counts_steps = True
+    _state_keys = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+    _state_format = "fp32 moments (exp_avg, exp_avg_sq)"
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,

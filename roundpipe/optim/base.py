@@ -17,6 +17,10 @@ formula for the rest (CUDA, bf16 parameters, non-contiguous views).  A subclass
 so that a call rejected by validation leaves weights and state as they were.
 The engine's entries are `step_layer` (RoundPipe.step, once per layer) and
 `fused_step` (explicit gradients, loss scale, inf check).
+
+A subclass that names its state format (`_state_keys`, `_state_format`) refuses,
+in `check_state_dict` / `load_state_dict`, a state dict written in another format
+(AdamW's fp32 moments loaded into AdamW8bit, or the reverse) before anything is loaded.
 """
 from __future__ import annotations
 
@@ -89,6 +93,15 @@ def native_buffers(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
                 numels=[p.numel() for p in params], predict=float(predict))
 
 
+def describe_state(keys: set[str]) -> str:
+    """What optimizer state format a parameter's state keys are, for error messages."""
+    if {"exp_avg", "exp_avg_sq"} <= keys:
+        return "fp32 Adam moments, as Adam/AdamW (roundpipe's or torch's) write them"
+    if {"state1", "absmax1"} & keys:
+        return "8-bit blockwise states, as Adam8bit/AdamW8bit (roundpipe's or bitsandbytes') write them"
+    return "another optimizer's state"
+
+
 def native_ok(p: torch.Tensor, grad: torch.Tensor, buffers: Sequence[torch.Tensor]) -> bool:
     """Whether the native kernel can take this parameter (else the torch path runs)."""
     return (_native.available() and grad.dtype in NATIVE_DTYPES and grad.device.type == "cpu"
@@ -145,6 +158,44 @@ class FusedOptimizer(torch.optim.Optimizer):
             state["step"] += 1
         else:
             state["step"] = torch.tensor(1.0, dtype=torch.float32)
+
+    def _native_ok(self, p: torch.Tensor, grad: torch.Tensor, bufs: Buffers) -> bool:
+        """Whether the native kernel can take this parameter with these buffers (else the torch path runs)."""
+        return native_ok(p, grad, list(bufs.values()))
+
+    _state_keys: frozenset[str] | None = None   # the per-parameter state keys written (None: not checked)
+    _state_format = ""                          # what they are, for error messages
+
+    def _check_param_state(self, i: int, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """ValueError unless parameter i's saved state fits p: every tensor but 'step' has p's shape."""
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
+                raise ValueError(f"state {k!r} of parameter {i} has shape {list(v.shape)} but the parameter is "
+                                 f"{list(p.shape)}")
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """ValueError, before anything is loaded, unless `state_dict`'s per-parameter states are in this
+        optimizer's format and fit its parameters."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        name = type(self).__name__
+        for i, state in state_dict.get("state", {}).items():
+            if not isinstance(state, dict):
+                continue
+            if self._state_keys is not None and set(state) - self._state_keys:
+                raise ValueError(f"{name} cannot load this state: parameter {i}'s state holds {sorted(state)}, "
+                                 f"{describe_state(set(state))}; {name} keeps {self._state_format}. Load it into "
+                                 "the optimizer that wrote it")
+            if isinstance(i, int) and 0 <= i < len(params):
+                self._check_param_state(i, params[i], state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, after check_state_dict; a group key the writer lacks (a peer's state dict: bitsandbytes'
+        has no decoupled_weight_decay) takes this optimizer's default instead of falling back to none."""
+        self.check_state_dict(state_dict)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
 
     @staticmethod
     def _step_of(state: dict[str, Any]) -> float:
@@ -271,7 +322,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return
         config = self._config(group)
         states = self._states(params, config)
-        native = [i for i, p in enumerate(params) if native_ok(p, grads[i], list(states[i][1].values()))]
+        native = [i for i, p in enumerate(params) if self._native_ok(p, grads[i], states[i][1])]
         if native:
             pick = lambda seq: [seq[i] for i in native]  # noqa: E731
             self._native_step(config, pick(params), pick(grads), pick(states),

@@ -1,0 +1,141 @@
+// Body of one SIMD level's 8-bit Adam kernel.  Included by exactly one
+// translation unit per level after that level's vec_<level>.h; defines, in an
+// anonymous namespace, adam8bit_dispatch<BF16Out>(tensor, coeffs, begin, end).
+//
+// Per block of kQuantBlock elements (adam8bit.h has the arithmetic):
+//   1. per vector: decode m, v; update them, the weight and the shadow; keep the
+//      new m, v in a block buffer (fp32, on the stack) and their running max |.|
+//   2. absmax = that max (NaN ignored, as std::max in bitsandbytes)
+//   3. per vector: code = LUT[int((clamp(x * (1 / absmax), -1, 1) + 1) * 0.5 * 65535 + 0.5)]
+//      (NaN -> -1: vmax/vmin return their second operand for a NaN first one);
+//      a block whose absmax is 0 gets all codes 0
+// kQuantBlock is a multiple of every kWidth, so only a tensor's last, shorter
+// block has a tail: it runs through the vector code on a zero-padded copy.
+#pragma once
+
+#include <cstring>
+
+#include "adam8bit.h"
+#include "kind_dispatch.h"
+
+namespace {
+
+struct Adam8bitVecs {
+  explicit Adam8bitVecs(const rp::Adam8bitCoeffs& c8)
+      : Adam8bitVecs(c8.adam, c8) {}
+  Adam8bitVecs(const rp::AdamCoeffs& c, const rp::Adam8bitCoeffs& c8)
+      : grad_mul(vset(c.grad_mul)), l2_decay(vset(c.l2_decay)), weight_scale(vset(c.weight_scale)),
+        beta1(vset(c8.beta1)), lerp_w(vset(c.lerp_w)), beta2(vset(c.beta2)), sq_w(vset(c.sq_w)),
+        bc2_sqrt(vset(c.bc2_sqrt)), neg_step(vset(c.neg_step)), eps(vset(c.eps)), predict(vset(c.predict)),
+        minus_one(vset(-1.0f)), one(vset(1.0f)), half(vset(0.5f)),
+        last_bin(vset(static_cast<float>(rp::kQuantBins - 1))), maximize(c.maximize), l2(c.l2),
+        decay_weight(c.decay_weight), predicting(c.predicting), t(c8.tables) {}
+  Vec grad_mul, l2_decay, weight_scale, beta1, lerp_w, beta2, sq_w, bc2_sqrt, neg_step, eps, predict;
+  Vec minus_one, one, half, last_bin;
+  bool maximize, l2, decay_weight, predicting;
+  rp::Adam8bitTables t;
+};
+
+// One vector: the weight and shadow updated in place, the new m and v stored to m_out / v_out.
+template <class GK, class SK>
+inline void update_vector(const Adam8bitVecs& k, Vec absmax1, Vec absmax2, float* p, const typename GK::T* g,
+                          const uint8_t* q1, const uint8_t* q2, float* m_out, float* v_out, typename SK::T* s) {
+  Vec grad = vmul(GK::load(g), k.grad_mul);
+  if (k.maximize) grad = vmul(grad, k.minus_one);
+  const Vec before = F32K::load(p);
+  Vec param = before;
+  if (k.l2) grad = vfma(param, k.l2_decay, grad);
+  const Vec m_old = vmul(vgather(k.t.code1, vload_u8(q1)), absmax1);
+  const Vec v_old = vmul(vgather(k.t.code2, vload_u8(q2)), absmax2);
+  const Vec m = vfma(grad, k.lerp_w, vmul(m_old, k.beta1));
+  const Vec v = vfma(vmul(k.sq_w, grad), grad, vmul(v_old, k.beta2));
+  const Vec denom = vadd(vdiv(vsqrt(v), k.bc2_sqrt), k.eps);
+  if (k.decay_weight) param = vmul(param, k.weight_scale);
+  param = vadd(param, vdiv(vmul(k.neg_step, m), denom));
+  F32K::store(p, param);
+  SK::store(s, k.predicting ? vfma(vsub(param, before), k.predict, param) : param);
+  F32K::store(m_out, m);
+  F32K::store(v_out, v);
+}
+
+inline VecI code_of(const Adam8bitVecs& k, Vec x, Vec inv_absmax, const uint8_t* lut) {
+  const Vec y = vmin(vmax(vmul(x, inv_absmax), k.minus_one), k.one);
+  return vgather_u8(lut, vtrunc(vadd(vmul(vmul(vadd(y, k.one), k.half), k.last_bin), k.half)));
+}
+
+// Codes of values[0, len) (whole vectors readable, zero past len) into out[0, len).
+inline void encode_block(const Adam8bitVecs& k, const float* values, size_t len, float absmax, const uint8_t* lut,
+                         uint8_t* out) {
+  if (absmax == 0.0f) {
+    std::memset(out, 0, len);
+    return;
+  }
+  const Vec inv = vset(1.0f / absmax);
+  size_t i = 0;
+  for (; i + kWidth <= len; i += kWidth) vstore_u8(out + i, code_of(k, F32K::load(values + i), inv, lut));
+  if (i == len) return;
+  alignas(64) uint8_t codes[kWidth];
+  vstore_u8(codes, code_of(k, F32K::load(values + i), inv, lut));
+  std::memcpy(out + i, codes, len - i);
+}
+
+template <class GK, class SK>
+void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, size_t begin, size_t end) {
+  using G = typename GK::T;
+  using S = typename SK::T;
+  const Adam8bitVecs k(c);
+  const G* grad = static_cast<const G*>(t.grad);
+  S* shadow = static_cast<S*>(t.shadow);
+  for (size_t b0 = begin; b0 < end; b0 += rp::kQuantBlock) {
+    const size_t len = end - b0 < rp::kQuantBlock ? end - b0 : rp::kQuantBlock;
+    const size_t block = b0 / rp::kQuantBlock;
+    float* p = t.param + b0;
+    const G* g = grad + b0;
+    uint8_t* q1 = t.state1 + b0;
+    uint8_t* q2 = t.state2 + b0;
+    S* s = shadow ? shadow + b0 : nullptr;
+    const Vec absmax1 = vset(t.absmax1[block]), absmax2 = vset(t.absmax2[block]);
+    alignas(64) float m[rp::kQuantBlock], v[rp::kQuantBlock];
+    Vec max1 = vset(0.0f), max2 = vset(0.0f);
+    size_t i = 0;
+    for (; i + kWidth <= len; i += kWidth) {
+      update_vector<GK, SK>(k, absmax1, absmax2, p + i, g + i, q1 + i, q2 + i, m + i, v + i, s ? s + i : nullptr);
+      max1 = vmax(vabs(F32K::load(m + i)), max1);
+      max2 = vmax(vabs(F32K::load(v + i)), max2);
+    }
+    if (i < len) {
+      // The tail on zero-padded copies; the padding lanes' m and v are zeroed before
+      // they reach the maxima and the codes.  Aligned: a shadow kind may stream.
+      const size_t r = len - i;
+      alignas(64) float tp[kWidth] = {};
+      alignas(64) G tg[kWidth] = {};
+      alignas(64) uint8_t t1[kWidth] = {}, t2[kWidth] = {};
+      alignas(64) S ts[kWidth] = {};
+      std::memcpy(tp, p + i, r * sizeof(float));
+      std::memcpy(tg, g + i, r * sizeof(G));
+      std::memcpy(t1, q1 + i, r);
+      std::memcpy(t2, q2 + i, r);
+      update_vector<GK, SK>(k, absmax1, absmax2, tp, tg, t1, t2, m + i, v + i, ts);
+      std::memset(m + len, 0, (kWidth - r) * sizeof(float));
+      std::memset(v + len, 0, (kWidth - r) * sizeof(float));
+      std::memcpy(p + i, tp, r * sizeof(float));
+      if (s) std::memcpy(s + i, ts, r * sizeof(S));
+      max1 = vmax(vabs(F32K::load(m + i)), max1);
+      max2 = vmax(vabs(F32K::load(v + i)), max2);
+    }
+    const float new_absmax1 = vreduce_max(max1), new_absmax2 = vreduce_max(max2);
+    t.absmax1[block] = new_absmax1;
+    t.absmax2[block] = new_absmax2;
+    encode_block(k, m, len, new_absmax1, k.t.lut1, q1);
+    encode_block(k, v, len, new_absmax2, k.t.lut2, q2);
+  }
+}
+
+template <class BF16Out>
+void adam8bit_dispatch(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, size_t begin, size_t end) {
+  with_kinds<BF16Out>(t.grad_dtype, t.shadow, t.shadow_dtype, [&](auto gk, auto sk) {
+    adam8bit_typed<decltype(gk), decltype(sk)>(t, c, begin, end);
+  });
+}
+
+}  // namespace
