@@ -9,6 +9,7 @@ with a split backward).
     metrics    bubble ratio split into fill / switch / drain / steady, for any Trace
     simulate   simulate(schedule, costs, workers, microbatches, ...) -> Result
     allreduce  AllReduce: data-parallel ranks and their bucketed ring all-reduce of gradients
+    uploads    Uploads: each stage's weight bytes over a PCIe bandwidth, overlapping compute
     scaling    data_parallel(...): one rank's iteration time with the reduction, scaling vs 1 rank
     tune       best_partition / tuned_plan: the planner's candidates ranked by simulation
     cli        `roundpipe simulate`;  timeline: `roundpipe timeline TRACE --png FILE`
@@ -19,6 +20,7 @@ from roundpipe.sim.metrics import Bubbles, bubbles
 from roundpipe.sim.simulate import SCHEDULES, Result, roundpipe_sizes, simulate
 from roundpipe.sim.scaling import DataParallelResult, data_parallel
 from roundpipe.sim.tune import best_partition, tuned_plan
+from roundpipe.sim.uploads import Uploads
 
 __all__ = ["AllReduce", "ring_time", "DataParallelResult", "data_parallel", "Costs", "sizes_from_plan", "Bubbles",
-           "bubbles", "SCHEDULES", "Result", "roundpipe_sizes", "simulate", "best_partition", "tuned_plan"]
+           "bubbles", "SCHEDULES", "Result", "roundpipe_sizes", "simulate", "best_partition", "tuned_plan", "Uploads"]

@@ -47,6 +47,12 @@ for that layer's update).  The slack is therefore less than an iteration: with
 Costs.uniform(16, 1, 2, head 4/8, comm 0.05), 4 workers and 8 microbatches
 (T = 160 per iteration), a reduction R <= 0.65 T is hidden, R = 0.9 T adds
 0.14 T, and from about R = 1.4 T on the reductions set the period (exposed R - T).
+
+Weight uploads (`uploads`, roundpipe.sim.uploads): each GPU gets a copy worker
+("GPU w upload", after the all-reduce worker if any) that uploads a slot's bytes
+while the GPU computes the slot before it, one slot ahead (the prefetch); the
+slot's first task waits for its upload.  Without `uploads` the weights are
+assumed there in time, as before.
 """
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ from typing import Sequence
 from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs, check_sizes
 from roundpipe.sim.events import Schedule, Task
+from roundpipe.sim.uploads import Uploads
 
 
 def default_round_size(workers: int) -> int:
@@ -64,10 +71,12 @@ def default_round_size(workers: int) -> int:
 
 def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: Sequence[int],
                        backward: Sequence[int], iterations: int = 1, round_size: int | None = None,
-                       g0: int = 0, allreduce: AllReduce | None = None, split_w: bool = False) -> Schedule:
+                       g0: int = 0, allreduce: AllReduce | None = None, split_w: bool = False,
+                       uploads: Uploads | None = None) -> Schedule:
     """Builds `iterations` RoundPipe iterations; `backward[0]` is the fused stage (may be 0 layers).
 
-    With `allreduce` over W > 1 ranks, worker N (named "all-reduce") runs each iteration's reduction."""
+    With `allreduce` over W > 1 ranks, worker N (named "all-reduce") runs each iteration's reduction;
+    with `uploads`, the next N workers ("GPU w upload") run each GPU's weight uploads."""
     N, M, L = workers, microbatches, costs.num_layers
     backward = check_sizes("backward", backward, L, allow_empty_first=True)
     forward = check_sizes("forward", forward, L - backward[0])
@@ -93,10 +102,17 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
     meta = {"forward": list(forward), "backward": list(backward), "round_size": round_size}
     if buckets:
         meta["ranks"] = allreduce.ranks
+    if uploads is not None and uploads.num_layers != L:
+        raise ValueError(f"uploads has bytes for {uploads.num_layers} layers but the model has {L}")
     name = ("roundpipe" if iterations == 1 else "roundpipe-async") + ("-zb" if split_w else "")
     meta["w_fraction"] = costs.w_fraction if split_w else 0.0
-    sched = Schedule(name, N + (1 if buckets else 0), meta=meta,
-                     names={N: "all-reduce"} if buckets else {})
+    names = {N: "all-reduce"} if buckets else {}
+    up_base = N + (1 if buckets else 0)
+    if uploads is not None:
+        meta["upload_gbps"] = uploads.bandwidth(N) / 1e9
+        names.update({up_base + w: f"GPU {w} upload" for w in range(N)})
+    sched = Schedule(name, up_base + (N if uploads is not None else 0), meta=meta, names=names)
+    held: list[list[int]] = [[] for _ in range(N)]   # per GPU, the last compute task of each slot it ran
     ids: dict[tuple, object] = {}  # task ids, and per ("done", it, j) lists
     slots = [("F", j) for j in range(k)] + [("B", j) for j in range(len(backward))]
     g = g0
@@ -105,8 +121,21 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
             mbs = range(first, min(first + round_size, M))
             for i, (phase, j) in enumerate(slots):
                 w = (g + i) % N
+                up = None
+                if uploads is not None:
+                    layers = fwd_ranges[j] if phase == "F" else bwd_ranges[j]
+                    nbytes = uploads.slot_bytes(layers, len(mbs), phase == "B", head=(phase, j) == ("B", 0))
+                    # the memory it is uploaded into is free once the slot before the previous one ended
+                    deps = [(held[w][-2], False)] if len(held[w]) >= 2 else []
+                    up = sched.add(Task(up_base + w, f"{phase}{j + 1} upload", "copy",
+                                        nbytes / uploads.bandwidth(N), f"{phase}{j + 1}", mbs[0], it, deps))
+                    sched.meta["upload_bytes"] = sched.meta.get("upload_bytes", 0.0) + nbytes
                 for m in mbs:
+                    first = len(sched.tasks)
                     _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused, split_w)
+                    if up is not None and m == mbs[0]:
+                        sched.tasks[first].deps.append((up, False))
+                held[w].append(ids[phase, it, j, mbs[-1]])
             g += len(slots)
         if buckets:
             _add_reduction(sched, ids, N, it, len(backward), buckets, allreduce.bucket_times())

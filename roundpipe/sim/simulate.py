@@ -20,6 +20,11 @@ iteration, measured between the ends of the second and of the second-to-last of
 `allreduce` (RoundPipe only) adds the gradient all-reduce of data-parallel ranks
 (roundpipe.sim.roundpipe); the makespan is then one rank's iteration time with it.
 roundpipe.sim.scaling.data_parallel compares that with one rank.
+
+`uploads` (RoundPipe only, roundpipe.sim.uploads) models each slot's weight
+upload as bytes over a PCIe bandwidth on a copy worker per GPU, overlapping the
+previous slot's compute; `Result.upload_bytes` is what crosses PCIe per iteration
+(all GPUs).  Without it weights are assumed on the GPU in time.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from roundpipe.sim.events import Run, simulate as run_schedule
 from roundpipe.sim.metrics import Bubbles, bubbles, span_bubble
 from roundpipe.sim.roundpipe import roundpipe_schedule
 from roundpipe.sim.static import STATIC, default_sizes, static_schedule
+from roundpipe.sim.uploads import Uploads
 from roundpipe.sim.zerobubble import ZERO_BUBBLE, zero_bubble_schedule
 from roundpipe.trace import Trace
 
@@ -48,6 +54,7 @@ class Result:
     exposed_comm: float       # summed seconds workers waited only for communication, per iteration
     partition: object         # stage sizes, or (forward sizes, backward sizes) for RoundPipe
     reduction: float = 0.0    # seconds of gradient all-reduce per iteration (data parallel; 0 for one rank)
+    upload_bytes: float = 0.0 # bytes uploaded over PCIe per iteration, all GPUs (0 without `uploads`)
 
     @property
     def span_bubble(self) -> float:
@@ -77,7 +84,7 @@ def roundpipe_sizes(costs: Costs, workers: int, microbatches: int,
 def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
              partition: Sequence[int] | tuple[Sequence[int], Sequence[int]] | Plan | None = None,
              chunks: int = 2, iterations: int = 6, round_size: int | None = None,
-             allreduce: AllReduce | None = None) -> Result:
+             allreduce: AllReduce | None = None, uploads: Uploads | None = None) -> Result:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
     if not isinstance(costs, Costs):
@@ -88,9 +95,14 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
             raise ValueError(f"{name}={v!r} must be an int >= 1")
     if allreduce is not None and not isinstance(allreduce, AllReduce):
         raise TypeError(f"allreduce={allreduce!r} must be a roundpipe.sim.AllReduce or None")
+    if uploads is not None and not isinstance(uploads, Uploads):
+        raise TypeError(f"uploads={uploads!r} must be a roundpipe.sim.Uploads or None")
     if schedule in STATIC + ZERO_BUBBLE:
         if allreduce is not None:
             raise ValueError(f"allreduce is modelled for 'roundpipe' and 'roundpipe-async' only, not {schedule!r}")
+        if uploads is not None:
+            raise ValueError(f"uploads are modelled for the RoundPipe schedules only; {schedule!r} binds weights "
+                             "to GPUs (nothing is uploaded per stage)")
         if schedule in ZERO_BUBBLE:
             sizes = list(partition) if partition is not None else default_sizes(schedule, costs, workers, 2)
             sched = zero_bubble_schedule(schedule, costs, workers, microbatches, sizes)
@@ -115,11 +127,13 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
         raise ValueError(f"iterations={iterations} must be >= 4 for roundpipe-async (the first and last are "
                          "left out of the steady-state window)")
     run = run_schedule(roundpipe_schedule(costs, workers, microbatches, fwd, bwd, n_it, round_size,
-                                          allreduce=allreduce, split_w=schedule == "roundpipe-zb"), costs.comm)
+                                          allreduce=allreduce, split_w=schedule == "roundpipe-zb", uploads=uploads),
+                       costs.comm)
     reduction = allreduce.time() if allreduce is not None else 0.0
+    uploaded = run.schedule.meta.get("upload_bytes", 0.0) / n_it
     if n_it == 1:
         b = bubbles(run.trace(), (0.0, run.makespan))
-        return Result(schedule, run, run.makespan, b, sum(run.exposed), (fwd, bwd), reduction)
+        return Result(schedule, run, run.makespan, b, sum(run.exposed), (fwd, bwd), reduction, uploaded)
     ends = [0.0] * n_it
     for i, t in enumerate(run.schedule.tasks):
         ends[t.iteration] = max(ends[t.iteration], run.end[i])
@@ -131,4 +145,4 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
     b = bubbles(run.trace(), window)
     per_it = (window[1] - window[0]) / (n_it - 3)
     exposed = sum(x for i, x in enumerate(run.exposed) if window[0] <= run.start[i] < window[1]) / (n_it - 3)
-    return Result(schedule, run, per_it, b, exposed, (fwd, bwd), reduction)
+    return Result(schedule, run, per_it, b, exposed, (fwd, bwd), reduction, uploaded)
