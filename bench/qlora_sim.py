@@ -161,7 +161,8 @@ def model(m: MoEShape, base: str, dequant: str, tokens: int, seq: int, rate: flo
     planner = [LayerCost(0.0, 0.0, int(2 * m.vocab * m.hidden), act, 0)]
     planner += [LayerCost(max(fwd, layer / bw / round_size), max(fwd + bwd, layer / bw / round_size), int(held),
                           int(saved), lora_grads) for _ in range(m.layers)]
-    planner.append(LayerCost(head_mm + loss, 2 * (head_mm + loss), int(head_bytes), int(8 * tokens * m.vocab), 0))
+    # the fused linear + cross-entropy holds a logits chunk of at most 1 GiB and dh (roundpipe.kernels)
+    planner.append(LayerCost(head_mm + loss, 2 * (head_mm + loss), int(head_bytes), (1 << 30) + 4 * act, 0))
     if base == "nf4" and dequant == "per product":   # the largest transient: the experts' gate/up, dequantized
         budget -= 2 * (2 * m.experts * 2 * m.hidden * m.moe_inter)
     return costs, uploads, planner, budget
@@ -184,7 +185,8 @@ def run(m: MoEShape, base: str, dequant: str, mb_seqs: int, args, workers: int =
     per_gpu_link = r.upload_bytes / workers / uploads.bandwidth(workers)
     tps = round_size * tokens / r.makespan
     fwd, bwd = r.partition
-    return {"base": base, "dequant": dequant if base == "nf4" else "-",
+    base_host = m.layers * (layer_upload_bytes(m, base) - 2 * m.lora) + 2 * (2 * m.vocab * m.hidden + m.hidden)
+    return {"base": base, "dequant": dequant if base == "nf4" else "-", "host base GB": base_host / 1e9,
             "PCIe GB/s": uploads.bandwidth(workers) / 1e9, "tokens/mb": tokens,
             "upload GB/iter": r.upload_bytes / 1e9, "iter s": r.makespan, "link busy %": 100 * per_gpu_link / r.makespan,
             "GPU busy %": 100 * (1 - r.bubbles.ratio), "tokens/s": tps, "vs published": tps / PUBLISHED,
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser)
     args = parser.parse_args(argv)
     m = MoEShape()
-    report = Report("qlora_sim", columns=["base", "dequant", "PCIe GB/s", "tokens/mb", "upload GB/iter", "iter s",
+    report = Report("qlora_sim", columns=["base", "dequant", "host base GB", "PCIe GB/s", "tokens/mb", "upload GB/iter", "iter s",
                                           "link busy %", "GPU busy %", "tokens/s", "vs published", "stages"])
     links = [(args.pcie_gbps, args.host_gbps)]
     if args.shared_too and args.host_gbps is None:
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     report.note(f"8 GPUs at {args.tflops:g} TFLOP/s x MFU {args.mfu:g}; seq {args.seq}; PCIe {args.pcie_gbps:g} GB/s "
                 f"per GPU (shared rows: 2 GPUs per x16 link); dequantization {DEQUANT_S_PER_WEIGHT * 1e12:.2f} ps a "
                 f"weight (H200 measurement scaled by copy bandwidth, unmeasured on an RTX 4090)")
+    report.note("host base GB: the frozen model in host memory (bf16 embedding and LM head in both); the LoRA "
+                "masters, optimizer state and gradients add ~1 GB")
     report.note(f"published RoundPipe, 8x RTX 4090, seq 2048: {PUBLISHED:,.0f} tokens/s (not run here)")
     report.finish(args.out, save=not args.no_save)
     return 0
