@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/dispatch.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for every provider (default: torch's own choice)")
+    parser.add_argument("--throughput-only", action="store_true",
+                        help="only the training-throughput rows (RoundPipe against plain PyTorch, interleaved)")
     add_common_args(parser)
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -257,9 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("dispatch", columns=["case", "provider", "stages", "stage-mb", "ms", "torch ms", "us/stage-mb",
                                          "over torch ms", "best over torch ms", "torch._dynamo", "tokens/s",
                                          "vs torch", "best tokens/s", "best vs torch"], device="cpu")
-    startup(report, runs=3 if args.quick else 7)
-    for workers, num_layers, m in [(1, 16, 2), (2, 16, 3), (4, 16, 5), (2, 32, 8)][: 2 if args.quick else None]:
-        overhead(report, workers, num_layers, m, repeat, rounds=1 if args.quick else 3)
+    if not args.throughput_only:
+        startup(report, runs=3 if args.quick else 7)
+        for workers, num_layers, m in [(1, 16, 2), (2, 16, 3), (4, 16, 5), (2, 32, 8)][: 2 if args.quick else None]:
+            overhead(report, workers, num_layers, m, repeat, rounds=1 if args.quick else 3)
     throughput(report, steps=6 if args.quick else 10, rounds=2 if args.quick else 5)
     report.note(f"{torch.get_num_threads()} torch threads; overhead target < 100 us per stage-microbatch; "
                 "start-up rows: fresh interpreters, torch's default threads, target < 500 ms over torch")

@@ -1,7 +1,7 @@
 """The engine's planning policy: partitioner default plan, profiling, re-planning at safe points."""
+import dataclasses
 import time
 
-import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
@@ -326,3 +326,32 @@ def test_size_estimate_counts_fused_attention_not_math_scores(device_type):
     scores = b * 4 * t * t * 4              # 8 MiB per [B, H, T, T] tensor in fp32
     assert cost.act_bytes <= qkv + fused + b * t * 128 * 4 * 2, cost.act_bytes
     assert cost.act_bytes < scores
+
+
+def _microbatches_run(model, x, y, loss_fn) -> int:
+    with model.record_trace() as trace:
+        model.forward_backward(x, labels=y, loss_fn=loss_fn)
+    return len({e.name.split()[-1] for e in trace.events if e.cat != "copy"})   # "mb0", "mb1", ...
+
+
+def test_a_model_that_fits_one_worker_trains_unsplit_without_recompute():
+    """No penalty when the model fits (issue 30 item 5): one worker, no num_microbatches, the whole batch's fused
+    stage within the budget: the call runs as one microbatch in one fused stage (activations kept, nothing
+    recomputed), gradients equal PyTorch's; a cap the whole batch does not fit, an explicit num_microbatches
+    or two workers split as before."""
+    from roundpipe.models.tiny_decoder import loss_fn
+    cfg = DecoderConfig(hidden=64, layers=3, heads=2)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (8, 64), generator=gen) for _ in range(2))
+    with rp.RoundPipe(build_layers(cfg, seed=0), devices=["cpu"]) as model:
+        assert _microbatches_run(model, x, y, loss_fn) == 1
+        assert model.plan == rp.Plan(forward=[], backward=[range(0, len(model.module))])
+        model.synchronize()
+        ref = torch.nn.Sequential(*build_layers(cfg, seed=0))
+        loss_fn(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    for kwargs in (dict(devices=["cpu"], device_memory=3 << 20), dict(devices=["cpu"], num_microbatches=2),
+                   dict(devices=["cpu"] * 2)):
+        with rp.RoundPipe(build_layers(cfg, seed=0), **kwargs) as model:
+            assert _microbatches_run(model, x, y, loss_fn) > 1, kwargs

@@ -55,7 +55,7 @@ from roundpipe.engine.microbatch import tree_leaves, tree_map
 from roundpipe.engine.plan import Plan
 from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective
 from roundpipe.planner.costs import BWD_PER_FWD
-from roundpipe.planner.memory import LayerMemory, layer_memory
+from roundpipe.planner.memory import LayerMemory, backward_bytes, layer_memory
 from roundpipe.planner.partition import LayerTooLarge, partition_for_cap
 
 # Rough device rates for the size-based estimate.  Only their ratio matters: once
@@ -360,6 +360,8 @@ class AutoPlanner:
         self._events: dict[int, list[tuple]] = {}   # call key -> its timing events (calls overlap)
         self._lock = threading.Lock()
         self._memory: list[LayerMemory] | None = None   # layer_memory for a fixed plan
+        self._whole: tuple[bool, int] | None = None      # whole_batch's decision: (fits, batch size)
+        self._first_costs: list[LayerCost] | None = None  # its dry run, which the first call's plan reuses
         if fixed is not None:
             self.plan = fixed
         elif not config.enabled:
@@ -417,6 +419,26 @@ class AutoPlanner:
         n = call - self.config.warmup
         return n >= 0 and (self.config.profile is None or n < self.config.profile)
 
+    def whole_batch(self, sample: tuple[tuple, dict], batch: int, loss: tuple[Callable, Any] | None) -> bool:
+        """No penalty when the model fits (docs/planner.md): with one worker, True when the whole batch
+        trains in one fused stage within the budget (weights, fp32 gradients, every layer's activations
+        and the loss's workspace; no budget: always), so the call runs unsplit and keeps its activations
+        instead of recomputing them, plain PyTorch's work.  Decided at the first training call from a dry
+        run of the whole batch (which its plan then reuses); a later, larger batch is split as before."""
+        if self.workers != 1 or not self.enabled:
+            return False
+        if self._whole is None:
+            fits = False
+            if self.replanner is None:   # a forward-only first call planned already: keep its plan
+                costs = size_costs(self.layers, sample, self.compute_dtype, self.device_type, loss)
+                need = sum(c.param_bytes + c.grads for c in costs) + backward_bytes(
+                    layer_memory(costs), range(len(costs)), fused=True)
+                fits = self.memory_budget is None or need <= self.memory_budget
+                self._first_costs = costs if fits else None
+            self._whole = (fits, batch)
+        fits, size = self._whole
+        return fits and batch <= size
+
     def before_call(self, sample: tuple[tuple, dict], num_microbatches: int, training: bool,
                     loss: tuple[Callable, Any] | None = None) -> Plan:
         """The plan of the call about to start (the only place the plan changes); `loss`: its
@@ -424,8 +446,10 @@ class AutoPlanner:
         if not self.enabled:
             return self.plan
         if self.replanner is None:   # first call: the size-based plan for these inputs
-            self.profiler = Profiler(size_costs(self.layers, sample, self.compute_dtype, self.device_type, loss),
-                                     alpha=self.config.alpha)
+            costs, self._first_costs = self._first_costs, None
+            if costs is None:
+                costs = size_costs(self.layers, sample, self.compute_dtype, self.device_type, loss)
+            self.profiler = Profiler(costs, alpha=self.config.alpha)
             self.replanner = self._bounded(lambda budget: Replanner(
                 self.profiler, self.workers, num_microbatches, budget, self.config.threshold, self._solver),
                 self.profiler.costs())

@@ -39,7 +39,7 @@ from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_collected
 from roundpipe.engine.host_state import HostState
-from roundpipe.engine.microbatch import SplitFn, merge, split, tensors, tree_map
+from roundpipe.engine.microbatch import SplitFn, batch_size_of, merge, split, tensors, tree_map
 from roundpipe.engine.plan import Plan
 from roundpipe.engine.precision import Precision, resolve as resolve_precision
 from roundpipe.engine.recompute import draw_base
@@ -293,8 +293,13 @@ class RoundPipe:
                 raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
             if labels is not None and loss_fn is None:
                 raise ValueError("labels were given but loss_fn is None; pass loss_fn(output, labels)")
+            required = loss_fn is not None and labels is not None
             mb = split(args, kwargs, labels, self.num_microbatches, self.round_size, self.split_fn,
-                       labels_required=loss_fn is not None and labels is not None)
+                       labels_required=required)
+            if (len(mb) > 1 and self.num_microbatches is None and self.split_fn is None
+                    and self.autoplan.whole_batch((args, kwargs), batch_size_of((args, kwargs)),
+                                                  (self._as_run(loss_fn), labels) if loss_fn is not None else None)):
+                mb = split(args, kwargs, labels, 1, 1, labels_required=required)   # the model fits: unsplit
             mb.reduction = self.loss_reduction
             ctx = self._run(mb, training=True, loss_fn=loss_fn)
             losses = []
