@@ -314,3 +314,77 @@ def test_train_hf_lora_quantize_command(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--hf", str(tmp_path / "model"), "--steps", "1", "--quantize", "fp4"])
     assert e.value.code == 2 and "give lora" in capsys.readouterr().err
+
+
+def test_quant_state_is_cached_without_holding_the_buffers():
+    """quant_state is the same object while its buffers are; a rebinding (as a worker's replica does) gives a
+    state over the new buffers, and the cache keeps neither the old buffers nor the state alive."""
+    import pickle
+    import weakref
+
+    torch.manual_seed(0)
+    q = QuantLinear.from_linear(nn.Linear(64, 96, bias=False).requires_grad_(False))
+    first = q.quant_state
+    assert q.quant_state is first
+    expected = rp.quant.dequantize(first, torch.float32)
+    old = weakref.ref(q._buffers["weight"])
+    q._buffers["weight"] = q._buffers["weight"].clone()
+    rebound = q.quant_state
+    assert rebound is not first and rebound.data is q._buffers["weight"]
+    del first
+    assert old() is None
+    gone = weakref.ref(rebound)
+    del rebound
+    assert gone() is None
+    again = q.quant_state   # rebuilt over the same buffers without re-validation
+    assert again.data is q._buffers["weight"] and again.absmax is q._buffers["absmax"]
+    assert again.shape == torch.Size([96, 64]) and again.quant_type == "nf4" and again.double_quant
+    torch.testing.assert_close(rp.quant.dequantize(again, torch.float32), expected, rtol=0, atol=0)
+    x = torch.randn(3, 64)
+    for other in (copy.deepcopy(q), pickle.loads(pickle.dumps(q))):
+        torch.testing.assert_close(other(x), q(x), rtol=0, atol=0)
+
+
+def test_constant_fingerprint_sees_dtype_shape_and_sampled_bytes():
+    """The fingerprint of a constant buffer changes with its dtype, its shape and a byte it samples."""
+    from roundpipe.engine.checkpoint import fingerprint
+
+    t = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    base = fingerprint(t)
+    assert fingerprint(t.clone()) == base
+    assert fingerprint(t.view(torch.int8)) != base
+    assert fingerprint(t.view(1024, 1024)) != base
+    for i in (0, t.numel() - 1, 5 * (t.numel() - 1024) // 63):
+        u = t.clone()
+        u[i] ^= 1
+        assert fingerprint(u) != base, i
+    small = torch.zeros(300, dtype=torch.float32)
+    changed = small.clone()
+    changed[137] = 1.0
+    assert fingerprint(small) != fingerprint(changed)   # small tensors are hashed whole
+
+
+def test_checkpoint_refuses_a_model_over_another_base(saved, tmp_path):
+    """A checkpoint records fingerprints of the base it left out: loading it into a model over another base (FP4
+    instead of NF4) is a ValueError naming the layer and the buffer before anything changes; without the record
+    (an older checkpoint) it loads."""
+    with rp.hf.wrap(qlora(saved["llama"]), devices=["cpu"]) as model:
+        ids, mask, labels = batch("right", b=2, t=8)
+        model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
+        model.synchronize()
+        model.save_checkpoint(tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / "checkpoint.json").read_text())
+    constants = manifest["constants"]
+    assert constants and all(set(v) == {"layer", "fingerprint"} for v in constants.values())
+    assert any(n.endswith("q_proj.base_layer.weight") for n in constants)
+    with rp.hf.wrap(qlora(saved["llama"], quant_type="fp4"), devices=["cpu"]) as other:
+        before = {n: p.detach().clone() for n, p in other.named_parameters()}
+        with pytest.raises(ValueError, match=r"layer \d+: the constant buffer '[^']*base_layer\.weight' differs"):
+            other.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
+    with rp.hf.wrap(qlora(saved["llama"]), devices=["cpu"]) as same:
+        same.load_checkpoint(tmp_path / "ckpt")
+    del manifest["constants"]
+    (tmp_path / "ckpt" / "checkpoint.json").write_text(json.dumps(manifest))
+    with rp.hf.wrap(qlora(saved["llama"], quant_type="fp4"), devices=["cpu"]) as other:
+        other.load_checkpoint(tmp_path / "ckpt")

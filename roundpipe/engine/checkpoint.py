@@ -7,7 +7,8 @@
 A checkpoint is a directory:
 
     checkpoint.json       format and version, every file's size, the engine's counters, the
-                          pending step, the loss scaler, the plan (for inspection)
+                          pending step, the loss scaler, the plan (for inspection), and a
+                          fingerprint of each constant buffer left out (`constants`, below)
     model.safetensors     the masters and buffers under the model's own names (state_dict);
                           a tensor shared by several names is stored once (metadata `aliases`);
                           constant buffers (a 4-bit base's packed weights: host_state.py) are
@@ -43,6 +44,14 @@ The RNG: each call draws its dropout seed from the caller's CPU generator
 layer from it, so the caller's generator state is the only random state the
 engine depends on; it is saved and restored (loading sets it).
 
+Constant buffers are left out but fingerprinted: `constants` maps each one's name to
+its layer and a hash of its dtype, shape and bytes, of all of them up to 64 KiB and of
+64 evenly spaced 1 KiB slices above that (O(1) a tensor: a full pass over a 235B
+model's 123 GB of NF4 would add seconds to every save).  Loading into a model whose
+base differs (another model, another quantization) is then a ValueError naming the
+layer and the buffer; a few changed bytes between the samples go unseen.  Checkpoints
+written before the fingerprints load without the check.
+
 Files are written to a temporary directory beside the target and renamed into
 place; loading checks every file's size against the manifest, every tensor's
 name, shape and dtype against the model, and the format version before it
@@ -50,6 +59,7 @@ changes anything, with a ValueError naming the file and the mismatch.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -73,6 +83,46 @@ def _saved_state(model: "RoundPipe") -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds: the model's named state but its constant buffers."""
     constants = {id(b) for st in model.host.layers for b in st.constants}
     return {name: t for name, t in model._named_state().items() if id(t) not in constants}
+
+
+def fingerprint(t: torch.Tensor) -> str:
+    """A hash of a host tensor's dtype, shape and bytes (all up to 64 KiB, else 64 spaced 1 KiB slices)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    h = hashlib.blake2b(f"{t.dtype} {list(t.shape)}".encode(), digest_size=16)
+    n, piece, pieces = raw.size, 1024, 64
+    if n <= piece * pieces:
+        h.update(raw.tobytes())
+    else:
+        for i in range(pieces):
+            start = i * (n - piece) // (pieces - 1)
+            h.update(raw[start:start + piece].tobytes())
+    return h.hexdigest()
+
+
+def _constants(model: "RoundPipe") -> dict[str, dict]:
+    """name -> {"layer", "fingerprint"} of every constant buffer a checkpoint leaves out."""
+    layer_of = {id(b): l for l, st in enumerate(model.host.layers) for b in st.constants}
+    return {name: {"layer": layer_of[id(t)], "fingerprint": fingerprint(t)}
+            for name, t in model._named_state().items() if id(t) in layer_of}
+
+
+def _check_constants(model: "RoundPipe", saved: dict | None, mpath: str) -> None:
+    """The model's constant buffers are those the checkpoint was saved over (None: not recorded)."""
+    if saved is None:
+        return
+    mine = _constants(model)
+    for name in sorted(set(saved) | set(mine)):
+        if name not in mine:
+            raise ValueError(f"load_checkpoint: {mpath} was saved over a constant buffer {name!r} (layer "
+                             f"{saved[name]['layer']}) that this model does not have; wrap the same quantized base "
+                             "the checkpoint was saved with (checkpoints leave the base out)")
+        if name not in saved:
+            raise ValueError(f"load_checkpoint: layer {mine[name]['layer']} of this model has a constant buffer "
+                             f"{name!r} that {mpath} was not saved over (a base quantized here but not there?)")
+        if saved[name]["fingerprint"] != mine[name]["fingerprint"]:
+            raise ValueError(f"load_checkpoint: layer {mine[name]['layer']}: the constant buffer {name!r} differs "
+                             f"from the one {mpath} was saved over (dtype, shape or packed bytes); load it into a "
+                             "model wrapped over the same quantized base (checkpoints leave the base out)")
 
 
 def _unique_state(model: "RoundPipe") -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
@@ -168,7 +218,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
                         "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
                         "pending_step": step, "loss_scale": _scaler_state(model, pending),
                         "grads_unscaled": [st.inv_scale for st in model.host.layers],
-                        "latest_asynchronous": model._latest_async,
+                        "latest_asynchronous": model._latest_async, "constants": _constants(model),
                         "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
                                  "backward": [[r.start, r.stop] for r in model.plan.backward]}}
             with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -336,6 +386,7 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
     if manifest["num_layers"] != len(model.host):
         raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)} is of a model with {manifest['num_layers']} "
                          f"layers; this one has {len(model.host)}")
+    _check_constants(model, manifest.get("constants"), os.path.join(path, MANIFEST))
     if optimizer is not None and model.shards is not None:
         model.shards.adopt(optimizer)   # its groups hold this rank's slices, as the saved state does
     opt_state = _load_obj(os.path.join(path, opt_file)) if optimizer is not None else None
