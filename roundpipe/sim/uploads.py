@@ -39,11 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-
-def _check(name: str, v: object, positive: bool = False) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 if positive else v >= 0):
-        raise ValueError(f"{name}={v!r} must be a number {'> 0' if positive else '>= 0'}")
-    return float(v)
+from roundpipe.sim.allreduce import _check
 
 
 @dataclass(frozen=True)
