@@ -10,12 +10,14 @@ with a split backward).
     simulate   simulate(schedule, costs, workers, microbatches, ...) -> Result
     allreduce  AllReduce: data-parallel ranks and their bucketed ring all-reduce of gradients
     uploads    Uploads: each stage's weight bytes over a PCIe bandwidth, overlapping compute
+    hoststep   HostStep: the optimizer step on the host (whole or per layer, synchronous or one step stale)
     scaling    data_parallel(...): one rank's iteration time with the reduction, scaling vs 1 rank
     tune       best_partition / tuned_plan: the planner's candidates ranked by simulation
     cli        `roundpipe simulate`;  timeline: `roundpipe timeline TRACE --png FILE`
 """
 from roundpipe.sim.allreduce import AllReduce, ring_time
 from roundpipe.sim.costs import Costs, sizes_from_plan
+from roundpipe.sim.hoststep import HostStep, HostStepResult, host_step
 from roundpipe.sim.metrics import Bubbles, bubbles
 from roundpipe.sim.simulate import SCHEDULES, Result, roundpipe_sizes, simulate
 from roundpipe.sim.scaling import DataParallelResult, data_parallel
@@ -23,4 +25,5 @@ from roundpipe.sim.tune import best_partition, tuned_plan
 from roundpipe.sim.uploads import Uploads
 
 __all__ = ["AllReduce", "ring_time", "DataParallelResult", "data_parallel", "Costs", "sizes_from_plan", "Bubbles",
-           "bubbles", "SCHEDULES", "Result", "roundpipe_sizes", "simulate", "best_partition", "tuned_plan", "Uploads"]
+           "bubbles", "SCHEDULES", "Result", "roundpipe_sizes", "simulate", "best_partition", "tuned_plan", "Uploads",
+           "HostStep", "HostStepResult", "host_step"]

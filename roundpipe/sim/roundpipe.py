@@ -53,6 +53,13 @@ Weight uploads (`uploads`, roundpipe.sim.uploads): each GPU gets a copy worker
 while the GPU computes the slot before it, one slot ahead (the prefetch); the
 slot's first task waits for its upload.  Without `uploads` the weights are
 assumed there in time, as before.
+
+Host optimizer step (`host_step`, roundpipe.sim.hoststep): one more worker ("host
+step", after the upload workers if any) runs each iteration's step, whole or per
+layer; iteration t + `lag`'s work on a layer (and its upload) waits for that
+layer's step in iteration t.  `lag` is 2 for the one-step-stale asynchronous
+step, 1 for the synchronous one (then the iterations flow only as far as the
+updates allow: the first forward stage waits for layer 0's step).
 """
 from __future__ import annotations
 
@@ -61,6 +68,7 @@ from typing import Sequence
 from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs, check_sizes
 from roundpipe.sim.events import Schedule, Task
+from roundpipe.sim.hoststep import HostStep
 from roundpipe.sim.uploads import Uploads
 
 
@@ -72,11 +80,14 @@ def default_round_size(workers: int) -> int:
 def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: Sequence[int],
                        backward: Sequence[int], iterations: int = 1, round_size: int | None = None,
                        g0: int = 0, allreduce: AllReduce | None = None, split_w: bool = False,
-                       uploads: Uploads | None = None) -> Schedule:
+                       uploads: Uploads | None = None, host_step: HostStep | None = None,
+                       lag: int = 2) -> Schedule:
     """Builds `iterations` RoundPipe iterations; `backward[0]` is the fused stage (may be 0 layers).
 
     With `allreduce` over W > 1 ranks, worker N (named "all-reduce") runs each iteration's reduction;
-    with `uploads`, the next N workers ("GPU w upload") run each GPU's weight uploads."""
+    with `uploads`, the next N workers ("GPU w upload") run each GPU's weight uploads; with `host_step`,
+    the worker after those ("host step") runs the optimizer step.  Iteration t's work on a layer waits
+    for the update of iteration t - `lag` (2: one step stale; 1: synchronous)."""
     N, M, L = workers, microbatches, costs.num_layers
     backward = check_sizes("backward", backward, L, allow_empty_first=True)
     forward = check_sizes("forward", forward, L - backward[0])
@@ -85,6 +96,10 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
         raise ValueError(f"round_size={round_size!r} must be an int >= 1 (microbatches per round)")
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations={iterations!r} must be an int >= 1")
+    if lag not in (1, 2):
+        raise ValueError(f"lag={lag!r} must be 1 (synchronous step) or 2 (one step stale)")
+    if host_step is not None and host_step.num_layers != L:
+        raise ValueError(f"host_step has parameters for {host_step.num_layers} layers (+ head) but the model has {L}")
     k = len(forward)
     fwd_ranges = [range(sum(forward[:j]), sum(forward[:j + 1])) for j in range(k)]
     top = L
@@ -104,14 +119,18 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
         meta["ranks"] = allreduce.ranks
     if uploads is not None and uploads.num_layers != L:
         raise ValueError(f"uploads has bytes for {uploads.num_layers} layers but the model has {L}")
-    name = ("roundpipe" if iterations == 1 else "roundpipe-async") + ("-zb" if split_w else "")
+    name = ("roundpipe" if iterations == 1 or lag == 1 else "roundpipe-async") + ("-zb" if split_w else "")
     meta["w_fraction"] = costs.w_fraction if split_w else 0.0
     names = {N: "all-reduce"} if buckets else {}
     up_base = N + (1 if buckets else 0)
     if uploads is not None:
         meta["upload_gbps"] = uploads.bandwidth(N) / 1e9
         names.update({up_base + w: f"GPU {w} upload" for w in range(N)})
-    sched = Schedule(name, up_base + (N if uploads is not None else 0), meta=meta, names=names)
+    host = up_base + (N if uploads is not None else 0)
+    if host_step is not None:
+        meta["host_step"] = host_step.policy
+        names[host] = "host step"
+    sched = Schedule(name, host + (1 if host_step is not None else 0), meta=meta, names=names)
     held: list[list[int]] = [[] for _ in range(N)]   # per GPU, the last compute task of each slot it ran
     ids: dict[tuple, object] = {}  # task ids, and per ("done", it, j) lists
     slots = [("F", j) for j in range(k)] + [("B", j) for j in range(len(backward))]
@@ -127,20 +146,53 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
                     nbytes = uploads.slot_bytes(layers, len(mbs), phase == "B", head=(phase, j) == ("B", 0))
                     # the memory it is uploaded into is free once the slot before the previous one ended
                     deps = [(held[w][-2], False)] if len(held[w]) >= 2 else []
+                    deps += _updated(ids, it - lag, layers, (phase, j) == ("B", 0))  # the P-copy of its layers
                     up = sched.add(Task(up_base + w, f"{phase}{j + 1} upload", "copy",
                                         nbytes / uploads.bandwidth(N), f"{phase}{j + 1}", mbs[0], it, deps))
                     sched.meta["upload_bytes"] = sched.meta.get("upload_bytes", 0.0) + nbytes
                 for m in mbs:
                     first = len(sched.tasks)
-                    _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused, split_w)
+                    _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused, split_w,
+                              lag)
                     if up is not None and m == mbs[0]:
                         sched.tasks[first].deps.append((up, False))
                 held[w].append(ids[phase, it, j, mbs[-1]])
             g += len(slots)
         if buckets:
             _add_reduction(sched, ids, N, it, len(backward), buckets, allreduce.bucket_times())
+        if host_step is not None:
+            _add_host_step(sched, ids, host, it, bwd_ranges, host_step)
     return sched
 
+
+def _updated(ids, it, layers, head) -> list[tuple[int, bool]]:
+    """Dependencies on the host steps of `layers` (+ the LM head) in iteration `it` (none before the first)."""
+    if it < 0:
+        return []
+    stop = layers.stop + (1 if head else 0)
+    return [(ids["step", it, l], False) for l in range(layers.start, stop) if ("step", it, l) in ids]
+
+
+def _add_host_step(sched, ids, worker, it, bwd_ranges, step) -> None:
+    """Iteration `it`'s optimizer step on the host `worker`: whole, or per layer as each stage's gradients land."""
+    L = step.num_layers
+
+    def reduced(layers):
+        return [(ids["reduced", it, l], False) for l in layers if ("reduced", it, l) in ids]
+
+    if step.policy == "whole":
+        deps = [(i, False) for j in range(len(bwd_ranges)) for i in ids["done", it, j]] + reduced(range(L + 1))
+        i = sched.add(Task(worker, "step", "optimizer", step.time(), "step", 0, it, deps))
+        for l in range(L + 1):
+            ids["step", it, l] = i
+        return
+    for j, r in enumerate(bwd_ranges):
+        landed = [(i, False) for i in ids["done", it, j]]   # a stage's gradients download after its last microbatch
+        for l in ([L] if j == 0 else []) + list(reversed(r)):
+            name = "step head" if l == L else f"step L{l}"
+            ids["step", it, l] = sched.add(Task(worker, name, "optimizer", step.layer_time(l), "step", l, it,
+                                                landed + reduced([l])))
+            landed = []
 
 def _add_reduction(sched, ids, worker, it, stages, buckets, seconds) -> None:
     """The all-reduce of iteration `it`: buckets in order on `worker`, after every task of `it` has ended."""
@@ -151,17 +203,19 @@ def _add_reduction(sched, ids, worker, it, stages, buckets, seconds) -> None:
             ids["reduced", it, layer] = i
 
 
-def _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused, split_w) -> None:
+def _add_slot(sched, ids, costs, w, phase, j, m, it, fwd_ranges, bwd_ranges, producer, fused, split_w,
+              lag=2) -> None:
     """Adds microbatch m of slot (phase, j) of iteration `it` on worker w, with its dependencies."""
-    stale = []  # async weights: every backward of the same layers in iteration it - 2 is done
-    if it >= 2:
+    stale = []  # updated weights: every backward of the same layers in iteration it - lag is done (and stepped)
+    if it >= lag:
         layers = fwd_ranges[j] if phase == "F" else bwd_ranges[j]
         stale = [(t, False) for b, r in enumerate(bwd_ranges)
                  if (r.start < layers.stop and layers.start < r.stop) or (phase == "B" and b == j)
-                 for t in ids["done", it - 2, b]]
+                 for t in ids["done", it - lag, b]]
+        stale += _updated(ids, it - lag, layers, phase == "B" and j == 0)
         if phase == "B" and j == 0:
             layers = range(layers.start, layers.stop + 1)  # the fused stage also holds the LM head
-        stale += [(ids["reduced", it - 2, l], False) for l in layers if ("reduced", it - 2, l) in ids]
+        stale += [(ids["reduced", it - lag, l], False) for l in layers if ("reduced", it - lag, l) in ids]
     if phase == "F":
         deps = [(ids["F", it, j - 1, m], True)] if j > 0 else []
         i = sched.add(Task(w, f"F{j + 1} mb{m}", "forward", costs.forward(fwd_ranges[j]), f"F{j + 1}", m, it,

@@ -25,6 +25,12 @@ roundpipe.sim.scaling.data_parallel compares that with one rank.
 upload as bytes over a PCIe bandwidth on a copy worker per GPU, overlapping the
 previous slot's compute; `Result.upload_bytes` is what crosses PCIe per iteration
 (all GPUs).  Without it weights are assumed on the GPU in time.
+
+`host_step` (RoundPipe only, roundpipe.sim.hoststep) adds the optimizer step on
+the host, whole or per layer; "roundpipe" then also runs `iterations` iterations
+(each waiting for the previous one's updates) and reports the steady-state time
+per iteration like "roundpipe-async" (one step stale).  `Result.host_step` is the
+step's seconds per iteration; roundpipe.sim.hoststep.host_step gives the exposed part.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from roundpipe.engine.plan import Plan
 from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs, sizes_from_plan
 from roundpipe.sim.events import Run, simulate as run_schedule
+from roundpipe.sim.hoststep import HostStep
 from roundpipe.sim.metrics import Bubbles, bubbles, span_bubble
 from roundpipe.sim.roundpipe import roundpipe_schedule
 from roundpipe.sim.static import STATIC, default_sizes, static_schedule
@@ -55,6 +62,7 @@ class Result:
     partition: object         # stage sizes, or (forward sizes, backward sizes) for RoundPipe
     reduction: float = 0.0    # seconds of gradient all-reduce per iteration (data parallel; 0 for one rank)
     upload_bytes: float = 0.0 # bytes uploaded over PCIe per iteration, all GPUs (0 without `uploads`)
+    host_step: float = 0.0    # seconds of host optimizer step per iteration (0 without `host_step`)
 
     @property
     def span_bubble(self) -> float:
@@ -84,7 +92,8 @@ def roundpipe_sizes(costs: Costs, workers: int, microbatches: int,
 def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
              partition: Sequence[int] | tuple[Sequence[int], Sequence[int]] | Plan | None = None,
              chunks: int = 2, iterations: int = 6, round_size: int | None = None,
-             allreduce: AllReduce | None = None, uploads: Uploads | None = None) -> Result:
+             allreduce: AllReduce | None = None, uploads: Uploads | None = None,
+             host_step: HostStep | None = None) -> Result:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
     if not isinstance(costs, Costs):
@@ -97,12 +106,16 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
         raise TypeError(f"allreduce={allreduce!r} must be a roundpipe.sim.AllReduce or None")
     if uploads is not None and not isinstance(uploads, Uploads):
         raise TypeError(f"uploads={uploads!r} must be a roundpipe.sim.Uploads or None")
+    if host_step is not None and not isinstance(host_step, HostStep):
+        raise TypeError(f"host_step={host_step!r} must be a roundpipe.sim.HostStep or None")
     if schedule in STATIC + ZERO_BUBBLE:
         if allreduce is not None:
             raise ValueError(f"allreduce is modelled for 'roundpipe' and 'roundpipe-async' only, not {schedule!r}")
         if uploads is not None:
             raise ValueError(f"uploads are modelled for the RoundPipe schedules only; {schedule!r} binds weights "
                              "to GPUs (nothing is uploaded per stage)")
+        if host_step is not None:
+            raise ValueError(f"host_step is modelled for the RoundPipe schedules only, not {schedule!r}")
         if schedule in ZERO_BUBBLE:
             sizes = list(partition) if partition is not None else default_sizes(schedule, costs, workers, 2)
             sched = zero_bubble_schedule(schedule, costs, workers, microbatches, sizes)
@@ -122,18 +135,22 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
         fwd, bwd = list(partition[0]), list(partition[1])
     if not costs.recompute:
         raise ValueError(f"costs.recompute=False: {schedule} always recomputes (only stage inputs are kept)")
-    n_it = iterations if schedule == "roundpipe-async" else 1
-    if schedule == "roundpipe-async" and n_it < 4:
-        raise ValueError(f"iterations={iterations} must be >= 4 for roundpipe-async (the first and last are "
-                         "left out of the steady-state window)")
+    flowing = schedule == "roundpipe-async" or host_step is not None
+    n_it = iterations if flowing else 1
+    if flowing and n_it < 4:
+        raise ValueError(f"iterations={iterations} must be >= 4 for roundpipe-async or a host_step (the first and "
+                         "last are left out of the steady-state window)")
     run = run_schedule(roundpipe_schedule(costs, workers, microbatches, fwd, bwd, n_it, round_size,
-                                          allreduce=allreduce, split_w=schedule == "roundpipe-zb", uploads=uploads),
+                                          allreduce=allreduce, split_w=schedule == "roundpipe-zb", uploads=uploads,
+                                          host_step=host_step, lag=2 if schedule == "roundpipe-async" else 1),
                        costs.comm)
+    stepped = host_step.time() if host_step is not None else 0.0
+    gpus = [run.worker_name(w) for w in range(workers)] if host_step is not None else None
     reduction = allreduce.time() if allreduce is not None else 0.0
     uploaded = run.schedule.meta.get("upload_bytes", 0.0) / n_it
     if n_it == 1:
         b = bubbles(run.trace(), (0.0, run.makespan))
-        return Result(schedule, run, run.makespan, b, sum(run.exposed), (fwd, bwd), reduction, uploaded)
+        return Result(schedule, run, run.makespan, b, sum(run.exposed), (fwd, bwd), reduction, uploaded, stepped)
     ends = [0.0] * n_it
     for i, t in enumerate(run.schedule.tasks):
         ends[t.iteration] = max(ends[t.iteration], run.end[i])
@@ -142,7 +159,7 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
     # An iteration ends with its all-reduce, if any: when the reductions are the bottleneck,
     # their ends are the ones spaced exactly one reduction apart.
     window = (ends[1], ends[-2])
-    b = bubbles(run.trace(), window)
+    b = bubbles(run.trace(), window, gpus)
     per_it = (window[1] - window[0]) / (n_it - 3)
     exposed = sum(x for i, x in enumerate(run.exposed) if window[0] <= run.start[i] < window[1]) / (n_it - 3)
-    return Result(schedule, run, per_it, b, exposed, (fwd, bwd), reduction, uploaded)
+    return Result(schedule, run, per_it, b, exposed, (fwd, bwd), reduction, uploaded, stepped)
