@@ -1,6 +1,7 @@
 """QLoRA in the engine (issue 28): rp.hf.wrap over a bitsandbytes 4-bit PEFT model trains as PEFT + bitsandbytes
 does on the CPU; the packed base lives once in host memory, is uploaded packed, never downloaded, and its
-dequantized weights are workspace that dies with its use."""
+dequantized weights are made once per stage run, kept as the stage's weights and die with it; fused MoE experts
+are quantized per expert."""
 import copy
 import json
 import warnings
@@ -187,16 +188,154 @@ def test_packed_base_lives_once_is_uploaded_packed_and_never_downloaded():
         assert sum(e.args["bytes"] for e in copies if e.worker.endswith("grad_down")) == lora + rotary
 
 
-def test_dequantized_weights_are_workspace_that_dies():
-    """Under a device-memory cap a CPU worker's ledger shows the dequantized weights as workspace at peak
-    (at least the largest one, fp32), and nothing of a call is live after it."""
+def test_dequantized_weights_are_kept_as_weights_for_the_stage_and_die():
+    """Under a device-memory cap a CPU worker's ledger shows a stage's dequantized weights as weights (kept for the
+    whole stage run: here one fused stage of both decoder layers, fp32), and nothing of a call is live after it."""
     with rp.hf.wrap(_bigger_qlora(), devices=["cpu"], quantize="nf4", device_memory=1 << 30) as model:
         ids, mask, labels = batch("left", b=2, t=8)
         model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
         stats = model.memory_stats()["workers"]["cpu:0"]
-        assert stats["peak"]["workspace"] >= 256 * 512 * 4
-        assert stats["peak"]["weights"] < 2 * 4 * 256 * 512 * 7 // 8   # packed, not the fp32 weights
+        dequantized = 2 * 4 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512)   # two layers' q, o; k, v; mlp
+        assert stats["peak"]["weights"] >= dequantized
         assert all(v == 0 for v in stats["current"].values()), stats["current"]
+
+
+def _stage_runs(monkeypatch):
+    """[(stage layers, dequantizations its keep made)] of every stage run, and a count of every dequantization."""
+    from roundpipe.engine import stage
+    from roundpipe.quant import experts, linear
+
+    runs, calls = [], [0]
+    release = stage.StageRun.release
+
+    def recorded(run):
+        runs.append((run.task.layers, run.keep.made if run.keep is not None else 0))
+        release(run)
+    monkeypatch.setattr(stage.StageRun, "release", recorded)
+    for module, name in ((linear, "dequantize"), (experts, "dequantize")):
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, **kwargs):
+            calls[0] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    return runs, calls
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_each_weight_is_dequantized_once_per_stage_run(monkeypatch, microbatches):
+    """Every 4-bit weight is dequantized once per stage run that holds it, whatever the microbatch count (7 a
+    decoder layer: F[0-1] and B[0-1] hold layer 1, fused[2-3] layer 2), and loss and LoRA gradients are bitwise
+    those of dequantizing before every product."""
+    from roundpipe.quant.keep import DequantKeep
+
+    plan = rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])
+    ids, mask, labels = batch("right", b=4, t=8)
+
+    def run():
+        with rp.hf.wrap(_bigger_qlora(), devices=["cpu", "cpu"], plan=plan, num_microbatches=microbatches,
+                        microbatches_per_round=microbatches, quantize="nf4") as model:
+            loss = model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
+            model.synchronize()
+            return loss, {n: g.clone() for n, g in _lora_grads(model).items()}
+    runs, calls = _stage_runs(monkeypatch)
+    loss, grads = run()
+    assert sorted((r.start, made) for r, made in runs) == [(0, 7), (0, 7), (2, 7)]
+    assert calls[0] == 21
+    monkeypatch.setattr(DequantKeep, "get", lambda self, key, make: make())   # per product, as before
+    runs.clear()
+    ref_loss, ref_grads = run()
+    assert calls[0] > 21 * microbatches
+    assert torch.equal(loss, ref_loss) and all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+
+
+MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=V,
+           max_position_embeddings=64, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("pad, workers", [("right", 1), ("left", 2)])
+def test_qwen3_moe_experts_are_quantized_and_train_as_their_dequantized_weights(monkeypatch, pad, workers):
+    """quantize='nf4' on a tiny Qwen3-MoE with LoRA on attention: the fused experts become QuantExperts (4-bit per
+    expert, bitwise bitsandbytes' per-expert quantization: tests/test_quant4.py), the routers stay; loss and every
+    LoRA gradient equal the same PEFT model over the dequantized weights (fp32) within 1e-5, and each 4-bit tensor
+    (4 attention Linears and 2 expert tensors a layer) is dequantized once per stage run that holds it."""
+    from roundpipe.quant import QuantExperts
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **MOE)).float()
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                           lora_dropout=0.0, init_lora_weights=False)
+    ours = peft.get_peft_model(base, lora).train()
+    ref = copy.deepcopy(ours)
+    ids, mask, labels = batch(pad, b=4, t=9)
+    runs, calls = _stage_runs(monkeypatch)
+    with rp.hf.wrap(ours, devices=["cpu"] * workers, num_microbatches=workers + 1, quantize="nf4") as model:
+        hf = model.hf_model
+        experts = {n: m for n, m in hf.named_modules() if isinstance(m, QuantExperts)}
+        linears = {n: m for n, m in hf.named_modules() if isinstance(m, QuantLinear)}
+        assert len(experts) == 2 and len(linears) == 8
+        assert not any(type(m).__name__ == "Qwen3MoeExperts" and list(m.parameters()) for m in hf.modules())
+        assert all(m.weight.dtype == torch.float32 for n, m in hf.named_modules() if n.endswith("mlp.gate"))
+        stats = model.memory_stats()["host"]
+        # q, o; k, v; experts' gate_up [4, 64, 64] and down [4, 64, 32], two layers
+        assert stats["quantized_numel"] == 2 * (2 * 64 * 64 + 2 * 32 * 64 + 4 * 64 * 64 + 4 * 64 * 32)
+        with torch.no_grad():
+            for n, m in experts.items():
+                for name in m.quantized:
+                    getattr(ref.get_submodule(n), name).copy_(m.dequantized(name, torch.float32))
+            for n, m in linears.items():
+                ref.get_submodule(n).weight.copy_(m.dequantized(torch.float32))
+        ref_loss, ref_grads = reference(ref, ids, mask, labels)
+        calls[0] = 0
+        loss = model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
+        model.synchronize()
+        assert rel(loss, ref_loss) <= 1e-5
+        grads = _lora_grads(model)
+        assert grads.keys() == ref_grads.keys() and len(grads) == 16
+        for name, g in grads.items():
+            assert rel(g, ref_grads[name]) <= 1e-5, (name, rel(g, ref_grads[name]))
+    decoder = [sum(1 for l in r if l in (1, 2)) for r, _ in runs]
+    assert runs and all(made == 6 * n for (_, made), n in zip(runs, decoder)), runs
+    assert calls[0] == sum(made for _, made in runs) + 12   # + the planner's dry run: each of the 12 tensors once
+
+
+def test_dry_run_counts_kept_dequantized_weights_as_weight_bytes():
+    """The planner's dry run gives a 4-bit layer the packed bytes plus its weight dequantized in the compute dtype
+    as weight bytes (kept for the whole stage), not as workspace or saved activations, on the CPU and meta paths."""
+    from roundpipe.engine.autoplan import size_costs
+    from roundpipe.quant import QuantExperts
+
+    torch.manual_seed(0)
+    frozen = nn.Linear(256, 128, bias=False).requires_grad_(False)
+    quant = QuantLinear.from_linear(frozen, "nf4")
+    packed = sum(b.nbytes for b in quant.buffers())
+    sample = ((torch.randn(4, 256),), {})
+    for dtype in (torch.float32, torch.bfloat16):
+        plain, = size_costs([frozen], sample, dtype, "cpu")
+        ours, = size_costs([quant], sample, dtype, "cpu")
+        assert ours.param_bytes == packed + 128 * 256 * dtype.itemsize == packed + plain.param_bytes
+        assert ours.memory.nograd <= plain.memory.nograd and ours.memory.backward <= plain.memory.backward
+        meta, = size_costs([copy.deepcopy(quant).to("meta")], sample, dtype, "cpu")
+        assert meta.param_bytes == ours.param_bytes
+
+    class Moe(nn.Module):   # routes every token to experts 0 and 1
+        def __init__(self):
+            super().__init__()
+            cfg = AutoConfig.for_model("qwen3_moe", **MOE)
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+            self.experts = Qwen3MoeExperts(cfg).requires_grad_(False)
+            nn.init.normal_(self.experts.gate_up_proj), nn.init.normal_(self.experts.down_proj)
+
+        def forward(self, x):
+            idx = torch.tensor([[0, 1]]).expand(x.shape[0], 2)
+            return self.experts(x, idx, torch.full((x.shape[0], 2), 0.5, dtype=x.dtype))
+    layer = Moe()
+    layer.experts = QuantExperts(layer.experts, "nf4")
+    cost, = size_costs([nn.Identity(), layer], ((torch.randn(4, 64),), {}), torch.float32, "cpu")[1:]
+    packed = sum(b.nbytes for b in layer.buffers())
+    assert cost.param_bytes == packed + 4 * 4 * 3 * 64 * 32
+    assert cost.act_bytes < 4 * 64 * 32 * 4   # the experts' saved weights are not activations
 
 
 def test_save_pretrained_writes_the_adapter_and_checkpoints_resume_bitwise(saved, tmp_path):

@@ -428,3 +428,103 @@ def test_transformers_bnb_4bit_model_converts_without_dequantizing(tmp_path, qua
             for key, value in written.items():
                 assert torch.equal(_bits(value), _bits(tensors[key])), key
     assert torch.equal(ours.model.layers[0].mlp.up_proj.weight, bnb_proj.weight.data.reshape(-1))
+
+
+class _Experts(nn.Module):
+    """transformers 5's fused experts shape (Qwen3MoeExperts' eager forward, without its interface dispatch)."""
+
+    def __init__(self, experts, hidden, inter):
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden) * 0.2, requires_grad=False)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inter) * 0.2, requires_grad=False)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            pos, tok = torch.where(top_k_index.T == e)
+            gate, up = nn.functional.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, tok, h * top_k_weights[tok, pos, None])
+        return out
+
+
+@pytest.mark.parametrize("quant_type, double_quant", [("nf4", True), ("fp4", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_experts_store_each_expert_as_bitsandbytes_and_dequantize_whole(quant_type, double_quant, dtype):
+    """Each expert's matrix is bitwise bitsandbytes' quantize_4bit of that 2-D matrix (its own offset and nested
+    blocks), stacked; the whole-tensor dequantization is bitwise the per-expert one, for a per-expert numel that is a
+    multiple of 64 (one flattened state) and one that is not (expert by expert)."""
+    from roundpipe.quant import QuantExperts
+
+    torch.manual_seed(0)
+    for hidden, inter in ((64, 96), (40, 9)):   # 9 x 40 = 360 values an expert: blocks straddle experts
+        base = _Experts(3, hidden, inter).to(dtype)
+        weights = {n: getattr(base, n).detach().clone() for n in ("gate_up_proj", "down_proj")}
+        q = QuantExperts(base, quant_type, double_quant)
+        assert not list(q.parameters()) and q.quantized_numel == sum(w.numel() for w in weights.values())
+        assert q.constant_buffers == {n for n, _ in q.named_buffers()}
+        for name, w in weights.items():
+            for e in range(w.shape[0]):
+                packed, qs = bnbf.quantize_4bit(w[e], blocksize=64, compress_statistics=double_quant,
+                                                quant_type=quant_type, quant_storage=torch.uint8)
+                _assert_same_state(q.expert_state(name, e), packed, qs)
+            for out in (torch.float32, dtype):
+                whole = q.dequantized(name, out)
+                assert whole.shape == w.shape and whole.dtype == out
+                each = torch.stack([dequantize(q.expert_state(name, e), out) for e in range(w.shape[0])])
+                assert torch.equal(_bits(whole), _bits(each)), (hidden, name, out)
+
+
+def test_quant_experts_forward_is_the_base_forward_over_dequantized_weights():
+    """QuantExperts runs the experts module's own forward with the dequantized tensors: outputs and the input's
+    gradient equal it bitwise; the base's parameters stay removed after the call."""
+    from roundpipe.quant import QuantExperts
+
+    torch.manual_seed(1)
+    base = _Experts(4, 64, 32)
+    ref = copy.deepcopy(base)
+    q = QuantExperts(base, "nf4")
+    for name in q.quantized:
+        getattr(ref, name).data.copy_(q.dequantized(name, torch.float32))
+    x = torch.randn(10, 64, requires_grad=True)
+    idx = torch.randint(0, 4, (10, 2))
+    w = torch.rand(10, 2)
+    out = q(x, idx, w)
+    out.square().sum().backward()
+    gx, x.grad = x.grad, None
+    expect = ref(x, idx, w)
+    expect.square().sum().backward()
+    assert torch.equal(out, expect) and torch.equal(gx, x.grad)
+    assert "gate_up_proj" not in base.__dict__ and "gate_up_proj" not in base._parameters
+
+
+def test_dequant_keep_dequantizes_once_per_dtype_until_released():
+    """Under a DequantKeep a QuantLinear dequantizes once per compute dtype over forwards and backwards (the same
+    bits as per product), registers the kept weight in the ledger as weights, and after release it is gone from the
+    ledger and products dequantize afresh."""
+    from roundpipe.quant import DequantKeep
+    from roundpipe.quant.keep import attach
+    from roundpipe.workers.ledger import DeviceLedger
+
+    torch.manual_seed(2)
+    layer = QuantLinear.from_linear(nn.Linear(64, 48).requires_grad_(False), "nf4")
+    x = torch.randn(5, 64, requires_grad=True)
+    per_product = layer(x)
+    per_product.sum().backward()
+    g_ref, x.grad = x.grad, None
+    ledger = DeviceLedger()
+    keep = DequantKeep(ledger)
+    attach([layer], keep)
+    for _ in range(3):
+        y = layer(x)
+        y.sum().backward()
+        assert torch.equal(y, per_product) and torch.equal(x.grad, g_ref)
+        x.grad = None
+    layer(x.detach().double().float().bfloat16())
+    assert keep.made == 2 and ledger.stats()["current"]["weights"] == keep.nbytes == 48 * 64 * (4 + 2)
+    attach([layer], None)
+    keep.release()
+    del y
+    assert ledger.live_bytes() == 0 and layer.dequant_keep is None
+    assert keep.get("k", lambda: torch.ones(1)) is not keep.get("k", lambda: torch.ones(1))

@@ -57,6 +57,7 @@ from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, ob
 from roundpipe.planner.costs import BWD_PER_FWD
 from roundpipe.planner.memory import LayerMemory, backward_bytes, layer_memory
 from roundpipe.planner.partition import LayerTooLarge, partition_for_cap
+from roundpipe.quant.keep import DequantKeep, attach, keeping
 
 # Rough device rates for the size-based estimate.  Only their ratio matters: once
 # anything is measured the profiler rescales unmeasured layers by the measured ratio.
@@ -225,6 +226,16 @@ def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtyp
         memo.update({id(b): b.detach().to(device, copy=True) for b in layer.buffers()})
         replica = copy.deepcopy(layer, memo)
         params = {id(p) for p in replica.parameters()}
+        # 4-bit weights (roundpipe.quant): a stage run keeps each dequantized in the compute dtype for its
+        # whole duration (roundpipe/quant/keep.py), beside the packed constant buffers it uploaded, so both
+        # are the layer's weight bytes.  Dequantized here, before the measured runs, into a keep those runs
+        # reuse: the measurement then sees no dequantization transient (it would count a second time, as
+        # workspace), and saved tensors that are views of a kept weight are not activations.
+        quantized, keep = keeping(replica.modules()), DequantKeep()
+        attach(quantized, keep)
+        kept = {id(w.untyped_storage()) for m in quantized for w in m.dequantized_weights(dtype)}
+        quant_bytes = keep.nbytes + sum(b.numel() * b.element_size() for m in quantized
+                                        for n, b in m.named_buffers(recurse=False) if n in m.constant_buffers)
         saved = [0]
         attention = _FusedAttentionBytes(saved)
 
@@ -233,7 +244,7 @@ def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtyp
             # cycle through the autograd graph (an op saving its own output) that Python's gc
             # cannot see, and every layer copy would outlive the dry run (0.84 B/param of
             # bf16 weights for the 200M decoder).
-            if attention.counting and id(t) not in params:
+            if attention.counting and id(t) not in params and not (kept and id(t.untyped_storage()) in kept):
                 saved[0] += t.numel() * t.element_size()
         if i > 0:
             x = tree_map(lambda t: t.detach().requires_grad_(True)
@@ -247,7 +258,8 @@ def _dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtyp
         with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), attention:
             x = replica(*x[0], **x[1]) if i == 0 else replica(x)
         out_bytes = _nbytes(x)
-        param_bytes = sum(p.numel() for p in replica.parameters()) * dtype.itemsize
+        param_bytes = sum(p.numel() for p in replica.parameters()) * dtype.itemsize + quant_bytes
+        attach(quantized, None)
         trainable = sum(p.numel() for p in replica.parameters() if p.requires_grad)
         fwd = counter.flops / flop_rate + (param_bytes + in_bytes + out_bytes) / byte_rate
         # fp32 gradient accumulators (a low-precision microbatch's .grad is in memory.param_grads)

@@ -6,6 +6,10 @@ from several threads would race).  Each worker gets a deep copy of every layer
 whose parameters and buffers are meta tensors; a stage run binds the worker's
 uploaded tensors into it and unbinds them afterwards, so a replica holds device
 memory only while its stage runs.
+
+`keeping` lists the replica's 4-bit modules (roundpipe.quant: QuantLinear, QuantExperts):
+a stage run attaches its DequantKeep to them while it runs (roundpipe/engine/stage.py),
+so they dequantize once per stage run, not once per product.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import copy
 
 import torch
 from torch import nn
+
+from roundpipe.quant.keep import keeping
 
 
 def _slots(module: nn.Module, names: list[str], kind: str) -> list[tuple[nn.Module, str]]:
@@ -43,6 +49,7 @@ class Replica:
         # Train/eval flags are read from the master's submodules at every bind; other attributes
         # are copied once, here, so change a layer's configuration before wrapping it.
         self._modes = list(zip(self.module.modules(), layer.modules()))
+        self.keeping = keeping(self.module.modules())   # modules a stage run's DequantKeep is attached to
 
     def bind(self, params: list[torch.Tensor], requires_grad: list[bool],
              buffers: list[torch.Tensor]) -> list[nn.Parameter]:

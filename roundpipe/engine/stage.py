@@ -13,6 +13,9 @@ Parameter gradients accumulate in fp32 on the worker over the stage's
 microbatches and are downloaded once per stage, in the compute dtype; buffers are written back after
 F and fused stages only, so a recompute never updates them twice.  Constant buffers (a 4-bit base
 weight's packed bytes: host_state.py) ride in the parameters' upload and are never written back.
+A stage with 4-bit weights gets a DequantKeep (roundpipe/quant/keep.py) for its run: each weight is
+dequantized once per compute dtype, kept (ledger: weights) for all microbatches and products, and
+dropped at the release.
 
 The layer compute itself (layers in order, backward, error tags) is in
 roundpipe/engine/compute.py; the copies go through the worker (roundpipe/workers/).
@@ -33,6 +36,7 @@ from roundpipe.engine.precision import Precision
 from roundpipe.engine.compute import autograd_backward, float_leaves, run_layers, tag
 from roundpipe.engine.host_state import HostState
 from roundpipe.engine.microbatch import tree_leaves, tree_map
+from roundpipe.quant.keep import DequantKeep, attach
 from roundpipe.trace import Trace
 from roundpipe.workers.base import Arrival, Handoff, Upload, Worker
 
@@ -103,6 +107,7 @@ class StageRun:
         self.acc: list[list[torch.Tensor | None]] = []
         self.early: dict[int, Arrival] = {}   # microbatch -> input upload issued one microbatch early
         self._routes: dict[tuple, tuple[bool, bool]] = {}   # (kind, boundary) -> (keep_device, need_host)
+        self.keep: DequantKeep | None = None   # the stage's dequantized 4-bit weights, while it runs
 
     def _get(self, key: tuple) -> Any:
         """A board value; held-back bulk copies are sent first if it has to be waited for."""
@@ -152,11 +157,18 @@ class StageRun:
                 bufs = [next(constants) if c else next(written) for c in st.constant]
             self.bound.append(rep.bind(params, [grad and p.requires_grad for p in st.params], bufs))
             self.acc.append([None] * len(st.trainable))
+        quantized = [m for rep in self.reps for m in rep.keeping]
+        if quantized:   # dequantize once per stage run (roundpipe/quant/keep.py)
+            self.keep = DequantKeep(w.ledger)
+            attach(quantized, self.keep)
 
     def release(self) -> None:
         """The end of the stage: its weights die once their copies completed (tests/test_memory.py)."""
         for rep in self.reps:
             rep.unbind()
+        if self.keep is not None:   # the kept dequantized weights die here
+            attach([m for rep in self.reps for m in rep.keeping], None)
+            self.keep.release()
         self.bound.clear()
         self.acc.clear()
         self.w.copies.release_completed()

@@ -8,7 +8,10 @@ worker just before each product, never downloaded back (roundpipe/engine/host_st
 
     quantize="nf4"|"fp4"   every frozen nn.Linear of the decoder layers is quantized here
                            (a PEFT model's base layers; never the adapters, the LM head or
-                           the embeddings); trainable Linears stay as they are
+                           the embeddings); trainable Linears stay as they are; a module with
+                           frozen fused 3-D expert tensors (transformers 5's MoE experts) becomes
+                           roundpipe.quant.QuantExperts (4-bit per expert); MoE routers stay as
+                           they are (an [E, H] matrix whose logits pick the experts)
     bitsandbytes model     Linear4bit layers (transformers' BitsAndBytesConfig(load_in_4bit=True),
                            with or without PEFT) are taken as they are: their packed bytes,
                            not a host dequantization (roundpipe.quant.convert_bnb_model)
@@ -25,8 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from roundpipe.quant import QuantLinear, convert_bnb_model, quantize_model, state_from_state_dict
+from roundpipe.quant import QuantExperts, QuantLinear, convert_bnb_model, quantize_model, state_from_state_dict
 from roundpipe.quant.convert import ADAPTER_PARTS
+from roundpipe.quant.experts import fused_expert_weights
 
 QUANTIZE = (None, "nf4", "fp4")
 
@@ -40,30 +44,53 @@ def check_quantize(quantize, double_quant) -> None:
         raise TypeError(f"double_quant must be True or False, got {double_quant!r}")
 
 
+def _is_router(module: nn.Module) -> bool:
+    """A MoE router (transformers 5 names them *Router: Qwen3MoeTopKRouter, MixtralTopKRouter, ...)."""
+    return "Router" in type(module).__name__
+
+
+def _quantize_experts(layer: nn.Module, quantize: str, double_quant: bool) -> int:
+    """Replaces every module of `layer` holding frozen fused 3-D expert tensors by a QuantExperts; how many."""
+    names = [n for n, m in layer.named_modules() if not set(n.split(".")) & ADAPTER_PARTS
+             and not isinstance(m, QuantExperts) and fused_expert_weights(m)]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        setattr(parent, child, QuantExperts(layer.get_submodule(name), quantize, double_quant))
+    return len(names)
+
+
 def _unquantizable(layer: nn.Module, prefix: str) -> None:
-    """TypeError naming a frozen matrix of a decoder layer that quantize= cannot take (not an nn.Linear's)."""
+    """TypeError naming a frozen matrix of a decoder layer that quantize= cannot take (not an nn.Linear's, not
+    fused experts, not a router's)."""
+    inside_experts = {id(m) for q in layer.modules() if isinstance(q, QuantExperts) for m in q.base.modules()}
     for name, module in layer.named_modules():
         if set(name.split(".")) & ADAPTER_PARTS or type(module) is nn.Linear:
+            continue
+        if id(module) in inside_experts or _is_router(module):   # per-expert biases; the router's [E, H]
             continue
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() >= 2 and p.is_floating_point() and not p.requires_grad:
                 where = ".".join(s for s in (prefix, name, pname) if s)
                 raise TypeError(f"quantize=: {where} is a frozen {tuple(p.shape)} weight of a {type(module).__name__}, "
-                                "which cannot be quantized (only torch.nn.Linear layers can, and bitsandbytes' "
-                                "Linear4bit is taken as it is); wrap without quantize=, or unfreeze it")
+                                "which cannot be quantized (only torch.nn.Linear layers and fused 3-D MoE expert "
+                                "tensors can, and bitsandbytes' Linear4bit is taken as it is); wrap without "
+                                "quantize=, or unfreeze it")
 
 
 def quantize_decoder(hf_model: nn.Module, layers: list[nn.Module], quantize: str | None, double_quant: bool) -> int:
     """The model's 4-bit layers as QuantLinear, in place: bitsandbytes' Linear4bit converted as they are, and with
-    `quantize` every frozen nn.Linear of the decoder `layers`; returns how many QuantLinear the layers hold."""
+    `quantize` every frozen nn.Linear of the decoder `layers` (and fused expert tensors as QuantExperts);
+    returns how many QuantLinear and QuantExperts the layers hold."""
     check_quantize(quantize, double_quant)
     names = {id(m): n for n, m in hf_model.named_modules()}
     convert_bnb_model(hf_model)
     if quantize is not None:
         for layer in layers:
+            _quantize_experts(layer, quantize, double_quant)
             _unquantizable(layer, names.get(id(layer), ""))
             quantize_model(layer, quantize, double_quant, skip=())
-    held = sum(isinstance(m, QuantLinear) for layer in layers for m in layer.modules())
+    held = sum(isinstance(m, (QuantLinear, QuantExperts)) for layer in layers for m in layer.modules())
     if quantize is not None and held == 0:
         trained = next((f"{names.get(id(layer), '')}.{n}" for layer in layers for n, m in layer.named_modules()
                         if type(m) is nn.Linear and m.weight.requires_grad), None)

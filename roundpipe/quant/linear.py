@@ -1,11 +1,13 @@
-"""QuantLinear: a frozen Linear whose weight is stored 4-bit and dequantized just before each product.
+"""QuantLinear: a frozen Linear whose weight is stored 4-bit and dequantized on the device that runs it.
 
 The packed weight and its statistics are buffers (uint8/fp32, never trainable),
-so they move with the module and can live in a pinned host arena; the
-dequantized [out, in] weight is a transient of the forward (and, again, of the
-backward) and is never saved for backward: the autograd Function keeps only a
-reference to the packed state, so between forward and backward a layer holds
-0.52 bytes per weight instead of 2-4.
+so they move with the module and can live in a pinned host arena.  Outside the
+engine the dequantized [out, in] weight is a transient of the forward (and, again,
+of the backward) and is never saved for backward: the autograd Function keeps only
+a reference to the packed state, so between forward and backward a layer holds
+0.52 bytes per weight instead of 2-4.  Inside a stage run the engine attaches a
+`DequantKeep` (roundpipe/quant/keep.py, `dequant_keep`): the weight is dequantized
+once per compute dtype and reused by every product of every microbatch of the stage.
 
 Gradients flow to the input (and to a bias that requires grad), never to the weight.
 
@@ -32,37 +34,48 @@ from torch.nn import functional as F
 
 from .format import Quant4State, check_quant_type
 from .functional import dequantize
+from .keep import DequantKeep
 from .reference import quantize_4bit
 
 _STATE_BUFFERS = ("absmax", "nested_absmax", "nested_code", "offset")
 _BUFFERS = ("weight",) + _STATE_BUFFERS
 
 
+def _weight(state: Quant4State, dtype: torch.dtype, keep: DequantKeep | None) -> torch.Tensor:
+    """state dequantized in dtype: once per stage run through `keep`, else a fresh transient."""
+    if keep is None:
+        return dequantize(state, dtype)
+    return keep.get((id(state.data), dtype), lambda: dequantize(state, dtype))
+
+
 class QuantLinearFunction(torch.autograd.Function):
-    """y = x W^T + b with W dequantized from `state` in x's dtype, in forward and again in backward."""
+    """y = x W^T + b with W dequantized from `state` in x's dtype, in forward and again in backward
+    (through `keep`, when given, the same tensor both times)."""
 
     @staticmethod
-    def forward(ctx, x, bias, state):
-        ctx.state = state   # the packed tensors, not the dequantized weight
-        return F.linear(x, dequantize(state, x.dtype), bias)
+    def forward(ctx, x, bias, state, keep):
+        ctx.state, ctx.keep = state, keep   # the packed tensors (and the stage run's keep), not the weight
+        return F.linear(x, _weight(state, x.dtype, keep), bias)
 
     @staticmethod
     def backward(ctx, dy):
         dx = db = None
         if ctx.needs_input_grad[0]:
-            dx = dy @ dequantize(ctx.state, dy.dtype)
+            dx = dy @ _weight(ctx.state, dy.dtype, ctx.keep)
         if ctx.needs_input_grad[1]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0)
-        return dx, db, None
+        return dx, db, None, None
 
 
-def quant_linear(x: torch.Tensor, state: Quant4State, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ dequantize(state)^T + bias, state of shape [out, in]; gradients w.r.t. x and bias only."""
+def quant_linear(x: torch.Tensor, state: Quant4State, bias: torch.Tensor | None = None,
+                 keep: DequantKeep | None = None) -> torch.Tensor:
+    """x [..., in] @ dequantize(state)^T + bias, state of shape [out, in]; gradients w.r.t. x and bias only.
+    With `keep` the dequantized weight is made once per dtype and kept there (roundpipe/quant/keep.py)."""
     if x.shape[-1] != state.shape[-1]:
         raise ValueError(f"x.shape={tuple(x.shape)} does not end in in_features={state.shape[-1]}")
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    return QuantLinearFunction.apply(x, bias, state)
+    return QuantLinearFunction.apply(x, bias, state, keep)
 
 
 class QuantLinear(nn.Module):
@@ -78,6 +91,8 @@ class QuantLinear(nn.Module):
     # The packed state never changes: the engine keeps it once in its arena, uploads it with the parameters
     # and never downloads it back (roundpipe/engine/host_state.py, "Constant buffers").
     constant_buffers = frozenset({"weight", *_STATE_BUFFERS})
+    # The stage run's DequantKeep while the engine has one attached (roundpipe/quant/keep.py); None: per product.
+    dequant_keep: DequantKeep | None = None
 
     def __init__(self, state: Quant4State, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype | None = None):
@@ -127,6 +142,7 @@ class QuantLinear(nn.Module):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state.pop("_state_cache", None)   # weak references do not pickle
+        state.pop("dequant_keep", None)   # a stage run's, never a copy's
         return state
 
     @property
@@ -136,8 +152,16 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is None or x.dtype == self.compute_dtype:
-            return quant_linear(x, self.quant_state, self.bias)
-        return quant_linear(x.to(self.compute_dtype), self.quant_state, self.bias).to(x.dtype)
+            return quant_linear(x, self.quant_state, self.bias, self.dequant_keep)
+        return quant_linear(x.to(self.compute_dtype), self.quant_state, self.bias, self.dequant_keep).to(x.dtype)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in dtype, through the attached keep (kept) or fresh."""
+        return _weight(self.quant_state, dtype, self.dequant_keep)
+
+    def dequantized_weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """What a forward on activations of `dtype` dequantizes (compute_dtype wins), through the keep."""
+        return [self.dequantized(self.compute_dtype or dtype)]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quant_type: str = "nf4", double_quant: bool = True,
