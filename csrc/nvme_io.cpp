@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 
 #include "checks.h"
 
@@ -302,6 +303,7 @@ void FileStore::complete_locked(Request& r, std::shared_ptr<const IoError> error
 
 void FileStore::worker() {
   AlignedBlock bounce(kAlign);
+  std::minstd_rand rng(static_cast<unsigned>(std::hash<std::thread::id>()(std::this_thread::get_id())));
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     Chunk c;
@@ -325,6 +327,8 @@ void FileStore::worker() {
                                             errno_text(fault) + " while " + verb(r.kind) + " at offset " +
                                                 std::to_string(off) + " of region '" + reg.name + "' (injected)");
         } else {
+          if (options_.delay_s > 0)
+            std::this_thread::sleep_for(std::chrono::duration<double>(options_.delay_s * (rng() % 1000) / 1000.0));
           run_chunk(c, static_cast<char*>(bounce.p));
         }
       } catch (const IoError& e) {
@@ -341,7 +345,6 @@ void FileStore::worker() {
 void FileStore::run_chunk(const Chunk& c, char* bounce) {
   const Request& r = *c.request;
   const Region& reg = *r.reg;
-  if (options_.delay_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(options_.delay_s));
   const size_t start = c.index * options_.chunk_bytes;
   const size_t len = std::min(options_.chunk_bytes, r.nbytes - std::min(start, r.nbytes));
   const size_t off = r.offset + start;

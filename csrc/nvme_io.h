@@ -95,8 +95,9 @@ struct FileStoreOptions {
   int threads = 4;
   size_t chunk_bytes = size_t{8} << 20;  // a multiple of 4096
   DirectMode direct = DirectMode::Auto;
-  // Test hooks: every chunk sleeps this long before its I/O (exposes missing
-  // ordering); the O_DIRECT probe behaves as on a file system without it.
+  // Test hooks: every chunk sleeps a random time in [0, delay_s) before its
+  // I/O (reorders chunks: exposes missing ordering); the O_DIRECT probe
+  // behaves as on a file system without it.
   double delay_s = 0.0;
   bool simulate_no_direct = false;
   static constexpr double kMaxDelay = 10.0;
