@@ -14,7 +14,8 @@ per-layer read+write      --layers regions of --layer-bytes (64 MiB: a decoder
 The probe is the simplest program that reaches the drive: one thread, an
 O_DIRECT file descriptor, pwrite/preadv of 8 MiB blocks in a loop (per layer: read
 the layer, then write it).  "% probe" is the store's rate over the probe's,
-measured in the same run; the goal is >= 80 (DeepSpeed's own tuning guide reaches
+measured in the same run, alternating the two providers run by run (medians of 5,
+3 with --quick); the goal is >= 80 (DeepSpeed's own tuning guide reaches
 66-74% of a drive's rating).  Writes are not fsync'ed by either provider (O_DIRECT
 bypasses the page cache; both see the same device write cache).
 
@@ -24,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
 import torch
 
-from roundpipe.bench.runner import Report, add_common_args, median_time
+from roundpipe.bench.runner import Report, add_common_args
 from roundpipe.offload.nvme import NVMeConfig, NVMeStore, check_free_space, file_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -59,6 +61,21 @@ class Probe:
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
+
+
+def _paired(probe_fn, ours_fn, warmup: int, repeat: int) -> tuple[float, float]:
+    """Median seconds of each, measured alternately (probe, ours, probe, ...): a shared virtual disk drifts by
+    tens of percent over seconds, and alternating puts both providers under the same drift."""
+    for _ in range(warmup):
+        probe_fn()
+        ours_fn()
+    times: tuple[list, list] = ([], [])
+    for _ in range(repeat):
+        for fn, out in ((probe_fn, times[0]), (ours_fn, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _layer_loop(store: NVMeStore, regions, bufs) -> None:
@@ -100,9 +117,8 @@ def run(args) -> Report:
         store.write(seq, buf)
         probe.transfer(True, view)
         for case, write in (("sequential write", True), ("sequential read", False)):
-            t_probe = median_time(lambda: probe.transfer(write, view), warmup=warmup, repeat=repeat)
             op = store.write if write else store.read
-            t_ours = median_time(lambda: op(seq, buf), warmup=warmup, repeat=repeat)
+            t_probe, t_ours = _paired(lambda: probe.transfer(write, view), lambda: op(seq, buf), warmup, repeat)
             _rows(report, case, size, t_ours, t_probe, args.threads)
 
         regions = [store.allocate(f"layer{i}", layer_bytes) for i in range(layers)]
@@ -111,8 +127,8 @@ def run(args) -> Report:
             store.write(r, buf[:layer_bytes] if layer_bytes <= size else bufs[0])
         moved = 2 * layers * layer_bytes
         lview = memoryview(bufs[0].numpy())
-        t_probe = median_time(lambda: _probe_layers(probe, lview, layers, layer_bytes), warmup=warmup, repeat=repeat)
-        t_ours = median_time(lambda: _layer_loop(store, regions, bufs), warmup=warmup, repeat=repeat)
+        t_probe, t_ours = _paired(lambda: _probe_layers(probe, lview, layers, layer_bytes),
+                                  lambda: _layer_loop(store, regions, bufs), warmup, repeat)
         _rows(report, f"per-layer read+write ({layers} x {layer_bytes // MiB} MiB)", moved, t_ours, t_probe,
               args.threads)
         report.note(f"folder {parent} ({'O_DIRECT' if store.direct else 'buffered: no O_DIRECT'}); store: "
