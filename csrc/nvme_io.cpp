@@ -232,7 +232,7 @@ std::shared_ptr<IoFence> FileStore::submit(IoKind kind, size_t region, size_t of
                                 std::to_string(offset) + " + nbytes=" + std::to_string(nbytes) + " in region '" +
                                 reg.name + "' (" + std::to_string(reg.nbytes) + " bytes)");
   auto r = std::make_shared<Request>();
-  r->kind = kind, r->reg = &reg, r->region = region, r->offset = offset, r->nbytes = nbytes, r->buf = static_cast<char*>(buf);
+  r->kind = kind, r->reg = &regions_[region], r->region = region, r->offset = offset, r->nbytes = nbytes, r->buf = static_cast<char*>(buf);
   r->chunks = r->remaining = (nbytes + options_.chunk_bytes - 1) / options_.chunk_bytes;
   r->fence = std::make_shared<IoFence>();
   // Conflicts in whole blocks: a write's last block is written whole.
@@ -242,10 +242,8 @@ std::shared_ptr<IoFence> FileStore::submit(IoKind kind, size_t region, size_t of
   for (const auto& q : flight)
     if ((kind == IoKind::Write || q->kind == IoKind::Write) && q->offset < end && begin < round_up(q->offset + q->nbytes))
       r->after.push_back(q);
-  if (r->chunks == 0) {  // nothing to transfer: done once the bytes it orders after are
-    bool failed = false;
-    for (const auto& q : r->after) failed |= q->kind == IoKind::Write && q->error;
-    if (r->after.empty() || failed) {
+  if (r->chunks == 0) {  // nothing to transfer: done at once, or once the requests it orders after are
+    if (r->after.empty()) {
       r->finished = true;
       r->fence->finish(nullptr);
       return r->fence;
@@ -260,29 +258,24 @@ std::shared_ptr<IoFence> FileStore::submit(IoKind kind, size_t region, size_t of
 }
 
 // The next chunk whose request's predecessors finished, in submission order.
-// A request behind a failed write fails without running.
+// A read of a region whose last write failed fails without running.
 bool FileStore::pick_locked(Chunk* out) {
   for (auto it = queue_.begin(); it != queue_.end();) {
     Request& r = **it;
-    bool ready = true;
-    std::shared_ptr<const IoError> failed;
-    for (const auto& q : r.after) {
-      if (!q->finished) ready = false;
-      else if (q->kind == IoKind::Write && q->error && !failed) failed = q->error;
-    }
-    if (ready && failed && r.next == 0) {
-      auto self = *it;
-      it = queue_.erase(it);
-      const Region& reg = *r.reg;
-      complete_locked(r, std::make_shared<IoError>(
-                             failed->code(), reg.path,
-                             std::string(verb(r.kind)) + " " + std::to_string(r.nbytes) + " bytes at offset " +
-                                 std::to_string(r.offset) + " of region '" + reg.name +
-                                 "' after a failed write of the same bytes: " + failed->what()));
-      continue;
-    }
+    const bool ready = std::all_of(r.after.begin(), r.after.end(), [](const auto& q) { return q->finished; });
     if (!ready) {
       ++it;
+      continue;
+    }
+    const Region& reg = *r.reg;
+    if (r.next == 0 && r.kind == IoKind::Read && reg.poisoned) {
+      auto self = *it;  // keeps r alive past the erase
+      it = queue_.erase(it);
+      complete_locked(r, std::make_shared<IoError>(
+                             reg.poisoned->code(), reg.path,
+                             "reading " + std::to_string(r.nbytes) + " bytes at offset " + std::to_string(r.offset) +
+                                 " of region '" + reg.name + "' after a failed write to it (" +
+                                 reg.poisoned->what() + "); write the whole region again to use it"));
       continue;
     }
     *out = Chunk{*it, r.next++};
@@ -293,6 +286,8 @@ bool FileStore::pick_locked(Chunk* out) {
 }
 
 void FileStore::complete_locked(Request& r, std::shared_ptr<const IoError> error) {
+  if (r.kind == IoKind::Write && error) r.reg->poisoned = error;
+  else if (r.kind == IoKind::Write && r.offset == 0 && r.nbytes == r.reg->nbytes) r.reg->poisoned = nullptr;
   r.finished = true;
   r.error = error;
   r.fence->finish(std::move(error));
@@ -310,39 +305,31 @@ void FileStore::worker() {
     work_cv_.wait(lock, [&] { return pick_locked(&c) || (stopping_ && queue_.empty()); });
     if (!c.request) return;
     Request& r = *c.request;
-    std::shared_ptr<const IoError> error = r.error;  // an earlier chunk failed: skip the I/O
-    const int k = static_cast<int>(r.kind);
-    int fault = 0;
-    if (!error && fault_count_[k] > 0) {
-      --fault_count_[k];
-      fault = fault_code_[k];
-    }
-    if (!error) {
+    std::shared_ptr<const IoError> error;
+    if (!r.error) {  // else an earlier chunk failed: this one is skipped
+      const int k = static_cast<int>(r.kind);
+      int fault = 0;
+      if (fault_count_[k] > 0) {
+        --fault_count_[k];
+        fault = fault_code_[k];
+      }
       lock.unlock();
       try {
-        if (fault) {
-          const Region& reg = *r.reg;
-          const size_t off = r.offset + c.index * options_.chunk_bytes;
-          error = std::make_shared<IoError>(fault, reg.path,
-                                            errno_text(fault) + " while " + verb(r.kind) + " at offset " +
-                                                std::to_string(off) + " of region '" + reg.name + "' (injected)");
-        } else {
-          if (options_.delay_s > 0)
-            std::this_thread::sleep_for(std::chrono::duration<double>(options_.delay_s * (rng() % 1000) / 1000.0));
-          run_chunk(c, static_cast<char*>(bounce.p));
-        }
+        if (options_.delay_s > 0)
+          std::this_thread::sleep_for(std::chrono::duration<double>(options_.delay_s * (rng() % 1000) / 1000.0));
+        run_chunk(c, fault, static_cast<char*>(bounce.p));
       } catch (const IoError& e) {
         error = std::make_shared<IoError>(e);
       }
       lock.lock();
     }
-    if (error && !r.error) r.error = error;
+    if (error && (!r.error || c.index < r.error_chunk)) r.error = error, r.error_chunk = c.index;
     if (--r.remaining == 0) complete_locked(r, r.error);
   }
 }
 
-// One chunk's I/O, mu_ not held.  Throws IoError.
-void FileStore::run_chunk(const Chunk& c, char* bounce) {
+// One chunk's I/O, mu_ not held (`fault`: an injected errno instead).  Throws IoError.
+void FileStore::run_chunk(const Chunk& c, int fault, char* bounce) {
   const Request& r = *c.request;
   const Region& reg = *r.reg;
   const size_t start = c.index * options_.chunk_bytes;
@@ -352,6 +339,7 @@ void FileStore::run_chunk(const Chunk& c, char* bounce) {
     throw IoError(code, reg.path, text + " while " + verb(r.kind) + " " + std::to_string(len) + " bytes at offset " +
                                       std::to_string(off) + " of region '" + reg.name + "'");
   };
+  if (fault) fail(fault, errno_text(fault) + " (injected)");
   // Truncated or removed underneath: a write would silently re-extend or land in an unlinked inode.
   struct stat st;
   if (::fstat(reg.fd, &st) != 0) {

@@ -24,8 +24,9 @@
 // among them run in submission order (a read submitted after a write sees it;
 // a write submitted after a read does not overwrite the bytes under it); all
 // others run concurrently.  That is what read-ahead of layer i+1 while layer i
-// is written behind needs, with no waits in the caller.  A request that depends
-// on a failed write fails too (the bytes it would read are not what was meant).
+// is written behind needs, with no waits in the caller.  After a write to a
+// region failed, reads of that region fail too (its bytes on disk are not what
+// was meant) until a write of the whole region succeeds.
 //
 // File systems without O_DIRECT (tmpfs before Linux 6.6, some FUSE and network
 // file systems): with DirectMode::Auto a probe at construction finds out and
@@ -140,16 +141,18 @@ class FileStore {
     std::string name, path;
     int fd = -1;
     size_t nbytes = 0, file_bytes = 0;
+    std::shared_ptr<const IoError> poisoned;  // the last failed write, until a whole-region write succeeds (mu_)
   };
   struct Request {
     IoKind kind;
-    const Region* reg;  // regions_ is a deque: stable, read by the threads without mu_
+    Region* reg;  // regions_ is a deque: stable; name, path, fd and sizes are read by the threads without mu_
     size_t region, offset, nbytes;
     char* buf;
     size_t chunks, next = 0, remaining;
     std::vector<std::shared_ptr<Request>> after;
     std::shared_ptr<IoFence> fence;
-    std::shared_ptr<const IoError> error;
+    std::shared_ptr<const IoError> error;  // of the lowest failed chunk: the same message however threads ran
+    size_t error_chunk = 0;
     bool finished = false;
   };
   struct Chunk {
@@ -160,7 +163,7 @@ class FileStore {
   void probe_direct();
   void worker();
   bool pick_locked(Chunk* out);
-  void run_chunk(const Chunk& c, char* bounce);
+  void run_chunk(const Chunk& c, int fault, char* bounce);
   void complete_locked(Request& r, std::shared_ptr<const IoError> error);
   const Region& region_locked(size_t region, const char* arg) const;
 

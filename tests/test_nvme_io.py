@@ -187,16 +187,25 @@ def test_injected_errors_reach_the_waiter(store, kind, code):
 
 
 def test_read_after_failed_write_fails(store):
-    """A read ordered after a failed write of the same bytes fails too, saying so; synchronize reports the unwaited
-    failure."""
+    """After a write to a region failed, reads of it fail saying so (queued behind the write or later) until a
+    write of the whole region succeeds; synchronize reports a failure nobody waited for."""
     r = store.allocate("x", 64 << 10)
     store._native.inject_fault("write", errno.EIO, 1)
     store.write_async(r, store.empty(r.nbytes))
-    f = store.read_async(r, store.empty(r.nbytes))
-    with pytest.raises(StorageError, match="after a failed write"):
-        f.wait()
+    queued = store.read_async(r, store.empty(r.nbytes))
+    with pytest.raises(StorageError, match="after a failed write to it"):
+        queued.wait()
     with pytest.raises(StorageError, match="Input/output error"):
         store.synchronize()
+    with pytest.raises(StorageError, match="after a failed write to it") as info:   # the write long finished
+        store.read(r, store.empty(4096), offset=8192)
+    assert info.value.errno == errno.EIO and info.value.filename == r.path
+    store.write(r, store.empty(4096), offset=4096)   # a partial write does not make the region whole again
+    with pytest.raises(StorageError, match="after a failed write"):
+        store.read(r, store.empty(4096))
+    src = _random(store, r.nbytes, 11)
+    store.write(r, src)
+    assert torch.equal(store.read(r, store.empty(r.nbytes)), src)
 
 
 FSIZE_SCRIPT = r"""
