@@ -17,7 +17,10 @@ cache.  Transfers are asynchronous and return a fence:
 
 Reads and writes of overlapping bytes of a region run in the order they were
 submitted (a read after a write returns the written bytes) without the caller
-waiting in between; everything else runs concurrently.  Tensors are CPU,
+waiting in between; everything else runs concurrently.  That ordering is of the
+bytes on disk: a host buffer is the caller's, so wait for a write's fence before
+reading into (or changing) the tensor it writes from.  After a write to a region
+failed, reads of it fail until a write of the whole region succeeds.  Tensors are CPU,
 contiguous and 4096-aligned (`empty`, or a HostArena with alignment=4096);
 the store keeps each one referenced until its transfer completes.
 
