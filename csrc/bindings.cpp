@@ -29,6 +29,7 @@
 #include "fence.h"
 #include "grad_ops.h"
 #include "host_arena.h"
+#include "nvme_io.h"
 #include "optimizers.h"
 #include "parallel.h"
 #include "window_pack.h"
@@ -184,6 +185,90 @@ rp::ArenaBackend parse_backend(const std::string& name) {
   if (name == "host") return rp::ArenaBackend::Host;
   if (name == "cuda") return rp::ArenaBackend::Cuda;
   throw py::value_error("backend='" + name + "' is unknown; expected 'auto', 'host' or 'cuda'");
+}
+
+// StorageError(errno, what, path): an OSError subclass, so `.errno`, `.strerror` and `.filename` work.
+PyObject* storage_error = nullptr;
+
+void translate_io_error(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const rp::IoError& e) {
+    const py::tuple args = py::make_tuple(e.code(), std::string(e.what()), e.path());
+    PyErr_SetObject(storage_error, args.ptr());
+  }
+}
+
+rp::DirectMode parse_direct(const std::string& name) {
+  if (name == "auto") return rp::DirectMode::Auto;
+  if (name == "on") return rp::DirectMode::On;
+  if (name == "off") return rp::DirectMode::Off;
+  throw py::value_error("direct='" + name + "' is unknown; expected 'auto', 'on' or 'off'");
+}
+
+rp::IoKind parse_kind(const std::string& name) {
+  if (name == "read") return rp::IoKind::Read;
+  if (name == "write") return rp::IoKind::Write;
+  throw py::value_error("kind='" + name + "' is unknown; expected 'read' or 'write'");
+}
+
+void bind_nvme(py::module_& m) {
+  py::exception<rp::IoError> error(m, "StorageError", PyExc_OSError);
+  error.doc() = "A file store's I/O failed: errno, what was done at which offset of which region, and the file.";
+  storage_error = error.inc_ref().ptr();  // lives as long as the process
+  py::register_exception_translator(&translate_io_error);
+  py::class_<rp::IoFence, rp::Fence, std::shared_ptr<rp::IoFence>>(
+      m, "IoFence", "Completion of one FileStore read or write; a Fence (the arena can defer reuse behind it).")
+      .def("wait", &rp::IoFence::wait_io, py::call_guard<py::gil_scoped_release>(),
+           "Blocks (GIL released) until complete; StorageError when the I/O failed.")
+      .def("done", &rp::IoFence::done_io, "True when complete; StorageError when the I/O failed.");
+  py::class_<rp::FileStore>(m, "FileStore",
+                            "Regions in preallocated files under a directory, read and written by a pool of I/O "
+                            "threads (O_DIRECT where the file system takes it); csrc/nvme_io.h.")
+      .def(py::init([](const std::string& directory, int threads, size_t chunk_bytes, const std::string& direct,
+                       double delay_s, bool simulate_no_direct) {
+        rp::FileStoreOptions o;
+        o.threads = threads;
+        o.chunk_bytes = chunk_bytes;
+        o.direct = parse_direct(direct);
+        o.delay_s = delay_s;
+        o.simulate_no_direct = simulate_no_direct;
+        return std::make_unique<rp::FileStore>(directory, o);
+      }), py::arg("directory"), py::arg("threads") = 4, py::arg("chunk_bytes") = size_t{8} << 20,
+         py::arg("direct") = "auto", py::arg("delay_s") = 0.0, py::arg("simulate_no_direct") = false,
+         "direct: 'auto' (O_DIRECT when the file system takes it, else buffered), 'on' (error without it), 'off'. "
+         "delay_s (every chunk sleeps first) and simulate_no_direct are test hooks.")
+      .def("allocate", &rp::FileStore::allocate, py::arg("name"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Creates and preallocates the file of a new region of nbytes; returns the region's index.")
+      .def("read", [](rp::FileStore& s, size_t region, size_t offset, std::uintptr_t buffer, size_t nbytes) {
+        return s.submit(rp::IoKind::Read, region, offset, ptr(buffer), nbytes);
+      }, py::arg("region"), py::arg("offset"), py::arg("buffer"), py::arg("nbytes"),
+         "Queues a read of nbytes at offset (a multiple of 4096) of `region` into the 4096-aligned buffer at "
+         "address `buffer`; returns its IoFence.  The buffer must stay alive until the fence completes.")
+      .def("write", [](rp::FileStore& s, size_t region, size_t offset, std::uintptr_t buffer, size_t nbytes) {
+        return s.submit(rp::IoKind::Write, region, offset, ptr(buffer), nbytes);
+      }, py::arg("region"), py::arg("offset"), py::arg("buffer"), py::arg("nbytes"),
+         "Queues a write of nbytes from the 4096-aligned buffer at address `buffer` to offset of `region`, "
+         "ending on a multiple of 4096 or at the region's end; returns its IoFence.")
+      .def("synchronize", &rp::FileStore::synchronize, py::call_guard<py::gil_scoped_release>(),
+           "Blocks until everything submitted has completed (failures stay with their fences).")
+      .def("close", &rp::FileStore::close, py::call_guard<py::gil_scoped_release>(),
+           "Waits for all I/O, stops the threads, closes the files (they stay on disk).")
+      .def("inject_fault", [](rp::FileStore& s, const std::string& kind, int code, int count) {
+        s.inject_fault(parse_kind(kind), code, count);
+      }, py::arg("kind"), py::arg("code"), py::arg("count") = 1,
+         "Test hook: the next `count` chunks of kind 'read' or 'write' fail with errno `code`.")
+      .def("region_path", &rp::FileStore::region_path, py::arg("region"))
+      .def("region_bytes", &rp::FileStore::region_bytes, py::arg("region"))
+      .def_property_readonly("num_regions", &rp::FileStore::num_regions)
+      .def_property_readonly("direct", &rp::FileStore::direct, "Whether the files are opened with O_DIRECT.")
+      .def_property_readonly("direct_reason", &rp::FileStore::direct_reason,
+                             "'O_DIRECT', or why the store fell back to buffered I/O.")
+      .def_property_readonly("directory", &rp::FileStore::directory)
+      .def_property_readonly("threads", [](const rp::FileStore& s) { return s.options().threads; })
+      .def_property_readonly("chunk_bytes", [](const rp::FileStore& s) { return s.options().chunk_bytes; })
+      .def_property_readonly("closed", &rp::FileStore::closed);
 }
 
 void bind_arena(py::module_& m) {
@@ -642,6 +727,7 @@ PYBIND11_MODULE(_C, m) {
   bind_convert(m);
   bind_fence(m);
   bind_arena(m);
+  bind_nvme(m);
   bind_copy_engine(m);
   bind_adam(m);
   bind_optimizers(m);

@@ -6,7 +6,8 @@ results list), a call {"op", "a", "k"} runs and answers {"r": "ok"|"exc"|"skip"|
 "broken", ...} on the protocol pipe, {"end": ...} sets every pending fence,
 resumes engines, drops the batch's objects and restores the SIMD level and thread
 count.  Arguments reference worker objects by marker: {"$buf": k, "off": o} an
-address in pool buffer k, {"$high": d} the address 2**64 - d, {"$res": j} call
+address in pool buffer k, {"$abuf": o} an address in the 4096-aligned 64 KiB buffer,
+{"$dir": 1} the batch's own folder (removed at its end), {"$high": d} the address 2**64 - d, {"$res": j} call
 j's result, {"$table": k} the address of 8-bit coder table k, {"$fence": "set"|"failed"|"pending"}, {"$q": name} / {"$qint": v} a
 CopyQueue, {"$t": spec} a tensor view of the batch's byte stores, {"$junk": 1}
 an object().  Imported, it gives the parent side: `Worker`.
@@ -25,7 +26,9 @@ import threading
 U64 = 2**64
 POOL = 12                       # worker buffers
 POOL_BYTES = 4096               # bytes usable from any pool address (offset <= 64)
-ALLOWED = ("ValueError", "TypeError", "MemoryError", "RuntimeError")
+ALIGNED_BYTES = 1 << 17         # the 4096-aligned buffer: offset (<= 4104) + nbytes (<= 64 KiB) fit
+# OSError: the file store's StorageError, e.g. EFAULT for an address the kernel refuses, or a folder that is a file.
+ALLOWED = ("ValueError", "TypeError", "MemoryError", "RuntimeError", "OSError")
 CALL_TIMEOUT_S = 30.0
 
 
@@ -42,6 +45,7 @@ class _Batch:
         self.fences = {"set": C.HostFence(True), "failed": failed, "pending": C.HostFence()}
         self.results: list = []
         self.engines: list = []
+        self.folder: str | None = None
 
     def resolve(self, x):
         if isinstance(x, list):
@@ -50,6 +54,13 @@ class _Batch:
             return x
         if "$buf" in x:
             return self.pool[x["$buf"]] + x["off"]
+        if "$abuf" in x:
+            return self.aligned + x["$abuf"]
+        if "$dir" in x:
+            if self.folder is None:
+                import tempfile
+                self.folder = tempfile.mkdtemp(prefix="roundpipe-fuzz-")
+            return self.folder
         if "$high" in x:
             return U64 - x["$high"]
         if "$res" in x:
@@ -75,6 +86,16 @@ class _Batch:
         if "$t" in x:
             return _make_tensor(self, x["$t"])
         return {k: self.resolve(v) for k, v in x.items()}
+
+    def finish(self):
+        """Ends the batch: waits released, objects dropped (file stores close, their transfers finished), the
+        batch's folder removed."""
+        self.release()
+        self.results.clear()
+        self.engines.clear()
+        if self.folder is not None:
+            import shutil
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def release(self):
         """Lets every wait of this batch end: pending host fences set, paused engines resumed."""
@@ -203,6 +224,8 @@ def worker_main() -> None:
     C = _native.require()
     raw = [ctypes.create_string_buffer(POOL_BYTES + 256) for _ in range(POOL)]
     pool = [(ctypes.addressof(b) + 63) // 64 * 64 for b in raw]
+    raw_aligned = ctypes.create_string_buffer(ALIGNED_BYTES + 4096)
+    aligned = (ctypes.addressof(raw_aligned) + 4095) // 4096 * 4096
     base_threads, base_level = C.num_threads(), C.simd_level()
     extra = _worker_ops(C)
     wrap = None
@@ -210,7 +233,10 @@ def worker_main() -> None:
     for line in sys.stdin:
         msg = json.loads(line)
         if msg.get("begin"):
+            if batch is not None:   # hypothesis abandoned the last example mid-draw: no "end" came
+                batch.finish()
             batch = _Batch(C, pool)
+            batch.aligned = aligned
             if msg.get("torch"):
                 if wrap is None:
                     wrap = _wrapper_ops()
@@ -220,9 +246,7 @@ def worker_main() -> None:
             proto.write("{}\n")
             continue
         if msg.get("end"):
-            batch.release()
-            batch.results.clear()
-            batch.engines.clear()
+            batch.finish()
             batch = None
             C.set_num_threads(base_threads)
             C.set_simd_level(base_level)
@@ -245,6 +269,8 @@ def worker_main() -> None:
         if out["r"] != "ok":
             batch.results.append(None)
         proto.write(json.dumps(out) + "\n")
+    if batch is not None:   # stdin closed mid-batch
+        batch.finish()
 
 
 # ---------------------------------------------------------------------------------------------

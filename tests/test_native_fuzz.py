@@ -384,6 +384,64 @@ def gen_fakecuda(draw, outcomes):
     return op, [fake], {}
 
 
+def gen_nvme(draw, outcomes):
+    """The file store (csrc/nvme_io.h) in the batch's own folder: a first region, then transfers between regions and
+    a 4096-aligned worker buffer (or refused addresses), faults injected, fences waited, the store closed midway.
+    Sizes stay small or past any buffer: a valid size in between would preallocate real gigabytes."""
+    if not outcomes:
+        args = [{"$dir": 1}, draw(st.integers(1, 4)), draw(st.sampled_from([4096, 8192, 1 << 16])),
+                draw(st.sampled_from(["auto", "off", "on"])), draw(st.sampled_from([0.0, 0.0, 1e-4])),
+                rarely(draw, 2)]
+        if rarely(draw, 2):   # one argument wrong
+            k = draw(st.integers(0, 5))
+            args[k] = draw([st.one_of(st.sampled_from(["", "/nonexistent/roundpipe", "/proc/self/status", "a\0b"]),
+                                      junk),
+                            st.one_of(st.sampled_from([0, -1, 257, 2**31 - 1]), junk),
+                            st.one_of(st.sampled_from([0, 1, 4095, 4097, (1 << 30) + 4096]), size_extreme, junk),
+                            st.one_of(st.just("sometimes"), junk),
+                            st.sampled_from([-1.0, 10.5, 1e300, float("inf"), float("nan"), "x"]),
+                            junk][k])
+        return "FileStore", args, {}
+    store = {"$res": 0}
+    small = st.sampled_from([0, 1, 100, 4095, 4096, 4097, 8192, 20000, 1 << 16])
+    if len(outcomes) == 1:
+        return "FileStore.allocate", [store, "r0", draw(st.sampled_from([4096, 8192, 20000, 1 << 16]))], {}
+    fences = [{"$res": i} for i, (_, out) in enumerate(outcomes) if out.get("t") == "IoFence"]
+    op = draw(st.sampled_from(["FileStore.allocate"] * 2 + ["FileStore.read"] * 5 + ["FileStore.write"] * 5 + [
+        "FileStore.synchronize", "FileStore.close", "FileStore.inject_fault", "FileStore.region_path",
+        "FileStore.region_bytes", "FileStore.num_regions", "FileStore.direct", "FileStore.direct_reason",
+        "FileStore.directory", "FileStore.threads", "FileStore.chunk_bytes", "FileStore.closed", "IoFence",
+        "IoFence.wait", "IoFence.wait", "IoFence.done", "IoFence.done"]))
+    region = mostly(draw, st.sampled_from([0, 0, 0, 1, 2]), st.one_of(st.sampled_from([-1, 7, 2**31, U64 - 1]), junk),
+                    1)
+    if op == "FileStore.allocate":
+        name = mostly(draw, st.sampled_from(["r0", "r1", "r2"]), st.one_of(
+            st.sampled_from(["", ".", "..", "a/b", ".x", "x" * 201, "a\0b"]), junk), 1)
+        return op, [store, name, mostly(draw, small, st.one_of(st.sampled_from([
+            PMAX - 4095, PMAX, 2**63, U64 - 1, -1]), junk), 1)], {}
+    if op in ("FileStore.read", "FileStore.write"):
+        offset = mostly(draw, st.sampled_from([0, 0, 4096]), st.one_of(small, size_extreme, junk), 1)
+        kind = mostly(draw, st.just("aligned"), st.sampled_from(["pool", "null", "high", "junk"]), 2)
+        whole = st.sampled_from([0, 4096, 8192]) if op == "FileStore.write" else small   # writes end on a block
+        n = mostly(draw, whole, st.one_of(small, size_extreme, junk), 2)
+        if kind == "aligned":
+            buf = {"$abuf": mostly(draw, st.just(0), st.sampled_from([64, 4096 + 8]), 1)}
+        else:
+            buf = pool_addr(draw) if kind == "pool" else address(draw, kind)
+        return op, [store, region, offset, buf, n], {}
+    if op == "FileStore.inject_fault":
+        return op, [store, mostly(draw, st.sampled_from(["read", "write"]), st.one_of(st.just("erase"), junk), 1),
+                    mostly(draw, st.sampled_from([5, 28, 27]), st.one_of(st.sampled_from([0, -1, 4096]), junk), 2),
+                    mostly(draw, st.sampled_from([0, 1, 2]), st.one_of(st.sampled_from([-1, 2**31]), junk), 1)], {}
+    if op in ("FileStore.region_path", "FileStore.region_bytes"):
+        return op, [store, region], {}
+    if op == "IoFence":
+        return op, draw(st.lists(junk, max_size=2)), {}
+    if op.startswith("IoFence."):
+        return op, [draw(st.sampled_from(fences)) if fences else draw(fence_ref)], {}
+    return op, [store], {}
+
+
 def gen_pack(draw, _):
     size = st.one_of(st.integers(0, 1 << 20), size_extreme, st.integers(0, U64 - 1))
     sizes = draw(st.lists(mostly(draw, st.just(st.integers(0, 1 << 20)), st.just(size), 5), max_size=6))
@@ -571,10 +629,15 @@ SURFACE = {
     "copy_engine": ["CopyEngine", "CopyEngine.submit", "CopyEngine.synchronize",
                     "CopyEngine.backend", "HostCopyEngine", "HostCopyEngine.pause", "HostCopyEngine.resume",
                     "HostCopyEngine.history", "CudaCopyEngine", "CudaCopyEngine.device", "CudaCopyEngine.stream"],
+    "nvme": ["FileStore", "FileStore.allocate", "FileStore.read", "FileStore.write", "FileStore.synchronize",
+             "FileStore.close", "FileStore.inject_fault", "FileStore.region_path", "FileStore.region_bytes",
+             "FileStore.num_regions", "FileStore.direct", "FileStore.direct_reason", "FileStore.directory",
+             "FileStore.threads", "FileStore.chunk_bytes", "FileStore.closed", "IoFence", "IoFence.wait",
+             "IoFence.done"],
 }
 GENERATORS = {"cpu": (gen_cpu, 40, 4), "kernels": (gen_kernels, 160, 3), "fences": (gen_fences, 80, 5),
               "arena": (gen_arena, 150, 8), "pack_lpt": (gen_pack, 150, 3), "copy_engine": (gen_engine, 120, 6),
-              "fakecuda": (gen_fakecuda, 80, 6)}
+              "fakecuda": (gen_fakecuda, 80, 6), "nvme": (gen_nvme, 120, 10)}
 
 
 def test_every_entry_point_is_fuzzed():
