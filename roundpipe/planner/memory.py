@@ -128,12 +128,21 @@ def backward_bytes(mem: Sequence[LayerMemory], layers: range, fused: bool = Fals
 
 
 def stage_bytes(kind: str, layers: range, weights: Sequence[int], grads: Sequence[int],
-                mem: Sequence[LayerMemory]) -> int:
-    """Weights, gradient accumulators and activations of one stage at its worst moment, one microbatch."""
+                mem: Sequence[LayerMemory], microbatches: int = 2) -> int:
+    """Weights, gradient accumulators and activations of one stage at its worst moment, one microbatch.
+
+    In low precision the fp32 accumulators are made after a microbatch's backward: a stage run of one
+    microbatch holds them only at its end, when its activations are gone (one more microbatch and
+    they sit beside its activations)."""
     own = sum(weights[l] for l in layers)
     if kind == "F":
         return own + forward_bytes(mem, layers)
-    return own + sum(grads[l] for l in layers) + backward_bytes(mem, layers, kind == "fused")
+    acts = backward_bytes(mem, layers, kind == "fused")
+    accumulators = sum(grads[l] for l in layers)
+    low_precision = sum(mem[l].param_grads for l in layers)
+    if microbatches == 1 and low_precision:
+        return own + max(acts, accumulators + low_precision)
+    return own + accumulators + acts
 
 
 def _output_bytes(task, mem: Sequence[LayerMemory]) -> int:
@@ -156,7 +165,7 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
     for name, tasks in tasks_by_worker.items():
         worst = 0
         for i, task in enumerate(tasks):
-            need = stage_bytes(task.kind, task.layers, weights, grads, mem)
+            need = stage_bytes(task.kind, task.layers, weights, grads, mem, len(task.mbs))
             if i > 0:   # the previous stage's gradients and last output, until their downloads complete
                 need += _output_bytes(tasks[i - 1], mem)
                 if tasks[i - 1].kind != "F":
