@@ -21,9 +21,9 @@ Assumptions (all flags or constants below):
 - Upload bytes per base weight: bf16 2; NF4 with double quantization 0.5 + 1/64 + 4/16384
   (+ 1 KiB a tensor) = 0.516.  Quantized: q/k/v/o and the experts' gate/up/down; the router,
   norms, embedding and LM head stay bf16.  LoRA r16 on q/k/v/o (its bf16 upload copy
-  travels too; 0.54 M parameters a layer).  NOTE: transformers 5 stores Qwen3-MoE experts
-  as fused 3-D tensors, which `quantize=` does not take today (a TypeError naming them):
-  the NF4 rows assume a fused-expert quantizer that is not built.
+  travels too; 0.54 M parameters a layer).  transformers 5 stores Qwen3-MoE experts as
+  fused 3-D tensors; `quantize=` stores them 4-bit per expert (roundpipe.quant.QuantExperts),
+  so the NF4 rows are what the engine quantizes.
 - Compute: bf16 dense at --tflops (165, an RTX 4090's spec with fp32 accumulation) x --mfu
   (0.4: the experts' GEMMs are small, ~128 tokens each); per token and layer, forward
   2 x active + 2 x seq x 8192 (causal attention) FLOPs; backward only the input gradient
@@ -36,10 +36,13 @@ Assumptions (all flags or constants below):
   (docs/quantization.md: 348 us for 8192 x 28672 NF4 -> bf16, against 237 us for a bf16
   clone, i.e. 3.97 TB/s) scaled by device-memory copy bandwidth, 3.97 -> 0.9 TB/s: 6.5 ps
   a weight, 16 ms for a layer's 2.49 B.  Three variants:
-      per product  what the engine does: the whole layer dequantized for every product, i.e.
-                   forward, recompute and backward of every microbatch (all 128 experts)
-      per slot     unbuilt: dequantized once per slot and kept for its microbatches (one
-                   dequantized layer on the GPU beside the packed ones: stages of one layer)
+      per product     what the engine did before roundpipe/quant/keep.py: the whole layer
+                      dequantized for every product, i.e. forward, recompute and backward of
+                      every microbatch (all 128 experts)
+      per stage run   what the engine does now: dequantized once per slot (stage run) and kept
+                      for its microbatches and products (the dequantized layer is held on the
+                      GPU beside the packed one: in the planner's weight bytes, which makes
+                      stages of one layer here)
       free         unbuilt bound: a fused dequant-matmul whose dequantization hides under it
 - Memory: the planner's budget --budget-gb (22: a 24 GB card less the CUDA context), a stage
   within half of it; activations 34 x tokens x hidden + the experts' intermediates.  The
@@ -68,7 +71,7 @@ GPU_BW = 0.9e12             # RTX 4090 device-memory copy bytes/s (1.008 TB/s sp
 H200_DEQUANT_S_PER_WEIGHT = 348e-6 / (8192 * 28672)
 H200_CLONE_BW = 2 * 2 * 8192 * 28672 / 237e-6
 DEQUANT_S_PER_WEIGHT = H200_DEQUANT_S_PER_WEIGHT * H200_CLONE_BW / GPU_BW
-DEQUANT = ("per product", "per slot", "free")
+DEQUANT = ("per product", "per stage run", "free")
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ def model(m: MoEShape, base: str, dequant: str, tokens: int, seq: int, rate: flo
     deq_layer = DEQUANT_S_PER_WEIGHT * (sum(m.attention) + m.experts * m.expert)
     if base == "nf4" and dequant == "per product":   # forward, recompute, backward: each dequantizes
         fwd, bwd = fwd + deq_layer, bwd + deq_layer
-    elif base == "nf4" and dequant == "per slot":    # once a slot, spread over its microbatches
+    elif base == "nf4" and dequant == "per stage run":   # once a slot, spread over its microbatches
         fwd += deq_layer / round_size
     head_mm = 2 * m.hidden * m.vocab * tokens / rate
     loss = 8 * tokens * m.vocab / GPU_BW
@@ -156,7 +159,8 @@ def model(m: MoEShape, base: str, dequant: str, tokens: int, seq: int, rate: flo
     # the planner's view: per-microbatch times no shorter than the slot's upload shared by its microbatches
     bw = uploads.bandwidth(8)
     saved = 34 * tokens * m.hidden + tokens * m.top_k * 3 * m.moe_inter * 2
-    held = layer + (2 * (sum(m.attention) + m.experts * m.expert) if dequant == "per slot" and base == "nf4" else 0)
+    held = layer + (2 * (sum(m.attention) + m.experts * m.expert) if dequant == "per stage run" and base == "nf4"
+                   else 0)
     lora_grads = 4 * m.lora
     planner = [LayerCost(0.0, 0.0, int(2 * m.vocab * m.hidden), act, 0)]
     planner += [LayerCost(max(fwd, layer / bw / round_size), max(fwd + bwd, layer / bw / round_size), int(held),
