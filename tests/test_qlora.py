@@ -74,6 +74,18 @@ def _lora_grads(model):
     return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _assert_trains_as(model, data, ref_loss, ref_grads, count):
+    """One fp32 call's loss and its `count` LoRA gradients within 1e-5 relative of the reference's."""
+    ids, mask, labels = data
+    loss = model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
+    model.synchronize()
+    assert rel(loss, ref_loss) <= 1e-5
+    grads = _lora_grads(model)
+    assert grads.keys() == ref_grads.keys() and len(grads) == count
+    for name, g in grads.items():
+        assert rel(g, ref_grads[name]) <= 1e-5, (name, rel(g, ref_grads[name]))
+
+
 @pytest.mark.parametrize("kind, pad, workers", [("llama", "right", 1), ("llama", "left", 2), ("llama", "left", 3),
                                                 ("qwen3", "right", 3), ("qwen3", "left", 1)])
 def test_loss_and_lora_gradients_equal_peft_bitsandbytes(saved, kind, pad, workers):
@@ -87,13 +99,7 @@ def test_loss_and_lora_gradients_equal_peft_bitsandbytes(saved, kind, pad, worke
         quantized = [m for m in model.hf_model.modules() if isinstance(m, QuantLinear)]
         assert len(quantized) == 14
         assert torch.equal(model.hf_model.base_model.model.model.layers[1].mlp.up_proj.weight, packed.reshape(-1))
-        loss = model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
-        model.synchronize()
-        assert rel(loss, ref_loss) <= 1e-5
-        grads = _lora_grads(model)
-        assert grads.keys() == ref_grads.keys() and len(grads) == 12
-        for name, g in grads.items():
-            assert rel(g, ref_grads[name]) <= 1e-5, (name, rel(g, ref_grads[name]))
+        _assert_trains_as(model, (ids, mask, labels), ref_loss, ref_grads, 12)
 
 
 def test_bf16_compute_within_bf16_tolerance(saved):
@@ -288,13 +294,7 @@ def test_qwen3_moe_experts_are_quantized_and_train_as_their_dequantized_weights(
                 ref.get_submodule(n).weight.copy_(m.dequantized(torch.float32))
         ref_loss, ref_grads = reference(ref, ids, mask, labels)
         calls[0] = 0
-        loss = model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
-        model.synchronize()
-        assert rel(loss, ref_loss) <= 1e-5
-        grads = _lora_grads(model)
-        assert grads.keys() == ref_grads.keys() and len(grads) == 16
-        for name, g in grads.items():
-            assert rel(g, ref_grads[name]) <= 1e-5, (name, rel(g, ref_grads[name]))
+        _assert_trains_as(model, (ids, mask, labels), ref_loss, ref_grads, 16)
     decoder = [sum(1 for l in r if l in (1, 2)) for r, _ in runs]
     assert runs and all(made == 6 * n for (_, made), n in zip(runs, decoder)), runs
     assert calls[0] == sum(made for _, made in runs) + 12   # + the planner's dry run: each of the 12 tensors once
