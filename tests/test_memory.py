@@ -285,3 +285,24 @@ def test_wrapped_qwen3_peak_is_what_the_plan_predicts(workers, num_mb, dtype):
             model.step(opt)
         for name, s in model.memory_stats()["workers"].items():
             assert s["peak_total"] <= cap and 0.85 <= s["peak_total"] / s["predicted_peak"] <= 1.1, (name, s)
+
+
+def test_a_slow_copy_path_throttles_compute_not_memory():
+    """Random delays at every synchronisation point (a copy path slower than the compute, as a loaded machine
+    made it): every worker's peak stays at the plan's prediction.  Before, activation downloads were not
+    bounded (six forward outputs alive at once, 1.1x the prediction; 3.41 MB against a 3 MiB cap under
+    load) and outputs kept for a forward consumer on another CPU worker lived until it ran."""
+    cap = 3 << 20
+    for seed in range(4):
+        torch.manual_seed(0)
+        x, y = torch.randn(512, 256), torch.randn(512, 256)
+        layers = [nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(48)]
+        with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=2, device_memory=cap) as model:
+            opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
+            with inject_delays(random_sleeps(0.004, seed=seed)):
+                for _ in range(2):
+                    model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                    model.step(opt)
+                model.synchronize()
+            for name, s in model.memory_stats()["workers"].items():
+                assert s["peak_total"] <= min(cap, 1.02 * s["predicted_peak"]), (seed, name, s)

@@ -193,8 +193,8 @@ class StageRun:
         # The same for every microbatch of the stage: worked out at its first one.
         route = self._routes.get(key[:2])
         if route is None:
-            route = self._routes[key[:2]] = (any(c.forward and c.worker.device == w.device for c in cons),
-                                            any((not c.forward) or c.worker.device != w.device for c in cons))
+            route = self._routes[key[:2]] = (any(c.forward and c.worker.space == w.space for c in cons),
+                                            any((not c.forward) or c.worker.space != w.space for c in cons))
         self.ctx.board.put(key, w.send(x, route[1], route[0]), len(cons))
 
     def _report(self, m: int, part: str) -> Callable[[float, float], None] | None:
@@ -387,6 +387,7 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
                 timer = w.timer_start() if ctx.on_timing is not None else None
                 step(m)
                 w.copies.pace()   # the previous stage's gradients leave during this stage, one window per microbatch
+                w.copies.bound_activation_downloads()   # at most m's output still downloading
                 w.copies.release_completed()   # m's input (and landed downloads) die now, not at the stage's end
                 if timer is not None:   # execution time: on a GPU measured by events, reported later
                     w.timer_stop(timer, functools.partial(ctx.on_timing, w.name, task.kind, task.layers.start, m))

@@ -63,7 +63,8 @@ class Handoff:
     host: Any = None             # nest of host tensors, or None when only the device copy exists
     host_ready: Any = None       # fence the host copy completes with, None when ready
     device: torch.device | None = None
-    device_value: Any = None     # nest of device tensors for a consumer on the same device
+    space: str | None = None     # the producer's memory space (Worker.space): who may take device_value
+    device_value: Any = None     # nest of device tensors for a consumer in the same memory space
     device_ready: Any = None     # fence of the producer's compute guarding device_value
     gpu_ready: dict | None = None  # call inputs already on a GPU: device -> event recorded on the
     #                               caller's stream when the call began (the producer's work)
@@ -111,6 +112,11 @@ class Worker(ABC):
                  owns: Owns | None = None):
         self.device = device
         self.name = name
+        # Whose device buffers this worker may read in place: a GPU's, shared by the workers listed on
+        # it (one GPU listed twice); a CPU worker models a GPU of its own, so only its own (before, all
+        # CPU workers shared one space: a forward output kept on its producer for a consumer on
+        # another CPU worker stayed until that consumer ran, outside the memory model).
+        self.space = name if device.type == "cpu" else str(device)
         self.compute_dtype = compute_dtype
         self.rng = WorkerRng(device)   # its own generator: layers draw without a lock
         self.host_alloc = alloc or _plain_alloc
@@ -268,7 +274,7 @@ class Worker(ABC):
             leaves = [t.detach().contiguous() if isinstance(t, torch.Tensor) else t for t in leaves]
         else:
             leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
-        h = Handoff(device=self.device)
+        h = Handoff(device=self.device, space=self.space)
         compute = self._compute_fence()   # after the contiguous copies, which run on the compute stream
         if keep_device:
             for t in leaves:
@@ -293,7 +299,7 @@ class Worker(ABC):
         stage input the design keeps in host memory), never from the producer's device tensors:
         the forward consumer may have written those in place, and the board would otherwise keep
         them on the device until the backward stage ran."""
-        if forward and handoff.device_value is not None and handoff.device == self.device:
+        if forward and handoff.device_value is not None and handoff.space == self.space:
             return self._take_device_value(handoff)
         dsts, srcs, value = [], [], []
         for t in tree_leaves(handoff.host):

@@ -78,6 +78,7 @@ class Transfers:
         self._released_down = 0   # download windows activation copies released since the last pace()
         self._stage = 0            # stage ends seen (flush_downloads)
         self._downs: deque[tuple[int, Bulk]] = deque()   # downloads not known complete, with their stage
+        self._act_downs: deque = deque()   # activation download fences not known complete, oldest first
         self._clocks: dict[str, _CopyClock] = {}
         self.on_copy: Callable[[str, int, float, float], None] | None = None   # see record_copies
 
@@ -152,6 +153,8 @@ class Transfers:
         """An activation copy now; the oldest held-back bulk window of its direction goes right behind it."""
         with self._lock:
             fence = self._submit(queue, dsts, srcs, list(after))
+            if queue == "act_down" and fence is not None:   # None: copied inline, already done
+                self._act_downs.append(fence)
             waiting = self._waiting[_BULK_OF[queue]]
             if waiting:
                 self._send_one(waiting, [fence])
@@ -224,6 +227,16 @@ class Transfers:
             if downs and self._released_down == 0:
                 self._send_one(downs, [])
             self._released_down = 0
+
+    def bound_activation_downloads(self, keep: int = 1) -> None:
+        """Waits until at most `keep` activation downloads are in flight: each keeps its device source
+        alive (the memory model counts one microbatch's output beside the running one), so a copy path
+        slower than the compute throttles the compute instead of growing device memory (seen on CPU
+        workers under load: six outputs of a forward stage alive at once, 1.1x the prediction)."""
+        while len(self._act_downs) > keep:
+            with self._lock:
+                fence = self._act_downs.popleft()
+            fence.wait()
 
     def flush_downloads(self) -> None:
         """A stage ended: every held-back download goes now, and those issued before the previous
