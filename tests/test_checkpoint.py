@@ -38,6 +38,9 @@ CASES = [
     dict(asynchronous=True, compensation=True, dtype="bfloat16"),   # workers read predicted weights
     dict(asynchronous=False, optimizer="adamw8bit"),         # 8-bit blockwise states saved and resumed bitwise
     dict(asynchronous=True, optimizer="adamw8bit", dtype="bfloat16"),
+    dict(asynchronous=True, optimizer="adamw8bit", dtype="bfloat16", master="bfloat16"),   # bf16 masters, SR
+    dict(asynchronous=False, dtype="bfloat16", master="bfloat16"),
+    dict(asynchronous=True, optimizer="torch", master="float32"),   # fp32 masters that are their upload copies
 ]
 
 

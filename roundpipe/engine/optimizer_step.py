@@ -207,7 +207,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
             with torch.no_grad(), _scaled_lr(optimizer, lr_factor):
                 if native_clip:   # reads held low-precision gradients as they are, unscales in its pass
                     optimizer.step_layer(params, upload, clip_coef=clip[0] / scaling.divisor(l),
-                                         grads=host.step_grads(l), predict=predict)
+                                         grads=host.step_grads(l), predict=predict, rounding=host.master_rounding)
                 else:   # p.grad unscaled as GradScaler.unscale_ does (unless it already is), then clipped
                     host.materialize(l, scaling.inverse())
                     if clip[0] != 1.0:
@@ -241,7 +241,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
     def after() -> None:
         if lr_scheduler is not None and not scaling.skipped:
             lr_scheduler.step()
-    return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after)
+    return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after, host.in_place())
 
 
 @contextlib.contextmanager
@@ -286,7 +286,7 @@ def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_schedu
             for l, (ps, gs) in enumerate(slices):
                 mul = clip / scaling.divisor(l)
                 if native:   # reads held low-precision slices as they are
-                    optimizer.step_layer(ps, None, clip_coef=mul, grads=gs)
+                    optimizer.step_layer(ps, None, clip_coef=mul, grads=gs, rounding=host.master_rounding)
                     continue
                 for p, g in zip(ps, gs):
                     p.grad = None if g is None else (g.float() * mul if mul != 1.0 else g.float())
@@ -300,7 +300,7 @@ def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_schedu
         shards.gather()
 
     return StepFns(update, True, host.pcopy, host.pcopy, host.clear_grads,
-                   _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped))
+                   _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped), host.in_place())
 
 
 def copy_step(optimizer: Any, host: HostState, lr_scheduler: Any = None, skipped: bool = False) -> StepFns:

@@ -61,7 +61,7 @@ class Adam(FusedOptimizer):
         adam_step(params, grads, [b["exp_avg"] for _, b in states], [b["exp_avg_sq"] for _, b in states],
                   [self._step_of(s) for s, _ in states], config,
                   max_exp_avg_sqs=[b["max_exp_avg_sq"] for _, b in states] if config.amsgrad else None,
-                  shadows=shadows, grad_mul=grad_mul, predict=predict, rounding=rounding, round_keys=keys)
+                  shadows=shadows, grad_mul=grad_mul, predict=predict, rounding=rounding or "nearest", round_keys=keys)
 
     def _torch_step(self, config: AdamConfig, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
                     bufs: Buffers, grad_mul: float) -> None:
