@@ -114,6 +114,13 @@ def _stamp(p: torch.Tensor) -> tuple:
     return (p.requires_grad, p._version, p.data_ptr())
 
 
+def allow_fp32_grad(p: torch.Tensor) -> None:
+    """Lets a bf16 master hold the fp32 `p.grad` the engine gives every master (torch >= 2.10 checks a
+    gradient's dtype against the tensor's `grad_dtype`, its own dtype by default)."""
+    if hasattr(p, "grad_dtype"):
+        p.grad_dtype = torch.float32
+
+
 def make_arena(pinned: bool, device: int | None = None):
     """The model's HostArena (page-locked when pinned, in `device`'s context), or None without the
     native core or CUDA to pin."""
@@ -224,6 +231,8 @@ class HostState:
                 if p.dtype != self.master_dtype and p.requires_grad:
                     # masters in master_dtype; converted in place so the user's module stays the master.
                     p.data = p.data.to(self.master_dtype)
+                if p.dtype != torch.float32 and p.requires_grad:
+                    allow_fp32_grad(p)
                 dtype = upload_dtype if p.is_floating_point() else p.dtype
                 u = self.alloc(p.shape, dtype)
                 self.copy(u, p.data)
@@ -371,6 +380,9 @@ class HostState:
                                  f"{tuple(u.shape)}, and {self.master_dtype} (master_dtype) when trained: a frozen "
                                  f"{p.dtype} parameter cannot be unfrozen after wrapping; unfreeze it before)")
         self._set_trainable(st)
+        for j in st.trainable:
+            if st.params[j].dtype != torch.float32:
+                allow_fp32_grad(st.params[j])
         self.pcopy(layer)
         for j in st.owned:   # a master replaced in the upload dtype (p.data = t) becomes its upload copy again
             p, u = st.params[j], st.upload[j]

@@ -258,6 +258,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
+        # torch casts every floating state tensor to its parameter's dtype: a bf16 master's fp32 state stays fp32
+        saved = state_dict.get("state", {})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(ids, [p for g in self.param_groups for p in g["params"]]):
+            for k, v in (saved.get(i) or {}).items() if isinstance(saved.get(i), dict) else ():
+                if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != p.dtype:
+                    self.state[p][k] = v.detach().to(p.device, copy=True)
 
     @staticmethod
     def _step_of(state: dict[str, Any]) -> float:
