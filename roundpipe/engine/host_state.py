@@ -353,6 +353,8 @@ class HostState:
             return sum(t.nbytes for t in unique.values())
         masters = {p.data_ptr() for st in self.layers for p in st.params}   # a frozen master may be its upload copy
         out = {"masters": total(lambda st: st.params),
+               # masters that are their own upload copies: arena blocks, inside arena_reserved too
+               "masters_in_arena": total(lambda st: [p for p in st.params if self.owns(p)] if self.arena else []),
                "upload_copies": total(lambda st: [u for u in st.upload if u.data_ptr() not in masters]),
                "grad_landing": total(lambda st: st.gbuf), "grads_held": total(lambda st: st.held),
                "grads": total(lambda st: [p.grad for p in st.params]),
