@@ -224,3 +224,31 @@ def test_checkpoint_of_another_master_dtype_is_refused_naming_both(tmp_path):
     with rp.RoundPipe(model_layers(), devices=["cpu"], master_dtype=torch.bfloat16) as model:
         with pytest.raises(ValueError, match=r"torch.float32.*torch.bfloat16"):
             model.load_checkpoint(str(tmp_path / "ck"))
+
+
+def test_hf_wrap_passes_master_dtype():
+    """rp.hf.wrap(..., master_dtype=torch.bfloat16): the HF model's trainable parameters become bf16 masters and
+    train with AdamW8bit."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    with rp.hf.wrap(hf, devices=["cpu"], compute_dtype=torch.bfloat16, master_dtype=torch.bfloat16) as model:
+        assert all(p.dtype == torch.bfloat16 for p in hf.parameters())
+        opt = rp.optim.AdamW8bit(model.parameters(), lr=1e-2)
+        ids = torch.randint(0, 64, (2, 8))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        loss = model.forward_backward(input_ids=ids, labels=ids)
+        model.step(opt, asynchronous=False)
+        assert torch.isfinite(loss)
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_train_cli_master_dtype_flag():
+    """`roundpipe train --master-dtype bf16` reaches the engine; a bad value is refused by TrainConfig."""
+    from roundpipe.commands.train import TrainConfig, build_parser, config_from_args
+    cfg = config_from_args(build_parser().parse_args(["--master-dtype", "bf16", "--optim", "adamw8bit"]))
+    assert cfg.master_dtype == "bf16" and cfg.optim == "adamw8bit"
+    with pytest.raises(ValueError, match="master_dtype='fp16'"):
+        TrainConfig(master_dtype="fp16")
