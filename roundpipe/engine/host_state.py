@@ -116,9 +116,10 @@ def _stamp(p: torch.Tensor) -> tuple:
 
 def allow_fp32_grad(p: torch.Tensor) -> None:
     """Lets a bf16 master hold the fp32 `p.grad` the engine gives every master (torch >= 2.10 checks a
-    gradient's dtype against the tensor's `grad_dtype`, its own dtype by default)."""
+    gradient's dtype against the tensor's `grad_dtype`, its own dtype by default; None allows any, so
+    that a torch optimizer can be handed one in the master's dtype: optimizer_step.py)."""
     if hasattr(p, "grad_dtype"):
-        p.grad_dtype = torch.float32
+        p.grad_dtype = None
 
 
 def make_arena(pinned: bool, device: int | None = None):

@@ -235,6 +235,9 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
             return
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
+        for p in params:   # bf16 masters: a torch optimizer steps them as bf16 parameters, in their dtype
+            if p.grad is not None and p.grad.dtype != p.dtype:
+                p.grad = p.grad.to(p.dtype)
         with torch.no_grad():
             fn()
 
