@@ -180,7 +180,8 @@ if optim == "torch AdamW":
     for _ in range(3):
         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
 else:
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=compute, master_dtype=master) as model:
+    kw = {} if master == torch.float32 else {"master_dtype": master}
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=compute, **kw) as model:
         opt = getattr(rp.optim, optim)(model.parameters(), lr=1e-4)
         for i in range(3):
             model.forward_backward(x, labels=y, loss_fn=loss_fn)
