@@ -100,7 +100,8 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
     Vec max1 = vset(0.0f), max2 = vset(0.0f);
     size_t i = 0;
     for (; i + kWidth <= len; i += kWidth) {
-      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, p + i, g + i, q1 + i, q2 + i, m + i, v + i, s ? s + i : nullptr);
+      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, p + i, g + i, q1 + i, q2 + i, m + i,
+                                v + i, s ? s + i : nullptr);
       max1 = vmax(vabs(F32K::load(m + i)), max1);
       max2 = vmax(vabs(F32K::load(v + i)), max2);
     }

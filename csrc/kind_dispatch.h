@@ -6,6 +6,8 @@
 // kind that stores the shadow copy (NoShadowK when there is none; BF16Out for
 // a bf16 one, so a level can substitute a faster or streaming bf16 store), and
 // the kernel instantiates its typed loop as body<decltype(gk), decltype(sk)>.
+// with_master_kinds adds the master's kind in front (fp32, or bf16 rounded to nearest or
+// stochastically: MasterF32K / MasterBF16K / MasterBF16SrK).
 #pragma once
 
 #include <cstddef>

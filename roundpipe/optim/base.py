@@ -210,20 +210,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         return native_ok(p, grad, list(bufs.values()), master)
 
     def _param_index(self, p: torch.Tensor) -> int:
-        """p's position in param_groups, flattened: the `index` of its rounding keys."""
-        index = self._index_of.get(id(p))
-        if index is None or not any(q is p for q in self.param_groups_flat(index)):
+        """p's position in param_groups, flattened: the `index` of its rounding keys (the map is rebuilt when
+        p is not in it or the groups changed size)."""
+        size = sum(len(g["params"]) for g in self.param_groups)
+        if id(p) not in self._index_of or len(self._index_of) != size:
             self._index_of = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
-            index = self._index_of[id(p)]
-        return index
-
-    def param_groups_flat(self, index: int) -> list[torch.Tensor]:
-        """The parameter at flattened position `index` (a one-element list; empty past the end)."""
-        for g in self.param_groups:
-            if index < len(g["params"]):
-                return [g["params"][index]]
-            index -= len(g["params"])
-        return []
+        return self._index_of[id(p)]
 
     _state_keys: frozenset[str] | None = None   # the per-parameter state keys written (None: not checked)
     _state_format = ""                          # what they are, for error messages

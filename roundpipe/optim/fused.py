@@ -13,8 +13,13 @@ equal torch.optim.AdamW(fused=True)'s bit for bit, and every SIMD level gives
 the same bits.  Without the extension, `_torch_step` runs the same formulas as
 torch ops (equal to torch's single-tensor AdamW, within an ulp of the kernel).
 
-Shapes: per tensor i, params[i], exp_avgs[i], exp_avg_sqs[i] and
-max_exp_avg_sqs[i] are fp32 with n_i elements; grads[i] and shadows[i] hold
+bf16 masters: params[i] may be bf16; it is read, updated in fp32 as above and
+rounded back in the same pass (`rounding`: nearest, or stochastic with one
+counter-based key per tensor, roundpipe/optim/rounding.py), and its shadow gets
+the rounded value.
+
+Shapes: per tensor i, params[i] (fp32 or bf16), exp_avgs[i], exp_avg_sqs[i] and
+max_exp_avg_sqs[i] (fp32) have n_i elements; grads[i] and shadows[i] hold
 n_i elements of fp32/bf16/fp16 (any shape, contiguous).
 """
 from __future__ import annotations
