@@ -38,7 +38,12 @@ The device-side table (`memory_device`) gives each CPU worker's peak against the
 predicted peak and the cap, for Linear stacks of depth 12-96 and the tiny decoder at
 128-512 tokens.
 
+The slope table (`memory_slope`, `--providers ...`) gives host bytes per added parameter by
+optimizer and master dtype (AdamW / AdamW8bit, fp32 / bf16 masters, fp32 compute whose
+masters are their own upload copies) beside plain PyTorch, from two decoder depths.
+
     python bench/memory.py [--quick] [--device-only] [--out DIR_OR_FILE] [--no-save]
+    python bench/memory.py --providers torch adamw adamw8bit "adamw8bit bf16-master" --out bench/results
 """
 from __future__ import annotations
 
@@ -133,12 +138,97 @@ def run_child(size: str, provider: str, steps: int, batch: int, seq: int) -> dic
 
 def accounted_bytes(host: dict) -> int:
     """The engine's count: masters, optimizer state, buffers, the arena's whole reserve, and any upload copy or
-    gradient outside the arena (without one)."""
+    gradient outside the arena (without one); a master that is its own upload copy is an arena block, counted once."""
     state = sum(host.get(k, 0) for k in ("masters", "optimizer_state", "buffers"))
     copies = sum(host.get(k, 0) for k in ("upload_copies", "grad_landing", "grads_held", "grads"))
     if "arena_reserved" not in host:
         return state + copies
-    return state + host["arena_reserved"] + max(0, copies - host["arena_in_use"])
+    inside = host.get("masters_in_arena", 0)
+    return state - inside + host["arena_reserved"] + max(0, copies + inside - host["arena_in_use"])
+
+
+# Host bytes per added parameter (the slope between two decoder depths, fixed costs left out), per optimizer and
+# master dtype: provider -> (optimizer, master dtype, compute dtype); "torch" is plain PyTorch in the same run.
+SLOPE_PROVIDERS = {
+    "torch": ("torch AdamW", "float32", "float32"),
+    "adamw": ("AdamW", "float32", "bfloat16"),
+    "adamw fp32-compute": ("AdamW", "float32", "float32"),
+    "adamw8bit": ("AdamW8bit", "float32", "bfloat16"),
+    "adamw8bit bf16-master": ("AdamW8bit", "bfloat16", "bfloat16"),
+    "adamw bf16-master": ("AdamW", "bfloat16", "bfloat16"),
+}
+
+_SLOPE_CHILD = r'''
+import json, resource, sys
+import torch
+import roundpipe as rp
+from roundpipe.models.tiny_decoder import DecoderConfig, build_layers, loss_fn
+optim, master, compute, depth = sys.argv[1], getattr(torch, sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4])
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def rss_file():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssFile:"))
+torch.manual_seed(0)
+x, y = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
+base, base_file = peak(), rss_file()
+layers = build_layers(DecoderConfig(hidden=1024, layers=depth, heads=16), seed=0)
+n = sum(p.numel() for l in layers for p in l.parameters())
+out = {"params": n, "held": 0, "host": None}
+if optim == "torch AdamW":
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(3):
+        loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+else:
+    kw = {} if master == torch.float32 else {"master_dtype": master}
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=compute, **kw) as model:
+        opt = getattr(rp.optim, optim)(model.parameters(), lr=1e-4)
+        for i in range(3):
+            model.forward_backward(x, labels=y, loss_fn=loss_fn)
+            if i == 2:
+                out["host"] = model.memory_stats(opt)["host"]
+            model.step(opt, asynchronous=False)
+        model.synchronize()
+        out["held"] = sum(s["peak_total"] for s in model.memory_stats()["workers"].values())
+out["rss"], out["code"] = peak() - base, rss_file() - base_file
+print("RESULT " + json.dumps(out))
+'''
+
+
+def slope_run(provider: str, depth: int) -> dict:
+    optim, master, compute = SLOPE_PROVIDERS[provider]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}   # released worker buffers returned at once
+    proc = subprocess.run([sys.executable, "-c", _SLOPE_CHILD, optim, master, compute, str(depth)],
+                          capture_output=True, text=True, timeout=3000, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{provider} at depth {depth} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+
+
+def slope_rows(providers: list[str], depths: tuple[int, int]) -> Report:
+    """Host bytes per added parameter: (host(large) - host(small)) / (params(large) - params(small)) for decoders of
+    width 1024 at two depths, synchronous steps on 2 CPU workers, host = peak RSS - workers' ledger peaks - code
+    pages; and the engine's accounted bytes (memory_stats) the same way."""
+    report = Report("memory_slope", columns=["provider", "optimizer", "master", "compute", "params", "RSS B/added param",
+                                             "accounted B/added param", "host vs torch"], device="cpu")
+    runs = {p: [slope_run(p, d) for d in depths] for p in providers}
+    host = lambda r: r["rss"] - r["held"] - r["code"]   # noqa: E731
+    slope = lambda a, b, f: (f(b) - f(a)) / (b["params"] - a["params"])   # noqa: E731
+    ref = slope(*runs["torch"], host) if "torch" in runs else None
+    for p, (small, large) in runs.items():
+        optim, master, compute = SLOPE_PROVIDERS[p]
+        rss = slope(small, large, host)
+        acc = slope(small, large, lambda r: accounted_bytes(r["host"])) if small["host"] else None
+        report.add(provider=p, optimizer=optim, master=master, compute=compute, params=f"{small['params']}-{large['params']}",
+                   **{"RSS B/added param": rss, "accounted B/added param": acc,
+                      "host vs torch": rss / ref if ref else None})
+    report.note(f"decoders hidden 1024, depths {depths[0]} and {depths[1]}, 3 synchronous steps, batch 2 x 64, 2 CPU "
+                "workers, MALLOC_MMAP_THRESHOLD_=1 MiB; RSS slope of peak RSS - workers' ledger peaks - code pages; "
+                "accounted: memory_stats()['host'] after the last call's gradients landed (masters counted once "
+                "where they are their own upload copies); goals (issue 29): AdamW8bit <= 10.5 with fp32 masters, "
+                "<= 6.5 with bf16 masters")
+    return report
 
 
 def device_rows(quick: bool) -> Report:
@@ -198,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/memory.py", description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     parser.add_argument("--device-only", action="store_true", help="only the device rows (peak vs prediction vs cap)")
+    parser.add_argument("--providers", nargs="+", choices=sorted(SLOPE_PROVIDERS), default=None,
+                        help="only the per-added-parameter rows (memory_slope) of these optimizer / master-dtype "
+                             "providers, e.g. torch adamw adamw8bit 'adamw8bit bf16-master'")
+    parser.add_argument("--depths", nargs=2, type=int, default=(2, 6), help="the two decoder depths of the slope")
     args = parser.parse_args(argv)
+    if args.providers:
+        slope_rows(args.providers, tuple(args.depths)).finish(args.out, save=not args.no_save)
+        return 0
     device_rows(args.quick).finish(args.out, save=not args.no_save)
     if args.device_only:
         return 0

@@ -43,7 +43,10 @@ struct AdamOptions {
 // may be null (no low-precision copy).  step is the step number after this
 // update (1 for the first), for bias correction.
 struct AdamTensor {
-  float* param = nullptr;
+  void* param = nullptr;            // fp32, or bf16 (param_dtype): computed in fp32, then rounded
+  DType param_dtype = DType::F32;
+  bool stochastic = false;           // a bf16 master's rounding: stochastic, else to nearest even
+  uint64_t round_key = 0;            // the stochastic rounding's key for this tensor and step (half.h)
   const void* grad = nullptr;
   DType grad_dtype = DType::F32;
   float* exp_avg = nullptr;

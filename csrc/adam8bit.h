@@ -55,7 +55,10 @@ struct Adam8bitTables {
 // One tensor of a group: n elements, ceil(n / kQuantBlock) absmax entries per
 // state.  shadow may be null.  step is the step number after this update.
 struct Adam8bitTensor {
-  float* param = nullptr;
+  void* param = nullptr;            // fp32, or bf16 (param_dtype): computed in fp32, then rounded
+  DType param_dtype = DType::F32;
+  bool stochastic = false;           // a bf16 master's rounding: stochastic, else to nearest even
+  uint64_t round_key = 0;            // the stochastic rounding's key for this tensor and step (half.h)
   const void* grad = nullptr;
   DType grad_dtype = DType::F32;
   uint8_t* state1 = nullptr;

@@ -37,12 +37,13 @@ struct Adam8bitVecs {
 };
 
 // One vector: the weight and shadow updated in place, the new m and v stored to m_out / v_out.
-template <class GK, class SK>
-inline void update_vector(const Adam8bitVecs& k, Vec absmax1, Vec absmax2, float* p, const typename GK::T* g,
+template <class MK, class GK, class SK>
+inline void update_vector(const Adam8bitVecs& k, uint64_t key, size_t i, Vec absmax1, Vec absmax2,
+                          typename MK::T* p, const typename GK::T* g,
                           const uint8_t* q1, const uint8_t* q2, float* m_out, float* v_out, typename SK::T* s) {
   Vec grad = vmul(GK::load(g), k.grad_mul);
   if (k.maximize) grad = vmul(grad, k.minus_one);
-  const Vec before = F32K::load(p);
+  const Vec before = MK::load(p);
   Vec param = before;
   if (k.l2) grad = vfma(param, k.l2_decay, grad);
   const Vec m_old = vmul(vgather(k.t.code1, vload_u8(q1)), absmax1);
@@ -51,8 +52,7 @@ inline void update_vector(const Adam8bitVecs& k, Vec absmax1, Vec absmax2, float
   const Vec v = vfma(vmul(k.sq_w, grad), grad, vmul(v_old, k.beta2));
   const Vec denom = vadd(vdiv(vsqrt(v), k.bc2_sqrt), k.eps);
   if (k.decay_weight) param = vmul(param, k.weight_scale);
-  param = vadd(param, vdiv(vmul(k.neg_step, m), denom));
-  F32K::store(p, param);
+  param = MK::store(p, vadd(param, vdiv(vmul(k.neg_step, m), denom)), key, i);
   SK::store(s, k.predicting ? vfma(vsub(param, before), k.predict, param) : param);
   F32K::store(m_out, m);
   F32K::store(v_out, v);
@@ -79,8 +79,9 @@ inline void encode_block(const Adam8bitVecs& k, const float* values, size_t len,
   std::memcpy(out + i, codes, len - i);
 }
 
-template <class GK, class SK>
+template <class MK, class GK, class SK>
 void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, size_t begin, size_t end) {
+  using P = typename MK::T;
   using G = typename GK::T;
   using S = typename SK::T;
   const Adam8bitVecs k(c);
@@ -89,7 +90,7 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
   for (size_t b0 = begin; b0 < end; b0 += rp::kQuantBlock) {
     const size_t len = end - b0 < rp::kQuantBlock ? end - b0 : rp::kQuantBlock;
     const size_t block = b0 / rp::kQuantBlock;
-    float* p = t.param + b0;
+    P* p = static_cast<P*>(t.param) + b0;
     const G* g = grad + b0;
     uint8_t* q1 = t.state1 + b0;
     uint8_t* q2 = t.state2 + b0;
@@ -99,7 +100,8 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
     Vec max1 = vset(0.0f), max2 = vset(0.0f);
     size_t i = 0;
     for (; i + kWidth <= len; i += kWidth) {
-      update_vector<GK, SK>(k, absmax1, absmax2, p + i, g + i, q1 + i, q2 + i, m + i, v + i, s ? s + i : nullptr);
+      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, p + i, g + i, q1 + i, q2 + i, m + i,
+                                v + i, s ? s + i : nullptr);
       max1 = vmax(vabs(F32K::load(m + i)), max1);
       max2 = vmax(vabs(F32K::load(v + i)), max2);
     }
@@ -107,18 +109,18 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
       // The tail on zero-padded copies; the padding lanes' m and v are zeroed before
       // they reach the maxima and the codes.  Aligned: a shadow kind may stream.
       const size_t r = len - i;
-      alignas(64) float tp[kWidth] = {};
+      alignas(64) P tp[kWidth] = {};
       alignas(64) G tg[kWidth] = {};
       alignas(64) uint8_t t1[kWidth] = {}, t2[kWidth] = {};
       alignas(64) S ts[kWidth] = {};
-      std::memcpy(tp, p + i, r * sizeof(float));
+      std::memcpy(tp, p + i, r * sizeof(P));
       std::memcpy(tg, g + i, r * sizeof(G));
       std::memcpy(t1, q1 + i, r);
       std::memcpy(t2, q2 + i, r);
-      update_vector<GK, SK>(k, absmax1, absmax2, tp, tg, t1, t2, m + i, v + i, ts);
+      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, tp, tg, t1, t2, m + i, v + i, ts);
       std::memset(m + len, 0, (kWidth - r) * sizeof(float));
       std::memset(v + len, 0, (kWidth - r) * sizeof(float));
-      std::memcpy(p + i, tp, r * sizeof(float));
+      std::memcpy(p + i, tp, r * sizeof(P));
       if (s) std::memcpy(s + i, ts, r * sizeof(S));
       max1 = vmax(vabs(F32K::load(m + i)), max1);
       max2 = vmax(vabs(F32K::load(v + i)), max2);
@@ -133,9 +135,10 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
 
 template <class BF16Out>
 void adam8bit_dispatch(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, size_t begin, size_t end) {
-  with_kinds<BF16Out>(t.grad_dtype, t.shadow, t.shadow_dtype, [&](auto gk, auto sk) {
-    adam8bit_typed<decltype(gk), decltype(sk)>(t, c, begin, end);
-  });
+  with_master_kinds<BF16Out>(t.param_dtype, t.stochastic, t.grad_dtype, t.shadow, t.shadow_dtype,
+                             [&](auto mk, auto gk, auto sk) {
+                               adam8bit_typed<decltype(mk), decltype(gk), decltype(sk)>(t, c, begin, end);
+                             });
 }
 
 }  // namespace

@@ -10,6 +10,8 @@
 //   v  = fma((1 - beta2) * g, g, v * beta2)
 //   vmax = max(vmax, v) (amsgrad; the denominator then uses vmax)
 //   p  = p + ((-lr / bc1) * m) / (sqrt(v) / sqrt(bc2) + eps);   shadow = p
+//   (a bf16 master: p loaded from bf16, the new p rounded to bf16 as stored, and the shadow
+//   receives the rounded value, kind_dispatch.h)
 //   (with predict: shadow = fma(p - p_before, predict, p), the predicted next weights)
 #pragma once
 
@@ -33,12 +35,12 @@ struct AdamVecs {
   bool maximize, l2, decay_weight, lerp_small, amsgrad, predicting;
 };
 
-template <class GK, class SK>
-inline void adam_vector(const AdamVecs& k, float* p, const typename GK::T* g, float* m, float* v, float* vmax,
-                        typename SK::T* s) {
+template <class MK, class GK, class SK>
+inline void adam_vector(const AdamVecs& k, uint64_t key, size_t i, typename MK::T* p, const typename GK::T* g,
+                        float* m, float* v, float* vmax, typename SK::T* s) {
   Vec grad = vmul(GK::load(g), k.grad_mul);
   if (k.maximize) grad = vmul(grad, k.minus_one);
-  const Vec before = F32K::load(p);
+  const Vec before = MK::load(p);
   Vec param = before;
   if (k.l2) grad = vfma(param, k.l2_decay, grad);
   if (k.decay_weight) param = vmul(param, k.weight_scale);
@@ -52,17 +54,18 @@ inline void adam_vector(const AdamVecs& k, float* p, const typename GK::T* g, fl
     F32K::store(vmax, v_new);
   }
   const Vec denom = vadd(vdiv(vsqrt(v_new), k.bc2_sqrt), k.eps);
-  param = vadd(param, vdiv(vmul(k.neg_step, m_new), denom));
-  F32K::store(p, param);
+  param = MK::store(p, vadd(param, vdiv(vmul(k.neg_step, m_new), denom)), key, i);
   SK::store(s, k.predicting ? vfma(vsub(param, before), k.predict, param) : param);
 }
 
-template <class GK, class SK>
+template <class MK, class GK, class SK>
 void adam_typed(const rp::AdamTensor& t, const rp::AdamCoeffs& c, size_t begin, size_t end) {
+  using P = typename MK::T;
   using G = typename GK::T;
   using S = typename SK::T;
   const AdamVecs k(c);
-  float* p = t.param;
+  const uint64_t key = t.round_key;
+  P* p = static_cast<P*>(t.param);
   const G* g = static_cast<const G*>(t.grad);
   float* m = t.exp_avg;
   float* v = t.exp_avg_sq;
@@ -70,22 +73,23 @@ void adam_typed(const rp::AdamTensor& t, const rp::AdamCoeffs& c, size_t begin, 
   S* s = static_cast<S*>(t.shadow);
   size_t i = begin;
   for (; i + kWidth <= end; i += kWidth)
-    adam_vector<GK, SK>(k, p + i, g + i, m + i, v + i, k.amsgrad ? vmax + i : nullptr, s ? s + i : nullptr);
+    adam_vector<MK, GK, SK>(k, key, i, p + i, g + i, m + i, v + i, k.amsgrad ? vmax + i : nullptr, s ? s + i : nullptr);
   if (i == end) return;
   // Tail: the same vector code on a zero-padded copy (zero lanes are harmless:
   // sqrt(0) / bc2 + eps > 0).  Aligned, because a shadow kind may use
   // streaming stores, which fault on unaligned addresses.
   const size_t r = end - i;
-  alignas(64) float tp[kWidth] = {}, tm[kWidth] = {}, tv[kWidth] = {}, tx[kWidth] = {};
+  alignas(64) P tp[kWidth] = {};
+  alignas(64) float tm[kWidth] = {}, tv[kWidth] = {}, tx[kWidth] = {};
   alignas(64) G tg[kWidth] = {};
   alignas(64) S ts[kWidth] = {};
-  std::memcpy(tp, p + i, r * sizeof(float));
+  std::memcpy(tp, p + i, r * sizeof(P));
   std::memcpy(tg, g + i, r * sizeof(G));
   std::memcpy(tm, m + i, r * sizeof(float));
   std::memcpy(tv, v + i, r * sizeof(float));
   if (k.amsgrad) std::memcpy(tx, vmax + i, r * sizeof(float));
-  adam_vector<GK, SK>(k, tp, tg, tm, tv, tx, ts);
-  std::memcpy(p + i, tp, r * sizeof(float));
+  adam_vector<MK, GK, SK>(k, key, i, tp, tg, tm, tv, tx, ts);
+  std::memcpy(p + i, tp, r * sizeof(P));
   std::memcpy(m + i, tm, r * sizeof(float));
   std::memcpy(v + i, tv, r * sizeof(float));
   if (k.amsgrad) std::memcpy(vmax + i, tx, r * sizeof(float));
@@ -94,9 +98,10 @@ void adam_typed(const rp::AdamTensor& t, const rp::AdamCoeffs& c, size_t begin, 
 
 template <class BF16Out>
 void adam_dispatch(const rp::AdamTensor& t, const rp::AdamCoeffs& c, size_t begin, size_t end) {
-  with_kinds<BF16Out>(t.grad_dtype, t.shadow, t.shadow_dtype, [&](auto gk, auto sk) {
-    adam_typed<decltype(gk), decltype(sk)>(t, c, begin, end);
-  });
+  with_master_kinds<BF16Out>(t.param_dtype, t.stochastic, t.grad_dtype, t.shadow, t.shadow_dtype,
+                             [&](auto mk, auto gk, auto sk) {
+                               adam_typed<decltype(mk), decltype(gk), decltype(sk)>(t, c, begin, end);
+                             });
 }
 
 }  // namespace

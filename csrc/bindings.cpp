@@ -426,7 +426,7 @@ void check_range(const std::string& arg, double v, double lo, double hi, bool hi
 }
 
 // The per-tensor lists every optimizer step takes, checked entry by entry: params
-// (fp32) and numels, grads (+ dtype), shadows (0 = none, + dtype); the state
+// (fp32 or bf16 masters, `masters`) and numels, grads (+ dtype), shadows (0 = none, + dtype); the state
 // buffers are added with f32().  check() then rejects any overlap of an output.
 class GroupArgs {
  public:
@@ -443,6 +443,19 @@ class GroupArgs {
   }
 
   size_t size() const { return params_.size(); }
+
+  // The masters' dtypes (empty: all float32) and a bf16 master's rounding: stochastic with
+  // round_keys[i] (one per tensor, half.h), else to nearest even.
+  void masters(const std::vector<std::string>& param_dtypes, const std::string& rounding,
+               const std::vector<uint64_t>& round_keys) {
+    if (!param_dtypes.empty()) check_len("param_dtypes", param_dtypes.size(), size());
+    if (rounding != "nearest" && rounding != "stochastic")
+      throw py::value_error("rounding='" + rounding + "' must be 'nearest' or 'stochastic'");
+    stochastic_ = rounding == "stochastic";
+    if (stochastic_) check_len("round_keys (rounding='stochastic')", round_keys.size(), size());
+    param_dtypes_ = param_dtypes;
+    round_keys_ = round_keys;
+  }
 
   // Entry i's fp32 output buffer `arg`[i] of n (default numels[i]) elements: checked, recorded, returned.
   float* f32(const char* arg, size_t i, std::uintptr_t addr) { return f32(arg, i, addr, numels_[i]); }
@@ -467,7 +480,13 @@ class GroupArgs {
   template <class Tensor>
   void fill(size_t i, Tensor& t) {
     t.n = numels_[i];
-    t.param = f32("params", i, params_[i]);
+    t.param_dtype = param_dtypes_.empty() ? rp::DType::F32 : parse_dtype(item("param_dtypes", i), param_dtypes_[i]);
+    if (t.param_dtype == rp::DType::F16)
+      throw py::value_error(item("param_dtypes", i) + "='float16': a master is float32 or bfloat16");
+    overlaps_.add(item("params", i), params_[i], elems(item("params", i), params_[i], t.n, t.param_dtype), true);
+    t.param = ptr(params_[i]);
+    t.stochastic = stochastic_;
+    t.round_key = round_keys_.empty() ? 0 : round_keys_[i];
     t.grad_dtype = parse_dtype(item("grad_dtypes", i), grad_dtypes_[i]);
     t.grad = ptr(grads_[i]);
     overlaps_.add(item("grads", i), grads_[i], elems(item("grads", i), grads_[i], t.n, t.grad_dtype), false);
@@ -486,8 +505,14 @@ class GroupArgs {
   const Addrs& shadows_;
   const std::vector<std::string>& shadow_dtypes_;
   const std::vector<size_t>& numels_;
+  std::vector<std::string> param_dtypes_;
+  bool stochastic_ = false;
+  std::vector<uint64_t> round_keys_;
   rp::check::OverlapCheck overlaps_;
 };
+
+using Dtypes = std::vector<std::string>;
+using Keys = std::vector<uint64_t>;
 
 void check_steps(const std::vector<double>& steps, size_t count) {
   check_len("steps", steps.size(), count);
@@ -514,8 +539,10 @@ void adam_step(const Addrs& params, const Addrs& grads, const std::vector<std::s
                const Addrs& exp_avgs, const Addrs& exp_avg_sqs, const Addrs& max_exp_avg_sqs, const Addrs& shadows,
                const std::vector<std::string>& shadow_dtypes, const std::vector<size_t>& numels,
                const std::vector<double>& steps, double lr, double beta1, double beta2, double eps,
-               double weight_decay, bool decoupled, bool amsgrad, bool maximize, double grad_mul, double predict) {
+               double weight_decay, bool decoupled, bool amsgrad, bool maximize, double grad_mul, double predict,
+               const Dtypes& param_dtypes, const std::string& rounding, const Keys& round_keys) {
   GroupArgs args(params, grads, grad_dtypes, shadows, shadow_dtypes, numels, grad_mul);
+  args.masters(param_dtypes, rounding, round_keys);
   check_range("predict", predict, 0.0, INFINITY, true);
   const size_t count = args.size();
   check_len("exp_avgs", exp_avgs.size(), count);
@@ -548,8 +575,10 @@ void adam8bit_step(const Addrs& params, const Addrs& grads, const std::vector<st
                    const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
                    const std::vector<size_t>& numels, const std::vector<double>& steps, const Addrs& tables,
                    double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
-                   bool maximize, double grad_mul, double predict) {
+                   bool maximize, double grad_mul, double predict, const Dtypes& param_dtypes,
+                   const std::string& rounding, const Keys& round_keys) {
   GroupArgs args(params, grads, grad_dtypes, shadows, shadow_dtypes, numels, grad_mul);
+  args.masters(param_dtypes, rounding, round_keys);
   check_range("predict", predict, 0.0, INFINITY, true);
   const size_t count = args.size();
   for (const auto& [name, list] : {std::pair<const char*, const Addrs&>{"state1s", state1s}, {"state2s", state2s},
@@ -590,8 +619,10 @@ void adam8bit_step(const Addrs& params, const Addrs& grads, const std::vector<st
 void optim_step(rp::OptimOptions opt, const char* states_arg, const Addrs& params, const Addrs& grads,
                 const std::vector<std::string>& grad_dtypes, const Addrs& states, const Addrs& shadows,
                 const std::vector<std::string>& shadow_dtypes, const std::vector<size_t>& numels,
-                const std::vector<double>& steps, const std::vector<bool>& firsts) {
+                const std::vector<double>& steps, const std::vector<bool>& firsts, const Dtypes& param_dtypes,
+                const std::string& rounding, const Keys& round_keys) {
   GroupArgs args(params, grads, grad_dtypes, shadows, shadow_dtypes, numels, opt.grad_mul);
+  args.masters(param_dtypes, rounding, round_keys);
   check_range("predict", opt.predict, 0.0, INFINITY, true);
   const size_t count = args.size();
   const bool stateless = opt.kind == rp::OptimKind::Sgd && opt.momentum == 0.0;
@@ -621,7 +652,7 @@ void bind_optimizers(py::module_& m) {
                        const Addrs& momentum_buffers, const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
                        const std::vector<size_t>& numels, const std::vector<bool>& firsts, double lr, double momentum,
                        double dampening, double weight_decay, bool nesterov, bool maximize, double grad_mul,
-                       double predict) {
+                       double predict, const Dtypes& param_dtypes, const std::string& rounding, const Keys& round_keys) {
     check_range("momentum", momentum, 0.0, INFINITY, true);
     if (!std::isfinite(dampening)) throw py::value_error("dampening=" + std::to_string(dampening) + " must be finite");
     if (nesterov && (momentum == 0.0 || dampening != 0.0))
@@ -632,11 +663,12 @@ void bind_optimizers(py::module_& m) {
     o.weight_decay = weight_decay, o.nesterov = nesterov, o.maximize = maximize, o.grad_mul = grad_mul;
     o.predict = predict;
     optim_step(o, "momentum_buffers", params, grads, grad_dtypes, momentum_buffers, shadows, shadow_dtypes, numels,
-               {}, firsts);
+               {}, firsts, param_dtypes, rounding, round_keys);
   }, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("momentum_buffers"), py::arg("shadows"),
      py::arg("shadow_dtypes"), py::arg("numels"), py::arg("firsts"), py::kw_only(), py::arg("lr"),
      py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"), py::arg("maximize"),
-     py::arg("grad_mul"), py::arg("predict") = 0.0,
+     py::arg("grad_mul"), py::arg("predict") = 0.0, py::arg("param_dtypes") = Dtypes{}, py::arg("rounding") = "nearest",
+     py::arg("round_keys") = Keys{},
      "One fused SGD step over a group of fp32 tensors given by address (per-tensor lists as adam_step; "
      "momentum_buffers empty when momentum=0; firsts[i]: the buffer is new and takes the gradient). "
      "Arithmetic equals torch.optim.SGD's.");
@@ -644,31 +676,37 @@ void bind_optimizers(py::module_& m) {
                            const Addrs& sums, const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
                            const std::vector<size_t>& numels, const std::vector<double>& steps, double lr,
                            double lr_decay, double weight_decay, double eps, bool maximize, double grad_mul,
-                           double predict) {
+                           double predict, const Dtypes& param_dtypes, const std::string& rounding,
+                           const Keys& round_keys) {
     check_range("lr_decay", lr_decay, 0.0, INFINITY, true);
     check_range("eps", eps, 0.0, INFINITY, true);
     rp::OptimOptions o;
     o.kind = rp::OptimKind::Adagrad, o.lr = lr, o.lr_decay = lr_decay, o.weight_decay = weight_decay, o.eps = eps;
     o.maximize = maximize, o.grad_mul = grad_mul, o.predict = predict;
-    optim_step(o, "sums", params, grads, grad_dtypes, sums, shadows, shadow_dtypes, numels, steps, {});
+    optim_step(o, "sums", params, grads, grad_dtypes, sums, shadows, shadow_dtypes, numels, steps, {}, param_dtypes,
+               rounding, round_keys);
   }, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("sums"), py::arg("shadows"),
      py::arg("shadow_dtypes"), py::arg("numels"), py::arg("steps"), py::kw_only(), py::arg("lr"), py::arg("lr_decay"),
-     py::arg("weight_decay"), py::arg("eps"), py::arg("maximize"), py::arg("grad_mul"), py::arg("predict") = 0.0,
+     py::arg("weight_decay"), py::arg("eps"), py::arg("maximize"), py::arg("grad_mul"), py::arg("predict") = 0.0, py::arg("param_dtypes") = Dtypes{}, py::arg("rounding") = "nearest",
+     py::arg("round_keys") = Keys{},
      "One fused Adagrad step over a group of fp32 tensors given by address (per-tensor lists as adam_step; "
      "steps: >= 1, after increment). Arithmetic equals torch.optim.Adagrad(fused=True)'s.");
   m.def("lion_step", [](const Addrs& params, const Addrs& grads, const std::vector<std::string>& grad_dtypes,
                         const Addrs& exp_avgs, const Addrs& shadows, const std::vector<std::string>& shadow_dtypes,
                         const std::vector<size_t>& numels, double lr, double beta1, double beta2, double weight_decay,
-                        bool maximize, double grad_mul, double predict) {
+                        bool maximize, double grad_mul, double predict, const Dtypes& param_dtypes,
+                        const std::string& rounding, const Keys& round_keys) {
     check_range("beta1", beta1, 0.0, 1.0, true);
     check_range("beta2", beta2, 0.0, 1.0, true);
     rp::OptimOptions o;
     o.kind = rp::OptimKind::Lion, o.lr = lr, o.beta1 = beta1, o.beta2 = beta2, o.weight_decay = weight_decay;
     o.maximize = maximize, o.grad_mul = grad_mul, o.predict = predict;
-    optim_step(o, "exp_avgs", params, grads, grad_dtypes, exp_avgs, shadows, shadow_dtypes, numels, {}, {});
+    optim_step(o, "exp_avgs", params, grads, grad_dtypes, exp_avgs, shadows, shadow_dtypes, numels, {}, {},
+               param_dtypes, rounding, round_keys);
   }, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"), py::arg("exp_avgs"), py::arg("shadows"),
      py::arg("shadow_dtypes"), py::arg("numels"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-     py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_mul"), py::arg("predict") = 0.0,
+     py::arg("weight_decay"), py::arg("maximize"), py::arg("grad_mul"), py::arg("predict") = 0.0, py::arg("param_dtypes") = Dtypes{}, py::arg("rounding") = "nearest",
+     py::arg("round_keys") = Keys{},
      "One fused Lion step (Chen et al. 2023, decoupled weight decay) over a group of fp32 tensors given by "
      "address (per-tensor lists as adam_step).");
 }
@@ -678,16 +716,19 @@ void bind_adam(py::module_& m) {
         py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("shadows"), py::arg("shadow_dtypes"),
         py::arg("numels"), py::arg("steps"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"),
-        py::arg("grad_mul"), py::arg("predict") = 0.0,
+        py::arg("grad_mul"), py::arg("predict") = 0.0, py::arg("param_dtypes") = Dtypes{},
+        py::arg("rounding") = "nearest", py::arg("round_keys") = Keys{},
         "One fused Adam/AdamW step over a group of fp32 tensors given by address: per-tensor lists of "
-        "params, grads (+ dtype), moments, max_exp_avg_sqs (amsgrad only, else empty), shadow copies "
+        "params (fp32, or bfloat16 masters named in param_dtypes: computed in fp32, rounded to nearest or "
+        "stochastically with round_keys[i], one 64-bit key per tensor), grads (+ dtype), moments, max_exp_avg_sqs (amsgrad only, else empty), shadow copies "
         "(0 = none, + dtype), element counts and step numbers (>= 1, after increment). The gradient is "
         "multiplied by grad_mul (clip_coef / loss_scale). Arithmetic equals torch's fused CPU AdamW.");
   m.def("adam8bit_step", &adam8bit_step, py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"),
         py::arg("state1s"), py::arg("state2s"), py::arg("absmax1s"), py::arg("absmax2s"), py::arg("shadows"),
         py::arg("shadow_dtypes"), py::arg("numels"), py::arg("steps"), py::arg("tables"), py::kw_only(),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("decoupled"), py::arg("maximize"), py::arg("grad_mul"), py::arg("predict") = 0.0,
+        py::arg("decoupled"), py::arg("maximize"), py::arg("grad_mul"), py::arg("predict") = 0.0, py::arg("param_dtypes") = Dtypes{},
+        py::arg("rounding") = "nearest", py::arg("round_keys") = Keys{},
         "One fused Adam/AdamW step over fp32 tensors with 8-bit blockwise moments (bitsandbytes 0.50's format), "
         "given by address: per-tensor lists as adam_step, with uint8 codes (state1s: m, state2s: v) and fp32 "
         "absmax per 256-element block; tables: code1, lut1, code2, lut2 (roundpipe/optim/blockwise.py). "

@@ -58,4 +58,41 @@ static inline uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | r);
 }
 
+// ---- bf16 masters: round to nearest or stochastically -------------------------------------------
+//
+// A bf16 master is updated in fp32 and rounded back.  Stochastic rounding adds 16
+// random bits below the bf16 mantissa and truncates: x rounds away from zero with
+// probability (dropped bits) / 2^16, so the rounding is unbiased (E[round(x)] = x
+// up to 2^-16 of an ulp).  The bits come from a counter-based hash, not a stream:
+// element i of a tensor with 64-bit key k (roundpipe/optim/rounding.py derives it
+// from the seed, the step and the parameter's index) always gets
+//   h = lowbias32(lowbias32(lo32(i) ^ lo32(k)) ^ hi32(k) ^ hi32(i) * 0x9E3779B9),  bits = h >> 16
+// so the result depends on neither the thread split nor the SIMD level (the vector
+// levels compute the same 32-bit integer arithmetic lane by lane).  lowbias32 is
+// Chris Wellons' 32-bit integer hash (bias ~0.17 of the ideal avalanche).
+static inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+constexpr uint32_t kGolden32 = 0x9E3779B9u;
+
+// The 16 random bits of element i under key k (see above).
+static inline uint32_t sr_bits(uint64_t k, uint64_t i) {
+  const uint32_t h = lowbias32(static_cast<uint32_t>(i) ^ static_cast<uint32_t>(k));
+  return lowbias32(h ^ static_cast<uint32_t>(k >> 32) ^ static_cast<uint32_t>(i >> 32) * kGolden32) >> 16;
+}
+
+// f rounded to bf16 after adding `add` to its bits (NaN -> 0x7FC0): add = 0x7FFF + lsb
+// rounds to nearest even, add = sr_bits(...) stochastically.
+static inline uint16_t f32_to_bf16_add(float f, uint32_t add) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return static_cast<uint16_t>((u + add) >> 16);
+}
+
 }  // namespace rp

@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "convert.h"
 
@@ -58,7 +59,10 @@ struct OptimOptions {
 // number after this update (1 for the first); first: SGD's momentum buffer is
 // new and takes the gradient as it is.
 struct OptimTensor {
-  float* param = nullptr;
+  void* param = nullptr;            // fp32, or bf16 (param_dtype): computed in fp32, then rounded
+  DType param_dtype = DType::F32;
+  bool stochastic = false;           // a bf16 master's rounding: stochastic, else to nearest even
+  uint64_t round_key = 0;            // the stochastic rounding's key for this tensor and step (half.h)
   const void* grad = nullptr;
   DType grad_dtype = DType::F32;
   float* state = nullptr;

@@ -41,88 +41,95 @@ struct OptimVecs {
   }
 };
 
-// Each kind's update of one vector: weight p, gradient g, state st (a valid
-// buffer even where the kind keeps none), shadow s.
+// Each kind's update of one vector: weight p (master kind MK: fp32 or a rounded bf16,
+// kind_dispatch.h; i its element index, key its rounding key), gradient g, state st (a
+// valid buffer even where the kind keeps none), shadow s (receives the weight as stored).
 struct SgdOp {
-  template <class GK, class SK>
-  static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
-    const Vec before = F32K::load(p);
+  template <class MK, class GK, class SK>
+  static void vector(const OptimVecs& k, uint64_t key, size_t i, typename MK::T* p, const typename GK::T* g,
+                     float* st, typename SK::T* s) {
+    const Vec before = MK::load(p);
     Vec grad = k.l2_grad<GK>(g, before);
     if (k.momentum) {
       const Vec buf = k.first ? grad : vfma(grad, k.b, vmul(F32K::load(st), k.a));
       F32K::store(st, buf);
       grad = k.nesterov ? vfma(buf, k.a, grad) : buf;
     }
-    const Vec param = vfma(grad, k.neg_lr, before);
-    F32K::store(p, param);
+    const Vec param = MK::store(p, vfma(grad, k.neg_lr, before), key, i);
     SK::store(s, k.shadow(before, param));
   }
 };
 
 struct AdagradOp {
-  template <class GK, class SK>
-  static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
-    const Vec before = F32K::load(p);
+  template <class MK, class GK, class SK>
+  static void vector(const OptimVecs& k, uint64_t key, size_t i, typename MK::T* p, const typename GK::T* g,
+                     float* st, typename SK::T* s) {
+    const Vec before = MK::load(p);
     const Vec grad = k.l2_grad<GK>(g, before);
     const Vec sum = vfma(grad, grad, F32K::load(st));
     F32K::store(st, sum);
-    const Vec param = vadd(before, vdiv(vmul(k.neg_lr, grad), vadd(vsqrt(sum), k.eps)));
-    F32K::store(p, param);
+    const Vec param = MK::store(p, vadd(before, vdiv(vmul(k.neg_lr, grad), vadd(vsqrt(sum), k.eps))), key, i);
     SK::store(s, k.shadow(before, param));
   }
 };
 
 struct LionOp {
-  template <class GK, class SK>
-  static void vector(const OptimVecs& k, float* p, const typename GK::T* g, float* st, typename SK::T* s) {
+  template <class MK, class GK, class SK>
+  static void vector(const OptimVecs& k, uint64_t key, size_t i, typename MK::T* p, const typename GK::T* g,
+                     float* st, typename SK::T* s) {
     const Vec grad = k.grad<GK>(g);
-    const Vec before = F32K::load(p);
+    const Vec before = MK::load(p);
     Vec param = k.decay ? vmul(before, k.weight_scale) : before;
     const Vec m = F32K::load(st);
-    param = vfma(vsign(vfma(grad, k.b, vmul(m, k.a))), k.neg_lr, param);
+    param = MK::store(p, vfma(vsign(vfma(grad, k.b, vmul(m, k.a))), k.neg_lr, param), key, i);
     F32K::store(st, vfma(grad, k.d, vmul(m, k.c)));
-    F32K::store(p, param);
     SK::store(s, k.shadow(before, param));
   }
 };
 
-template <class Op, class GK, class SK>
+template <class Op, class MK, class GK, class SK>
 void optim_typed(const rp::OptimTensor& t, const rp::OptimCoeffs& c, size_t begin, size_t end) {
+  using P = typename MK::T;
   using G = typename GK::T;
   using S = typename SK::T;
   const OptimVecs k(c);
-  float* p = t.param;
+  const uint64_t key = t.round_key;
+  P* p = static_cast<P*>(t.param);
   const G* g = static_cast<const G*>(t.grad);
   float* st = t.state;
   S* s = static_cast<S*>(t.shadow);
   size_t i = begin;
-  for (; i + kWidth <= end; i += kWidth) Op::template vector<GK, SK>(k, p + i, g + i, st ? st + i : nullptr, s ? s + i : nullptr);
+  for (; i + kWidth <= end; i += kWidth)
+    Op::template vector<MK, GK, SK>(k, key, i, p + i, g + i, st ? st + i : nullptr, s ? s + i : nullptr);
   if (i == end) return;
   // Tail: the same vector code on a zero-padded copy (zero lanes are dropped;
   // Adagrad's 0 / (0 + 0) NaN there is harmless).  Aligned, because a shadow
   // kind may use streaming stores, which fault on unaligned addresses.
   const size_t r = end - i;
-  alignas(64) float tp[kWidth] = {}, tst[kWidth] = {};
+  alignas(64) P tp[kWidth] = {};
+  alignas(64) float tst[kWidth] = {};
   alignas(64) G tg[kWidth] = {};
   alignas(64) S ts[kWidth] = {};
-  std::memcpy(tp, p + i, r * sizeof(float));
+  std::memcpy(tp, p + i, r * sizeof(P));
   std::memcpy(tg, g + i, r * sizeof(G));
   if (st) std::memcpy(tst, st + i, r * sizeof(float));
-  Op::template vector<GK, SK>(k, tp, tg, tst, ts);
-  std::memcpy(p + i, tp, r * sizeof(float));
+  Op::template vector<MK, GK, SK>(k, key, i, tp, tg, tst, ts);
+  std::memcpy(p + i, tp, r * sizeof(P));
   if (st) std::memcpy(st + i, tst, r * sizeof(float));
   if (s) std::memcpy(s + i, ts, r * sizeof(S));
 }
 
 template <class BF16Out>
 void optim_dispatch(const rp::OptimTensor& t, const rp::OptimCoeffs& c, size_t begin, size_t end) {
-  with_kinds<BF16Out>(t.grad_dtype, t.shadow, t.shadow_dtype, [&](auto gk, auto sk) {
+  with_master_kinds<BF16Out>(t.param_dtype, t.stochastic, t.grad_dtype, t.shadow, t.shadow_dtype,
+                             [&](auto mk, auto gk, auto sk) {
+    using MK = decltype(mk);
     using GK = decltype(gk);
     using SK = decltype(sk);
     switch (c.kind) {
-      case rp::OptimKind::Sgd: return optim_typed<SgdOp, GK, SK>(t, c, begin, end);
-      case rp::OptimKind::Adagrad: return optim_typed<AdagradOp, GK, SK>(t, c, begin, end);
-      case rp::OptimKind::Lion: return optim_typed<LionOp, GK, SK>(t, c, begin, end);
+      case rp::OptimKind::Sgd: return optim_typed<SgdOp, MK, GK, SK>(t, c, begin, end);
+      case rp::OptimKind::Adagrad: return optim_typed<AdagradOp, MK, GK, SK>(t, c, begin, end);
+      case rp::OptimKind::Lion: return optim_typed<LionOp, MK, GK, SK>(t, c, begin, end);
     }
   });
 }

@@ -86,6 +86,35 @@ inline VecI vtrunc(Vec a) { return _mm256_cvttps_epi32(a); }
 inline Vec vabs(Vec a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
 inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
+// ---- bf16 masters (see vec_scalar.h and half.h) ------------------------------------------------
+inline __m256i vlowbias32(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+// a's bits plus `add`, truncated to bf16 (low 16 bits cleared); NaN -> 0x7FC00000.
+inline Vec vbf16_add(Vec a, __m256i add) {
+  __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(a), add),
+                               _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan));
+}
+inline Vec vround_bf16_ne(Vec a) {
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(a), 16), _mm256_set1_epi32(1));
+  return vbf16_add(a, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+}
+// i is a multiple of kWidth (ranges start at aligned elements), so no lane carries into hi32(i).
+inline Vec vround_bf16_sr(Vec a, uint64_t key, size_t i) {
+  const __m256i lanes = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i h = vlowbias32(_mm256_xor_si256(lanes, _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(key)))));
+  const uint32_t k1 = static_cast<uint32_t>(key >> 32) ^ static_cast<uint32_t>(i >> 32) * rp::kGolden32;
+  h = vlowbias32(_mm256_xor_si256(h, _mm256_set1_epi32(static_cast<int>(k1))));
+  return vbf16_add(a, _mm256_srli_epi32(h, 16));
+}
+
 inline float vreduce_max(Vec a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));

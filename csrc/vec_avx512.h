@@ -134,4 +134,33 @@ inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 inline float vreduce_max(Vec a) { return _mm512_reduce_max_ps(a); }
 
+// ---- bf16 masters (see vec_scalar.h and half.h) ------------------------------------------------
+inline __m512i vlowbias32(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+// a's bits plus `add`, truncated to bf16 (low 16 bits cleared); NaN -> 0x7FC00000.
+inline Vec vbf16_add(Vec a, __m512i add) {
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(a), add),
+                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+inline Vec vround_bf16_ne(Vec a) {
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(a), 16), _mm512_set1_epi32(1));
+  return vbf16_add(a, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+// i is a multiple of kWidth (ranges start at aligned elements), so no lane carries into hi32(i).
+inline Vec vround_bf16_sr(Vec a, uint64_t key, size_t i) {
+  const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512i h = vlowbias32(_mm512_xor_si512(lanes, _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(key)))));
+  const uint32_t k1 = static_cast<uint32_t>(key >> 32) ^ static_cast<uint32_t>(i >> 32) * rp::kGolden32;
+  h = vlowbias32(_mm512_xor_si512(h, _mm512_set1_epi32(static_cast<int>(k1))));
+  return vbf16_add(a, _mm512_srli_epi32(h, 16));
+}
+
 }  // namespace

@@ -68,4 +68,12 @@ inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
 inline Vec vmin(Vec a, Vec b) { return a < b ? a : b; }
 inline float vreduce_max(Vec a) { return a; }
 
+// ---- bf16 masters (half.h: the rounding and the counter-based bits) ---------------------------
+// The value rounded to bf16 (as an fp32 lane), to nearest even or stochastically with the bits
+// of elements i .. i + kWidth - 1 under `key`; NaN becomes the bf16 NaN 0x7FC0.
+inline Vec vround_bf16_ne(Vec a) { return rp::bf16_to_f32(rp::f32_to_bf16(a)); }
+inline Vec vround_bf16_sr(Vec a, uint64_t key, size_t i) {
+  return rp::bf16_to_f32(rp::f32_to_bf16_add(a, rp::sr_bits(key, i)));
+}
+
 }  // namespace

@@ -37,7 +37,8 @@ def build(cfg: dict):
     scaling = rp.LossScale(init_scale=2.0 ** 10, growth_interval=2) if dtype == torch.float16 else None
     model = rp.RoundPipe(layers(), devices=["cpu"] * 2, num_microbatches=3,
                          precision=rp.Precision(dtype, loss_scale=scaling),
-                         compensation=rp.StalenessCompensation(predict=0.5) if cfg.get("compensation") else None)
+                         compensation=rp.StalenessCompensation(predict=0.5) if cfg.get("compensation") else None,
+                         master_dtype=DTYPES[cfg.get("master", "float32")])
     params = list(model.parameters())
     if cfg.get("optimizer", "rp") == "rp":
         opt = rp.optim.AdamW(params, lr=3e-3, weight_decay=0.05)

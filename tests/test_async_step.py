@@ -224,7 +224,8 @@ def test_optimizer_error_surfaces_at_the_next_call():
 
 
 class LayerwiseSGD:
-    """A per-layer optimizer in the shape of the fused-step seam: update masters, write upload copies."""
+    """A per-layer optimizer in the shape of the fused-step seam: update masters, write upload copies (None: the
+    master is its own)."""
 
     def __init__(self, lr):
         self.lr = lr
@@ -233,7 +234,8 @@ class LayerwiseSGD:
         for p, u in zip(params, upload):
             if p.grad is not None:
                 p.sub_(self.lr * p.grad)
-            u.copy_(p)
+            if u is not None:
+                u.copy_(p)
 
 
 def test_per_layer_optimizer_seam_is_one_step_stale():

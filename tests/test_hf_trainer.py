@@ -1,4 +1,5 @@
 """rp.hf.Trainer: a few steps with gradient accumulation, clipping and a scheduler equal transformers.Trainer's."""
+import math
 import copy
 import sys
 import warnings
@@ -183,14 +184,23 @@ def test_other_optimizers_take_the_routed_step_with_one_warning(tmp_path):
     compare(trainer, ref, ref_model)
 
 
-def test_8bit_optimizer_names_wait_for_adamw8bit(tmp_path):
-    """adamw_8bit maps to roundpipe.optim.AdamW8bit: a ValueError saying it is not yet available while there is none."""
-    if hasattr(rp.optim, "AdamW8bit"):
-        pytest.skip("roundpipe.optim.AdamW8bit exists: the mapping is live")
-    trainer = rp.hf.Trainer(model=tiny(), args=args(tmp_path, optim="adamw_8bit"), train_dataset=dataset(),
-                            devices=["cpu"])
-    with trainer.rp_model, pytest.raises(ValueError, match="roundpipe.optim.AdamW8bit, which is not yet available"):
-        trainer.train()
+@pytest.mark.parametrize("optim", ["adamw_8bit", "adamw_bnb_8bit"])
+def test_8bit_optimizer_names_map_to_adamw8bit(tmp_path, optim):
+    """adamw_8bit / adamw_bnb_8bit train with roundpipe.optim.AdamW8bit on the fused step (no routed-path warning),
+    with the Trainer's groups, betas and eps, and 8-bit states on the large weights."""
+    hf = tiny()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer = rp.hf.Trainer(model=hf, args=args(tmp_path, optim=optim, learning_rate=1e-3),
+                                train_dataset=dataset(), devices=["cpu"])
+        with trainer.rp_model:
+            out = trainer.train()
+    opt = trainer.optimizer.optimizer
+    assert type(opt) is rp.optim.AdamW8bit
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.0] or len(opt.param_groups) == 2
+    assert all(g["betas"] == (0.9, 0.999) and g["eps"] == 1e-8 for g in opt.param_groups)
+    assert opt.state and all("state1" in s for s in opt.state.values())   # bitsandbytes' state format
+    assert math.isfinite(out.training_loss)
 
 
 @pytest.mark.parametrize("flag, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])

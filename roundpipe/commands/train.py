@@ -55,6 +55,7 @@ class TrainConfig:
     asynchronous: bool | None = None     # one-step-stale optimizer step; None: with GPUs only (below)
     engine: Literal["roundpipe", "torch"] = "roundpipe"
     dtype: Literal["fp32", "bf16", "fp16"] | None = None  # compute dtype; None: bf16 on CUDA, fp32 on CPU
+    master_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: masters updated in fp32, rounded stochastically
     eval_batches: int = 4                # held-out batches evaluated before and after training
     trace: str | None = None             # write a Chrome trace of the run here
     progress: bool = True
@@ -111,6 +112,11 @@ class TrainConfig:
             raise ValueError(f"engine={self.engine!r} must be one of {ENGINES}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)} or None")
+        if self.master_dtype not in MASTER_DTYPES:
+            raise ValueError(f"master_dtype={self.master_dtype!r} must be one of {list(MASTER_DTYPES)}")
+        if self.master_dtype != "fp32" and self.engine == "torch":
+            raise ValueError(f"master_dtype={self.master_dtype!r} needs engine='roundpipe' (the torch reference keeps "
+                             "fp32 weights)")
         if self.devices is not None:
             if isinstance(self.devices, str) or not self.devices or not all(isinstance(d, str) and d for d in self.devices):
                 raise ValueError(f"devices={self.devices!r} must be a non-empty list of device names like 'cpu' or 'cuda:0'")
@@ -191,6 +197,7 @@ class TrainResult:
 
 
 OPTIMIZERS = {"adamw": AdamW, "adamw8bit": AdamW8bit}
+MASTER_DTYPES = ("fp32", "bf16")
 
 
 def make_optimizer(named_params, lr: float, weight_decay: float, optim: str = "adamw") -> torch.optim.Optimizer:
@@ -312,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: every GPU, else one CPU worker)")
     e.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: workers + 1)")
     e.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
+    e.add_argument("--master-dtype", choices=MASTER_DTYPES, default="fp32",
+                   help="fp32 (default) or bf16 masters: updated in fp32 and rounded stochastically (2 bytes per "
+                        "parameter; with --dtype bf16 also the upload copy: ~6 bytes per parameter with adamw8bit)")
     mode = e.add_mutually_exclusive_group()
     mode.add_argument("--async", dest="asynchronous", action="store_true", default=None,
                       help="one-step-stale optimizer step overlapping the next iteration "
@@ -342,7 +352,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        engine=args.engine, dtype=args.dtype, eval_batches=args.eval_batches, trace=args.trace,
                        progress=not args.no_progress, hf=args.hf, max_grad_norm=args.max_grad_norm,
                        checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                       compensation=args.compensation, lora=args.lora, quantize=args.quantize)
+                       compensation=args.compensation, lora=args.lora, quantize=args.quantize,
+                       master_dtype=args.master_dtype)
 
 
 def _describe(cfg: TrainConfig, corpus: ByteCorpus) -> str:

@@ -148,7 +148,7 @@ def train_hf(cfg, save: str | None = None) -> dict:
     with rp.hf.from_pretrained(cfg.hf, devices=cfg.devices, num_microbatches=cfg.microbatches,
                                compute_dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
                                compensation=compensation, peft_config=lora_config(cfg.lora),
-                               quantize=cfg.quantize) as model:
+                               quantize=cfg.quantize, master_dtype=DTYPES[cfg.master_dtype]) as model:
         model.train()   # from_pretrained leaves a model in eval mode, as transformers does
         n_params = sum(p.numel() for p in model.parameters()) + model.host.quantized_numel
         n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

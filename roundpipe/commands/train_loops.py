@@ -114,12 +114,14 @@ class RoundPipeEngine:
     """rp.RoundPipe over the layers; the optimizer steps through `model.step`."""
 
     def __init__(self, layers: list[nn.Module], devices: list[str] | None, microbatches: int | None,
-                 dtype: torch.dtype | None, trace: bool = False, compensation: float | None = None):
+                 dtype: torch.dtype | None, trace: bool = False, compensation: float | None = None,
+                 master_dtype: torch.dtype = torch.float32):
         from roundpipe.engine.model import RoundPipe
         from roundpipe.engine.staleness import StalenessCompensation
 
         self.model = RoundPipe(layers, devices=devices, num_microbatches=microbatches, compute_dtype=dtype,
-                               compensation=None if compensation is None else StalenessCompensation(compensation))
+                               compensation=None if compensation is None else StalenessCompensation(compensation),
+                               master_dtype=master_dtype)
         self.devices = [str(d) for d in self.model.devices]
         self._recording = self.model.record_trace() if trace else None
         self.trace = self._recording.__enter__() if trace else None
@@ -174,4 +176,4 @@ def make_engine(layers: list[nn.Module], cfg) -> TorchReference | RoundPipeEngin
         device = cfg.devices[0] if cfg.devices else "cpu"
         return TorchReference(layers, device, dtype, trace=cfg.trace is not None)
     return RoundPipeEngine(layers, cfg.devices, cfg.microbatches, dtype, trace=cfg.trace is not None,
-                           compensation=cfg.compensation)
+                           compensation=cfg.compensation, master_dtype=DTYPES[cfg.master_dtype])

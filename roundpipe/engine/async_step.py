@@ -329,12 +329,22 @@ class StepFns:
       pcopy(l)    rewrites layer l's upload copy from the masters (after an error)
       clear(l)    clears layer l's p.grad
       after()     runs once the update succeeded on every layer (the lr scheduler), or None
+      in_place    the whole update writes masters that are their own upload copies
+                  (HostState.in_place): it waits for every layer's gate first, so no worker
+                  reads a weight it is writing (the overlap of a per-layer update is lost)
     """
 
     def __init__(self, prepare: Callable[[], None] | None, whole: bool, update: Callable[[int], None],
-                 pcopy: Callable[[int], None], clear: Callable[[int], None], after: Callable[[], None] | None):
+                 pcopy: Callable[[int], None], clear: Callable[[int], None], after: Callable[[], None] | None,
+                 in_place: bool = False):
         self.prepare, self.whole, self.update, self.pcopy, self.clear, self.after = \
             prepare, whole, update, pcopy, clear, after
+        self.in_place = whole and in_place
+
+    @property
+    def before_gates(self) -> bool:
+        """Whether the whole update runs before the gates (a pending one is then a copy-only step)."""
+        return self.whole and not self.in_place
 
 
 def run_step(sync: LayerSync, rec: StepRecord, fns: StepFns) -> None:
@@ -359,6 +369,12 @@ def _run_step(sync: LayerSync, rec: StepRecord, fns: StepFns) -> None:
         if fns.prepare is not None:
             for l in range(sync.L):
                 sync.wait_grads(rec, l)
+            gates = set(range(sync.L)) if fns.in_place else set()
+            while gates:   # every gate first: the update writes the upload copies themselves
+                layer, waits = sync.wait_gate(rec, gates)
+                for w in waits:
+                    w()
+                gates.discard(layer)
             try:
                 fns.prepare()
             finally:

@@ -213,6 +213,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
                     sizes[name] = os.path.getsize(os.path.join(tmp, name))
             manifest = {"format": FORMAT, "version": VERSION, "files": sizes, "world_size": world,
                         "num_layers": len(model.host), "compute_dtype": str(model.compute_dtype),
+                        "master_dtype": str(model.host.master_dtype),
                         "calls": model._counted[0] + model.sync.iteration,
                         "steps": model._counted[1] + model.sync.steps_issued, "extra": extra or {},
                         "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
@@ -383,6 +384,11 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
     if step is not None and step["kind"] == "update" and optimizer is None:
         raise ValueError(f"load_checkpoint: {path} holds a pending step (saved with its stale window open); pass "
                          "the optimizer (and lr_scheduler) to re-issue it")
+    saved_master = manifest.get("master_dtype", str(torch.float32))   # older checkpoints: fp32 masters
+    if saved_master != str(model.host.master_dtype):
+        raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)} holds masters of {saved_master} but this "
+                         f"model's are {model.host.master_dtype} (master_dtype); build it with "
+                         f"master_dtype={saved_master}")
     if manifest["num_layers"] != len(model.host):
         raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)} is of a model with {manifest['num_layers']} "
                          f"layers; this one has {len(model.host)}")

@@ -2,10 +2,11 @@
 
 For every parameter of layer l the host keeps:
 
-    master    fp32 nn.Parameter of the user's module (what the optimizer updates;
-              `p.grad` is the accumulated fp32 gradient the optimizer reads)
+    master    nn.Parameter of the user's module in master_dtype, fp32 or bf16 (what the
+              optimizer updates; `p.grad` is the accumulated fp32 gradient it reads)
     upload    copy in compute_dtype that workers upload from (written only by the
-              P-copy, so an optimizer step never tears a weight a worker is reading)
+              P-copy, so an optimizer step never tears a weight a worker is reading);
+              a master already in compute_dtype is its own upload copy (see below)
     gbuf      landing buffer for downloaded gradients: the sum of every call's
               gradient since the last G-copy; a parameter that got no gradient
               (unused, off the autograd path) has none (`ghas`), so its `p.grad`
@@ -76,6 +77,15 @@ ordinary torch tensors (pinned when CUDA).  `close()` drops the state's own
 buffers, so the arena's memory goes back once the last tensor viewing it is
 gone.  `HostState.copy(dst, src)` does every host-side conversion.
 
+Masters in the compute dtype (fp32 masters with fp32 compute, CPU workers' default;
+bf16 masters with bf16 compute) are their own upload copy: `p.data` is moved into an
+arena block and the upload list holds the same tensor, so a trainable parameter
+costs no copy beside its master.  The per-layer fused step then writes the upload
+copy in its one pass as it updates the master, behind the same gate; a whole-model
+update (a torch optimizer) waits for every layer's gate first (`in_place`).  bf16
+masters (master_dtype=torch.bfloat16) are updated in fp32 by roundpipe.optim and
+rounded back (roundpipe/optim/rounding.py).
+
 Frozen parameters (requires_grad=False when wrapped: a LoRA model's base weights)
 keep their dtype (no fp32 master) and have no landing buffer, no gradient and
 no optimizer work; one already in the upload dtype is moved into its upload
@@ -91,6 +101,7 @@ import torch
 from torch import nn
 
 from roundpipe import _native, hostops
+from roundpipe.optim.rounding import check_master_dtype, check_rounding
 from roundpipe.testing import delay_point
 
 
@@ -101,6 +112,14 @@ def _stamp(p: torch.Tensor) -> tuple:
     invisible to autograd by design), so they are not seen; `p.data = t` is.  Checking the
     values themselves would cost a full pass over the masters at every call."""
     return (p.requires_grad, p._version, p.data_ptr())
+
+
+def allow_fp32_grad(p: torch.Tensor) -> None:
+    """Lets a bf16 master hold the fp32 `p.grad` the engine gives every master (torch >= 2.10 checks a
+    gradient's dtype against the tensor's `grad_dtype`, its own dtype by default; None allows any, so
+    that a torch optimizer can be handed one in the master's dtype: optimizer_step.py)."""
+    if hasattr(p, "grad_dtype"):
+        p.grad_dtype = None
 
 
 def make_arena(pinned: bool, device: int | None = None):
@@ -168,12 +187,16 @@ def constant_buffer_flags(layer: nn.Module, buffer_names: list[str]) -> list[boo
 
 
 class HostState:
-    """fp32 masters, upload copies and gradient landing buffers of all layers."""
+    """Masters, upload copies and gradient landing buffers of all layers."""
 
     copy: Callable[[torch.Tensor, torch.Tensor], None] = staticmethod(default_copy)
 
-    def __init__(self, layers: list[nn.Module], upload_dtype: torch.dtype, pinned: bool, device: int | None = None):
+    def __init__(self, layers: list[nn.Module], upload_dtype: torch.dtype, pinned: bool, device: int | None = None,
+                 master_dtype: torch.dtype = torch.float32, master_rounding: str = "stochastic"):
         self.upload_dtype = upload_dtype
+        self.master_dtype = check_master_dtype(master_dtype)
+        self.master_rounding = check_rounding(master_rounding)
+        self._grad_sets = 0   # gradient sets reserved in the arena (reserve_gradients)
         self.pinned = pinned
         self.arena = make_arena(pinned, device)   # device: the GPU whose context page-locks the arena
         # this call's landings per (layer, param): None if it started the sum, else what it added
@@ -206,14 +229,16 @@ class HostState:
                     continue
                 seen[id(p)] = (i, j)
                 state.owned.append(j)
+                if p.dtype != self.master_dtype and p.requires_grad:
+                    # masters in master_dtype; converted in place so the user's module stays the master.
+                    p.data = p.data.to(self.master_dtype)
                 if p.dtype != torch.float32 and p.requires_grad:
-                    # fp32 masters are the contract; convert in place so the user's module stays the master.
-                    p.data = p.data.float()
+                    allow_fp32_grad(p)
                 dtype = upload_dtype if p.is_floating_point() else p.dtype
                 u = self.alloc(p.shape, dtype)
                 self.copy(u, p.data)
-                if not p.requires_grad and p.dtype == dtype:
-                    p.data = u   # frozen, already in the upload dtype: the upload copy is the master, one copy
+                if p.dtype == dtype:
+                    p.data = u   # already in the upload dtype: the upload copy is the master, one copy
                 state.upload.append(u)
             self._set_trainable(state)
             state.stamp = [_stamp(p) for p in state.params]
@@ -245,23 +270,32 @@ class HostState:
             return self.arena.empty(shape, dtype)
         return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
 
-    def reserve_gradients(self, sets: int = 2) -> int:
-        """Grows the arena once, before training, by room for `sets` gradient buffers of every
-        trainable parameter in the compute dtype (the landing set and the set a pending
-        asynchronous step holds), so that landings on the copy threads are carved from it instead
-        of growing the arena mid-iteration.  Returns the bytes added (0: no arena, or its free
-        space already covers them)."""
-        if self.arena is None:
+    def reserve_gradients(self, sets: int = 1) -> int:
+        """Grows the arena, before the calls that land them, to room for `sets` gradient buffers of
+        every trainable parameter in the compute dtype, so that landings on the copy threads are
+        carved from it instead of growing the arena mid-iteration: one set (the landing set) before
+        the first training call, a second one (the set a pending asynchronous step holds) before the
+        first asynchronous step; synchronous training never reserves it.  Returns the bytes added
+        (0: no arena, already reserved, or the arena's free space covers them)."""
+        if self.arena is None or sets <= self._grad_sets:
             return 0
         align = self.arena.config.alignment
         item = torch.empty((), dtype=self.upload_dtype).element_size()   # gradients travel in it
-        need = sets * sum(-(-st.params[j].numel() * item // align) * align
-                          for st in self.layers for j in st.trainable)
-        need -= self.arena.stats().free_bytes
+        need = (sets - self._grad_sets) * sum(-(-st.params[j].numel() * item // align) * align
+                                              for st in self.layers for j in st.trainable)
+        if self._grad_sets == 0:
+            need -= self.arena.stats().free_bytes
+        self._grad_sets = sets
         if need <= 0:
             return 0
         self.arena.reserve(need)
         return need
+
+    def in_place(self) -> bool:
+        """Whether a trained master is its own upload copy (a whole-model update must then wait for
+        every layer's gate before writing it)."""
+        return any(st.upload[j].data_ptr() == st.params[j].data_ptr() and st.params[j].requires_grad
+                   for st in self.layers for j in st.owned)
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether t is a block of this state's arena (without an arena, pinned memory on CUDA,
@@ -320,6 +354,8 @@ class HostState:
             return sum(t.nbytes for t in unique.values())
         masters = {p.data_ptr() for st in self.layers for p in st.params}   # a frozen master may be its upload copy
         out = {"masters": total(lambda st: st.params),
+               # masters that are their own upload copies: arena blocks, inside arena_reserved too
+               "masters_in_arena": total(lambda st: [p for p in st.params if self.owns(p)] if self.arena else []),
                "upload_copies": total(lambda st: [u for u in st.upload if u.data_ptr() not in masters]),
                "grad_landing": total(lambda st: st.gbuf), "grads_held": total(lambda st: st.held),
                "grads": total(lambda st: [p.grad for p in st.params]),
@@ -340,14 +376,22 @@ class HostState:
         """After the user changed masters: checks them, follows freezes, rewrites the upload copy."""
         st = self.layers[layer]
         for j, (p, u) in enumerate(zip(st.params, st.upload)):
-            if p.shape != u.shape or (p.dtype != torch.float32 and p.requires_grad) or p.device.type != "cpu":
+            if p.shape != u.shape or (p.dtype != self.master_dtype and p.requires_grad) or p.device.type != "cpu":
                 raise ValueError(f"parameter {st.param_names[j]} of layer {layer} is now a {p.dtype} tensor of shape "
                                  f"{tuple(p.shape)} on {p.device} (requires_grad={p.requires_grad}); after wrapping, "
                                  f"a master may change its values only (it must stay on the CPU, of shape "
-                                 f"{tuple(u.shape)}, and fp32 when trained: a frozen {p.dtype} parameter cannot be "
-                                 "unfrozen after wrapping; unfreeze it before)")
+                                 f"{tuple(u.shape)}, and {self.master_dtype} (master_dtype) when trained: a frozen "
+                                 f"{p.dtype} parameter cannot be unfrozen after wrapping; unfreeze it before)")
         self._set_trainable(st)
+        for j in st.trainable:
+            if st.params[j].dtype != torch.float32:
+                allow_fp32_grad(st.params[j])
         self.pcopy(layer)
+        for j in st.owned:   # a master replaced in the upload dtype (p.data = t) becomes its upload copy again
+            p, u = st.params[j], st.upload[j]
+            if p.dtype == u.dtype and p.data_ptr() != u.data_ptr():
+                p.data = u
+        self.stamp(layer)
 
     def pcopy(self, layer: int) -> None:
         """P-copy: new fp32 master weights -> upload copy of one layer."""
@@ -418,10 +462,12 @@ class HostState:
         st = self.layers[layer]
         return [st.params[j].grad if st.params[j].grad is not None else st.held[j] for j in st.owned]
 
-    def step_params(self, layer: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
-        """The masters a step of the layer updates and their upload copies: all but its aliases."""
+    def step_params(self, layer: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor | None]]:
+        """The masters a step of the layer updates and their upload copies (None: the master is its
+        own): all but its aliases."""
         st = self.layers[layer]
-        return [st.params[j] for j in st.owned], [st.upload[j] for j in st.owned]
+        return ([st.params[j] for j in st.owned],
+                [None if st.upload[j].data_ptr() == st.params[j].data_ptr() else st.upload[j] for j in st.owned])
 
     def materialize(self, layer: int, inv_scale: float | None = None) -> None:
         """Held low-precision gradients of the layer -> fp32 `p.grad` (for readers of p.grad).

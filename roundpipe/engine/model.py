@@ -46,6 +46,7 @@ from roundpipe.engine.recompute import draw_base
 from roundpipe.engine.replica import Replica
 from roundpipe.engine.stage import CallContext
 from roundpipe.engine.staleness import StalenessCompensation
+from roundpipe.optim.rounding import check_master_dtype, check_rounding
 from roundpipe.planner.memory import worker_peaks
 from roundpipe.trace import Trace
 from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
@@ -123,7 +124,8 @@ class RoundPipe:
                  planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
                  loss_reduction: str = "mean", batchnorm: str = "per-microbatch", precision: Precision | None = None,
                  process_group: Any = None, shard_optimizer: bool = False,
-                 compensation: StalenessCompensation | None = None):
+                 compensation: StalenessCompensation | None = None, master_dtype: torch.dtype = torch.float32,
+                 master_rounding: str = "stochastic"):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
@@ -166,8 +168,13 @@ class RoundPipe:
                                     fixed=None if plan is None else plan.check(L), fallback=lambda: default_plan(L, n))
         self._cuda = self.devices[0].type == "cuda"
         layers = list(self.module)
+        # masters in master_dtype (fp32, or bf16 updated by roundpipe.optim in fp32 and rounded as
+        # master_rounding says: roundpipe/optim/rounding.py); checked before anything is converted
+        check_master_dtype(master_dtype)
+        check_rounding(master_rounding)
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda,
-                              device=self.devices[0].index if self._cuda else None)   # the arena's home GPU
+                              device=self.devices[0].index if self._cuda else None,   # the arena's home GPU
+                              master_dtype=master_dtype, master_rounding=master_rounding)
         # data parallelism over torch.distributed (roundpipe/engine/data_parallel.py), None: this process
         # alone; checked before any thread starts, so a bad argument leaves nothing running
         self.dp = (DataParallel(process_group, L, loss_reduction, devices=self.devices)
@@ -530,10 +537,12 @@ class RoundPipe:
         return self.scaler.scale if self.scaler is not None else None
 
     def _issue_step(self, fns, asynchronous: bool, window: int | None = None) -> None:
+        if asynchronous and self._grads_reserved:   # the set a pending step holds while the next calls land theirs
+            self.host.reserve_gradients(2)
         self._refresh_edited()   # calls in this step's stale window read the masters as they are now
         self._issue_gcopy()
         sync = self.sync   # a queued job must not keep the model alive
-        _register_then_queue(lambda: sync.new_step(asynchronous, fns.whole, window),
+        _register_then_queue(lambda: sync.new_step(asynchronous, fns.before_gates, window),
                              lambda rec: self.host_thread.submit(lambda: run_step(sync, rec, fns)))
         self._latest_async = asynchronous
         if not asynchronous:

@@ -191,6 +191,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         if isinstance(optimizer, torch.optim.Optimizer):
             check_optimizer_params(optimizer, named_params)
         native_clip = isinstance(optimizer, FusedOptimizer)   # rp Adam/AdamW, SGD, Adagrad, Lion
+        rounding = _rounding(host)
         clip = [1.0]
 
         finish = _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped)
@@ -207,7 +208,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
             with torch.no_grad(), _scaled_lr(optimizer, lr_factor):
                 if native_clip:   # reads held low-precision gradients as they are, unscales in its pass
                     optimizer.step_layer(params, upload, clip_coef=clip[0] / scaling.divisor(l),
-                                         grads=host.step_grads(l), predict=predict)
+                                         grads=host.step_grads(l), predict=predict, **rounding)
                 else:   # p.grad unscaled as GradScaler.unscale_ does (unless it already is), then clipped
                     host.materialize(l, scaling.inverse())
                     if clip[0] != 1.0:
@@ -235,13 +236,21 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
             return
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
+        for p in params:   # bf16 masters: a torch optimizer steps them as bf16 parameters, in their dtype
+            if p.grad is not None and p.grad.dtype != p.dtype:
+                p.grad = p.grad.to(p.dtype)
         with torch.no_grad():
             fn()
 
     def after() -> None:
         if lr_scheduler is not None and not scaling.skipped:
             lr_scheduler.step()
-    return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after)
+    return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after, host.in_place())
+
+
+def _rounding(host: HostState) -> dict[str, str]:
+    """step_layer's rounding= for bf16 masters (none for fp32 ones, so that an override without it still fits)."""
+    return {"rounding": host.master_rounding} if host.master_dtype != torch.float32 else {}
 
 
 @contextlib.contextmanager
@@ -286,7 +295,7 @@ def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_schedu
             for l, (ps, gs) in enumerate(slices):
                 mul = clip / scaling.divisor(l)
                 if native:   # reads held low-precision slices as they are
-                    optimizer.step_layer(ps, None, clip_coef=mul, grads=gs)
+                    optimizer.step_layer(ps, None, clip_coef=mul, grads=gs, **_rounding(host))
                     continue
                 for p, g in zip(ps, gs):
                     p.grad = None if g is None else (g.float() * mul if mul != 1.0 else g.float())
@@ -300,7 +309,7 @@ def _sharded_step(optimizer: Any, host: HostState, named_params: list, lr_schedu
         shards.gather()
 
     return StepFns(update, True, host.pcopy, host.pcopy, host.clear_grads,
-                   _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped))
+                   _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped), host.in_place())
 
 
 def copy_step(optimizer: Any, host: HostState, lr_scheduler: Any = None, skipped: bool = False) -> StepFns:

@@ -202,8 +202,10 @@ def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
     """A RoundPipe over a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or any decoder
     with embeddings, a list of decoder layers, a final norm and an LM head), or a PEFT model around one.
 
-    The HF model must be on the CPU; it becomes the host master (its parameters turn fp32 in place).
-    roundpipe_kwargs go to RoundPipe (microbatches_per_round, planning, device_memory, ...).  Under
+    The HF model must be on the CPU; it becomes the host master (its trainable parameters turn fp32 in
+    place, or bf16 with master_dtype=torch.bfloat16: updated in fp32 by roundpipe.optim and rounded
+    stochastically, master_rounding=). roundpipe_kwargs go to RoundPipe (microbatches_per_round,
+    planning, device_memory, master_dtype, ...).  Under
     torchrun (more than one rank) the ranks train data-parallel on the world group unless process_group=
     says otherwise (None: this process alone), joining it first if torch.distributed is not initialized
     yet (`launched_group`); the token mean is then over all ranks' tokens.

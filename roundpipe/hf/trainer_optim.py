@@ -13,7 +13,7 @@ workers idle meanwhile in the synchronous step; it still works, with one warning
     adagrad                       Adagrad              torch.optim.Adagrad
     lion_32bit                    Lion                 bitsandbytes.optim.Lion(optim_bits=32)
     adamw_8bit, adamw_bnb_8bit,   AdamW8bit            bitsandbytes.optim.AdamW(optim_bits=8)
-    paged_adamw_8bit              (ValueError while roundpipe.optim has none)
+    paged_adamw_8bit
 
 The keyword arguments are the ones transformers passes (learning rate, betas, eps, `optim_args`),
 over the Trainer's own parameter groups (weight decay on all but biases and norms), less the ones
@@ -64,7 +64,7 @@ def routed_warning(args: Any, optimizer: torch.optim.Optimizer) -> str:
     return (f"rp.hf.Trainer: optim={optim_name(args)!r} ({type(optimizer).__name__}) has no roundpipe.optim "
             "version, so it runs as one torch step over the whole model once every layer's gradients are in (the "
             "workers idle meanwhile in a synchronous step) instead of the per-layer fused step; optim= "
-            f"{', '.join(sorted(k for k, (n, _) in FUSED_OPTIMIZERS.items() if n != 'AdamW8bit'))} take the fused step")
+            f"{', '.join(sorted(FUSED_OPTIMIZERS))} take the fused step")
 
 
 def is_stepwise(scheduler: Any) -> bool:

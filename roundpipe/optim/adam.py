@@ -57,11 +57,11 @@ class Adam(FusedOptimizer):
 
     def _native_step(self, config: AdamConfig, params: list[torch.Tensor], grads: list[torch.Tensor],
                      states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float,
-                     predict: float = 0.0) -> None:
+                     predict: float = 0.0, rounding: str | None = None, keys: list[int] | None = None) -> None:
         adam_step(params, grads, [b["exp_avg"] for _, b in states], [b["exp_avg_sq"] for _, b in states],
                   [self._step_of(s) for s, _ in states], config,
                   max_exp_avg_sqs=[b["max_exp_avg_sq"] for _, b in states] if config.amsgrad else None,
-                  shadows=shadows, grad_mul=grad_mul, predict=predict)
+                  shadows=shadows, grad_mul=grad_mul, predict=predict, rounding=rounding or "nearest", round_keys=keys)
 
     def _torch_step(self, config: AdamConfig, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
                     bufs: Buffers, grad_mul: float) -> None:

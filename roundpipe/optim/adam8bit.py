@@ -94,7 +94,8 @@ class Adam8bit(FusedOptimizer):
                               maximize=bool(group.get("maximize", False)),
                               min_8bit_size=group.get("min_8bit_size", 4096))
 
-    def _states(self, params: list[torch.Tensor], config: Adam8bitConfig) -> list[tuple[dict[str, Any], Buffers]]:
+    def _states(self, params: list[torch.Tensor], config: Adam8bitConfig,
+                masters: list[bool] | None = None) -> list[tuple[dict[str, Any], Buffers]]:
         out = []
         for p in params:
             state = self.state[p]
@@ -112,16 +113,17 @@ class Adam8bit(FusedOptimizer):
             out.append((state, bufs))
         return out
 
-    def _native_ok(self, p: torch.Tensor, grad: torch.Tensor, bufs: Buffers) -> bool:
+    def _native_ok(self, p: torch.Tensor, grad: torch.Tensor, bufs: Buffers, master: bool = False) -> bool:
         if bufs["state1"].dtype == torch.float32:
-            return native_ok(p, grad, [bufs["state1"], bufs["state2"]])
-        return native_ok(p, grad, []) and all(
+            return native_ok(p, grad, [bufs["state1"], bufs["state2"]], master)
+        return native_ok(p, grad, [], master) and all(
             bufs[k].device.type == "cpu" and bufs[k].is_contiguous() for k in ("state1", "state2", "absmax1", "absmax2"))
 
     def _native_step(self, config: AdamConfig, params: list[torch.Tensor], grads: list[torch.Tensor],
                      states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float,
-                     predict: float = 0.0) -> None:
+                     predict: float = 0.0, rounding: str | None = None, keys: list[int] | None = None) -> None:
         shadows = [None] * len(params) if shadows is None else shadows
+        keys = [0] * len(params) if keys is None else keys
         for coded in (False, True):
             idx = [i for i, (_, b) in enumerate(states) if (b["state1"].dtype == torch.uint8) == coded]
             if not idx:
@@ -130,12 +132,13 @@ class Adam8bit(FusedOptimizer):
             steps = [self._step_of(states[i][0]) for i in idx]
             if not coded:
                 adam_step(ps, gs, [b["state1"] for b in bs], [b["state2"] for b in bs], steps, config,
-                          shadows=[shadows[i] for i in idx], grad_mul=grad_mul, predict=predict)
+                          shadows=[shadows[i] for i in idx], grad_mul=grad_mul, predict=predict,
+                          rounding=rounding or "nearest", round_keys=[keys[i] for i in idx])
                 continue
             t = blockwise.tables()
             beta1, beta2 = config.betas
             _native._C.adam8bit_step(
-                **native_buffers(ps, gs, [shadows[i] for i in idx], predict),
+                **native_buffers(ps, gs, [shadows[i] for i in idx], predict, rounding, [keys[i] for i in idx]),
                 **{f"{k}s": [b[k].data_ptr() for b in bs] for k in ("state1", "state2", "absmax1", "absmax2")},
                 steps=steps, tables=[t.code1.data_ptr(), t.lut1.data_ptr(), t.code2.data_ptr(), t.lut2.data_ptr()],
                 lr=config.lr, beta1=beta1, beta2=beta2, eps=config.eps, weight_decay=config.weight_decay,

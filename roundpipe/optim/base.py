@@ -18,6 +18,17 @@ so that a call rejected by validation leaves weights and state as they were.
 The engine's entries are `step_layer` (RoundPipe.step, once per layer) and
 `fused_step` (explicit gradients, loss scale, inf check).
 
+bf16 masters (roundpipe/optim/rounding.py).  With a master rounding set
+(`master_rounding`, or step_layer's `rounding=`, as RoundPipe(master_dtype=torch.bfloat16)
+passes it), a bf16 parameter is a master: the update is computed in fp32 (fp32 state) and
+the new weight rounded back to bf16, to nearest or stochastically with counter-based bits
+keyed by (`rounding_seed`, the parameter's step count, its index in param_groups), in the
+native pass; the torch path computes on an fp32 copy and rounds with `round_bf16_`, the
+same bits.  Optimizers that keep no step count (SGD, Lion) then count steps for such a
+parameter ('step' in its state), so that a resumed run draws the same bits.  Without a
+rounding (None, the default of an optimizer used on its own) a bf16 parameter is updated
+as torch.optim updates it, in its own dtype.
+
 A subclass that names its state format (`_state_keys`, `_state_format`) refuses,
 in `check_state_dict` / `load_state_dict`, a state dict written in another format
 (AdamW's fp32 moments loaded into AdamW8bit, or the reverse) before anything is loaded.
@@ -32,6 +43,7 @@ import torch
 from roundpipe import _native
 from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor
 from roundpipe.optim.gradients import grad_sumsq
+from roundpipe.optim.rounding import check_rounding, round_bf16_, round_key
 
 Buffers = dict[str, torch.Tensor]
 
@@ -75,10 +87,19 @@ def torch_grad(p: torch.Tensor, grad: torch.Tensor, grad_mul: float, maximize: b
     return g.add(p, alpha=l2) if l2 != 0 else g
 
 
+def master_args(params: Sequence[torch.Tensor], rounding: str | None, keys: Sequence[int] | None) -> dict[str, Any]:
+    """The native step's master arguments: each parameter's dtype (fp32 or a bf16 master), the rounding
+    and one key per parameter (rounding.py)."""
+    return dict(param_dtypes=[NATIVE_DTYPES[p.dtype] for p in params], rounding=rounding or "nearest",
+                round_keys=list(keys) if keys is not None and rounding == "stochastic" else [])
+
+
 def native_buffers(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                   shadows: Sequence[torch.Tensor | None] | None, predict: float = 0.0) -> dict[str, Any]:
+                   shadows: Sequence[torch.Tensor | None] | None, predict: float = 0.0,
+                   rounding: str | None = None, keys: Sequence[int] | None = None) -> dict[str, Any]:
     """The address lists every native optimizer step takes (params, grads, shadows, numels), and
-    `predict` (the shadows then receive the predicted next weights, see step_layer).
+    `predict` (the shadows then receive the predicted next weights, see step_layer), and the
+    masters' dtypes, rounding and keys (`master_args`).
 
     Parameters and gradients were vetted by `native_ok`; a shadow is the caller's and is
     checked here (a ValueError naming it before anything runs)."""
@@ -90,7 +111,7 @@ def native_buffers(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
                 grad_dtypes=[NATIVE_DTYPES[g.dtype] for g in grads],
                 shadows=[t.data_ptr() if t is not None else 0 for t in shadows],
                 shadow_dtypes=[NATIVE_DTYPES[t.dtype] if t is not None else "bfloat16" for t in shadows],
-                numels=[p.numel() for p in params], predict=float(predict))
+                numels=[p.numel() for p in params], predict=float(predict), **master_args(params, rounding, keys))
 
 
 def describe_state(keys: set[str]) -> str:
@@ -102,11 +123,18 @@ def describe_state(keys: set[str]) -> str:
     return "another optimizer's state"
 
 
-def native_ok(p: torch.Tensor, grad: torch.Tensor, buffers: Sequence[torch.Tensor]) -> bool:
-    """Whether the native kernel can take this parameter (else the torch path runs)."""
+def native_ok(p: torch.Tensor, grad: torch.Tensor, buffers: Sequence[torch.Tensor], master: bool = False) -> bool:
+    """Whether the native kernel can take this parameter (else the torch path runs): fp32, or a bf16
+    master (`master`), with fp32 buffers."""
     return (_native.available() and grad.dtype in NATIVE_DTYPES and grad.device.type == "cpu"
-            and grad.is_contiguous() and all(t.device.type == "cpu" and t.is_contiguous()
-                                             and t.dtype == torch.float32 for t in [p, *buffers]))
+            and grad.is_contiguous() and p.device.type == "cpu" and p.is_contiguous()
+            and (p.dtype == torch.float32 or (master and p.dtype == torch.bfloat16))
+            and all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == torch.float32 for t in buffers))
+
+
+def is_bf16_master(p: torch.Tensor, rounding: str | None) -> bool:
+    """Whether p is updated as a bf16 master (fp32 math, rounded): bf16 with a master rounding set."""
+    return rounding is not None and p.dtype == torch.bfloat16
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -115,6 +143,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any]):
         super().__init__(params, defaults)
         self._fused_call: tuple | None = None
+        # bf16 masters (module docstring): None treats bf16 parameters as torch.optim does
+        self.master_rounding: str | None = None
+        self.rounding_seed = 0
+        self._index_of: dict[int, int] = {}
 
     # ---- the subclass's part ------------------------------------------------------------------
     def _config(self, group: dict[str, Any]) -> Any:
@@ -127,21 +159,33 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _initial_value(self, config: Any) -> float:
         return 0.0
 
-    def _states(self, params: list[torch.Tensor], config: Any) -> list[tuple[dict[str, Any], Buffers]]:
-        """Per parameter, (its state, its buffers): those in the state, or new ones not stored yet."""
+    def _states(self, params: list[torch.Tensor], config: Any,
+                masters: Sequence[bool] | None = None) -> list[tuple[dict[str, Any], Buffers]]:
+        """Per parameter, (its state, its buffers): those in the state, or new ones not stored yet
+        (fp32 for a bf16 master, masters[i])."""
         names, fill = self._buffer_names(config), self._initial_value(config)
         out = []
-        for p in params:
+        for i, p in enumerate(params):
             state = self.state[p]
             if "step" in state and not isinstance(state["step"], torch.Tensor):  # old checkpoints stored a number
                 state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-            out.append((state, {k: state[k] if state.get(k) is not None else
-                                torch.full_like(p, fill, memory_format=torch.preserve_format) for k in names}))
+            master = masters is not None and masters[i]
+            bufs = {}
+            for k in names:
+                t = state.get(k)
+                if t is None:
+                    t = torch.full_like(p, fill, dtype=torch.float32 if master else None,
+                                        memory_format=torch.preserve_format)
+                elif master and t.dtype != torch.float32:   # made before p was a master (Adagrad's up-front sum)
+                    t = t.float()
+                bufs[k] = t
+            out.append((state, bufs))
         return out
 
     def _native_step(self, config: Any, params: list[torch.Tensor], grads: list[torch.Tensor],
                      states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float,
-                     predict: float = 0.0) -> None:
+                     predict: float = 0.0, rounding: str | None = None, keys: list[int] | None = None) -> None:
+        """One native call; rounding and keys (one per parameter) for the bf16 masters among params."""
         raise NotImplementedError
 
     def _torch_step(self, config: Any, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], bufs: Buffers,
@@ -150,18 +194,28 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     _counts_steps = False   # whether the state keeps torch's 'step' (a float32 0-dim tensor)
 
-    def _commit(self, state: dict[str, Any], bufs: Buffers) -> None:
+    def _commit(self, state: dict[str, Any], bufs: Buffers, counts: bool = False) -> None:
+        """Stores the buffers and advances the step count (of every parameter when the optimizer counts
+        steps, else where `counts`: a bf16 master's rounding keys need it)."""
         state.update(bufs)
-        if not self._counts_steps:
+        if not (self._counts_steps or counts):
             return
         if "step" in state:
             state["step"] += 1
         else:
             state["step"] = torch.tensor(1.0, dtype=torch.float32)
 
-    def _native_ok(self, p: torch.Tensor, grad: torch.Tensor, bufs: Buffers) -> bool:
+    def _native_ok(self, p: torch.Tensor, grad: torch.Tensor, bufs: Buffers, master: bool = False) -> bool:
         """Whether the native kernel can take this parameter with these buffers (else the torch path runs)."""
-        return native_ok(p, grad, list(bufs.values()))
+        return native_ok(p, grad, list(bufs.values()), master)
+
+    def _param_index(self, p: torch.Tensor) -> int:
+        """p's position in param_groups, flattened: the `index` of its rounding keys (the map is rebuilt when
+        p is not in it or the groups changed size)."""
+        size = sum(len(g["params"]) for g in self.param_groups)
+        if id(p) not in self._index_of or len(self._index_of) != size:
+            self._index_of = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
+        return self._index_of[id(p)]
 
     _state_keys: frozenset[str] | None = None   # the per-parameter state keys written (None: not checked)
     _state_format = ""                          # what they are, for error messages
@@ -196,6 +250,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
+        # torch casts every floating state tensor to its parameter's dtype: a bf16 master's fp32 state stays fp32
+        saved = state_dict.get("state", {})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(ids, [p for g in self.param_groups for p in g["params"]]):
+            for k, v in (saved.get(i) or {}).items() if isinstance(saved.get(i), dict) else ():
+                if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != p.dtype:
+                    self.state[p][k] = v.detach().to(p.device, copy=True)
 
     @staticmethod
     def _step_of(state: dict[str, Any]) -> float:
@@ -214,14 +275,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             params, grads, shadows, grad_mul = self._fused_call
             for gi, idx in self._by_group(params).items():
                 self._update(self.param_groups[gi], [params[i] for i in idx], [grads[i] for i in idx],
-                             [shadows[i] for i in idx], grad_mul)
+                             [shadows[i] for i in idx], grad_mul, rounding=self._rounding(None))
             return loss
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            self._update(group, params, [p.grad for p in params], None, 1.0)
+            self._update(group, params, [p.grad for p in params], None, 1.0, rounding=self._rounding(None))
         return loss
 
     # ---- the engine's entries -------------------------------------------------------------------
@@ -268,10 +329,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._fused_call = None
         return True
 
+    def _rounding(self, rounding: str | None) -> str | None:
+        """The bf16 masters' rounding of one update: `rounding` if given, else master_rounding's."""
+        chosen = self.master_rounding if rounding is None else rounding
+        return None if chosen is None else check_rounding(chosen)
+
     @torch.no_grad()
     def step_layer(self, params: Sequence[torch.Tensor], upload: Sequence[torch.Tensor | None] | None = None,
                    clip_coef: float = 1.0, grads: Sequence[torch.Tensor | None] | None = None,
-                   predict: float = 0.0) -> None:
+                   predict: float = 0.0, rounding: str | None = None) -> None:
         """The engine's per-layer step: updates those of `params` that have a `.grad` and writes
         each updated weight into upload[i] (the copy workers upload, any float dtype) in the same pass.
         The gradients are read as grad * clip_coef (global-norm clipping folded into the pass);
@@ -280,6 +346,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         predict > 0: upload[i] receives the predicted next weights w + predict * (w - w_before)
         instead of w, computed in the same pass (staleness compensation, roundpipe/engine/staleness.py).
+
+        rounding: how bf16 masters round ('stochastic' or 'nearest'; None: `master_rounding`).  A bf16
+        master that is its own upload copy takes upload[i] None.
 
         RoundPipe.step calls this once per layer as the layer's P-copy gate opens, so
         the update of shallow layers overlaps the next iteration's use of deep ones.
@@ -290,6 +359,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if len(upload) != len(params):
             raise ValueError(f"upload has {len(upload)} entries but params has {len(params)}; they must match")
         _check_clip_coef(clip_coef)
+        rounding = self._rounding(rounding)
         if isinstance(predict, bool) or not isinstance(predict, (int, float)) or not (0 <= predict < math.inf):
             raise ValueError(f"predict={predict!r} must be a finite number >= 0")
         grads = [p.grad for p in params] if grads is None else list(grads)
@@ -303,7 +373,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for gi, idx in self._by_group([params[i] for i in live]).items():
             chosen = [live[i] for i in idx]
             self._update(self.param_groups[gi], [params[i] for i in chosen], [grads[i] for i in chosen],
-                         [upload[i] for i in chosen], clip_coef, predict)
+                         [upload[i] for i in chosen], clip_coef, predict, rounding)
 
     # ---- shared machinery -----------------------------------------------------------------------
     def _by_group(self, params: Sequence[torch.Tensor]) -> dict[int, list[int]]:
@@ -317,30 +387,41 @@ class FusedOptimizer(torch.optim.Optimizer):
         return members
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                shadows: list[torch.Tensor | None] | None, grad_mul: float, predict: float = 0.0) -> None:
+                shadows: list[torch.Tensor | None] | None, grad_mul: float, predict: float = 0.0,
+                rounding: str | None = None) -> None:
         if not params:
             return
         config = self._config(group)
-        states = self._states(params, config)
-        native = [i for i, p in enumerate(params) if self._native_ok(p, grads[i], states[i][1])]
+        masters = [is_bf16_master(p, rounding) for p in params]
+        states = self._states(params, config, masters)
+        keys = [round_key(self.rounding_seed, self._step_of(s), self._param_index(p)) if m and rounding == "stochastic"
+                else 0 for p, m, (s, _) in zip(params, masters, states)]
+        native = [i for i, p in enumerate(params) if self._native_ok(p, grads[i], states[i][1], masters[i])]
         if native:
             pick = lambda seq: [seq[i] for i in native]  # noqa: E731
             self._native_step(config, pick(params), pick(grads), pick(states),
-                              pick(shadows) if shadows is not None else None, grad_mul, predict)
+                              pick(shadows) if shadows is not None else None, grad_mul, predict,
+                              rounding if any(pick(masters)) else None, pick(keys))
         for i in sorted(set(range(len(params))) - set(native)):
-            with_shadow(params[i], shadows[i] if shadows is not None else None, predict,
-                        lambda i=i: self._torch_step(config, params[i], grads[i], *states[i], grad_mul))
-        for state, bufs in states:
-            self._commit(state, bufs)
+            shadow = shadows[i] if shadows is not None else None
+            if masters[i]:   # computed on an fp32 copy, rounded as the native pass rounds
+                w = params[i].detach().float()
+                update = lambda i=i, w=w: (self._torch_step(config, w, grads[i], *states[i], grad_mul),  # noqa: E731
+                                           round_bf16_(params[i].detach(), w, rounding, keys[i]))
+            else:
+                update = lambda i=i: self._torch_step(config, params[i], grads[i], *states[i], grad_mul)  # noqa: E731
+            with_shadow(params[i], shadow, predict, update)
+        for (state, bufs), m in zip(states, masters):
+            self._commit(state, bufs, m)
 
 
 def with_shadow(p: torch.Tensor, shadow: torch.Tensor | None, predict: float, update: Callable[[], None]) -> None:
     """The torch-ops path's update of p, then its shadow written as the native pass writes it: the new
-    weight, or with predict the predicted next one p + predict * (p - p_before)."""
-    before = p.detach().clone() if predict and shadow is not None else None
+    weight, or with predict the predicted next one p + predict * (p - p_before) (in fp32)."""
+    before = p.detach().to(torch.float32, copy=True) if predict and shadow is not None else None
     update()
     if shadow is not None:
-        new = p.detach()
+        new = p.detach().float() if before is not None else p.detach()
         shadow.view(-1).copy_((new + predict * (new - before) if before is not None else new).view(-1))
 
 

@@ -13,8 +13,13 @@ equal torch.optim.AdamW(fused=True)'s bit for bit, and every SIMD level gives
 the same bits.  Without the extension, `_torch_step` runs the same formulas as
 torch ops (equal to torch's single-tensor AdamW, within an ulp of the kernel).
 
-Shapes: per tensor i, params[i], exp_avgs[i], exp_avg_sqs[i] and
-max_exp_avg_sqs[i] are fp32 with n_i elements; grads[i] and shadows[i] hold
+bf16 masters: params[i] may be bf16; it is read, updated in fp32 as above and
+rounded back in the same pass (`rounding`: nearest, or stochastic with one
+counter-based key per tensor, roundpipe/optim/rounding.py), and its shadow gets
+the rounded value.
+
+Shapes: per tensor i, params[i] (fp32 or bf16), exp_avgs[i], exp_avg_sqs[i] and
+max_exp_avg_sqs[i] (fp32) have n_i elements; grads[i] and shadows[i] hold
 n_i elements of fp32/bf16/fp16 (any shape, contiguous).
 """
 from __future__ import annotations
@@ -29,9 +34,11 @@ import torch
 
 from roundpipe import _native
 from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor, check_real, tensor_list
-from roundpipe.optim.base import check_betas, check_flags, check_nonneg, torch_grad, with_shadow
+from roundpipe.optim.base import check_betas, check_flags, check_nonneg, master_args, torch_grad, with_shadow
+from roundpipe.optim.rounding import check_rounding, round_bf16_
 
 _F32 = {torch.float32: "float32"}
+_MASTERS = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,8 @@ def adam_step(
     shadows: Sequence[torch.Tensor | None] | None = None,
     grad_mul: float = 1.0,
     predict: float = 0.0,
+    rounding: str = "nearest",
+    round_keys: Sequence[int] | None = None,
 ) -> None:
     """One Adam/AdamW update of every tensor of a group, in place.
 
@@ -89,7 +98,9 @@ def adam_step(
     `shadows[i]` (or None) receives params[i] converted to its dtype (bf16 RNE).
     The gradients are read as `grad * grad_mul`.  predict > 0: the shadows receive
     the predicted next weights p + predict * (p - p_before).  All tensors must be
-    contiguous CPU tensors; params and moments fp32.
+    contiguous CPU tensors; moments fp32, params fp32 or bf16 masters: a bf16 one is updated
+    in fp32 and rounded back (`rounding` 'nearest', or 'stochastic' with round_keys[i], one
+    64-bit key per tensor: roundpipe/optim/rounding.py).
     """
     if not isinstance(config, AdamConfig):
         raise TypeError(f"config must be an AdamConfig, got {type(config).__name__}")
@@ -115,7 +126,11 @@ def adam_step(
     grads, exp_avgs = tensor_list("grads", grads), tensor_list("exp_avgs", exp_avgs)
     exp_avg_sqs = tensor_list("exp_avg_sqs", exp_avg_sqs)
     for i, p in enumerate(params):
-        check_host_tensor(f"params[{i}]", p, _F32)
+        check_host_tensor(f"params[{i}]", p, _MASTERS)
+    check_rounding(rounding, "rounding")
+    keys = [0] * n if round_keys is None else [int(k) for k in round_keys]
+    if len(keys) != n:
+        raise ValueError(f"round_keys has {len(keys)} entries but params has {n}")
     _check_same_numel("grads", grads, params)
     _check_same_numel("exp_avgs", exp_avgs, params)
     _check_same_numel("exp_avg_sqs", exp_avg_sqs, params)
@@ -148,13 +163,19 @@ def adam_step(
             [p.numel() for p in params], [float(s) for s in step_list],
             lr=float(config.lr), beta1=float(beta1), beta2=float(beta2), eps=float(config.eps),
             weight_decay=float(config.weight_decay), decoupled=config.decoupled, amsgrad=config.amsgrad,
-            maximize=config.maximize, grad_mul=float(grad_mul), predict=float(predict))
+            maximize=config.maximize, grad_mul=float(grad_mul), predict=float(predict),
+            **master_args(params, rounding, keys))
         return
     _check_no_overlap(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, shadow_list)
     for i, p in enumerate(params):
-        with_shadow(p, shadow_list[i], predict, lambda i=i, p=p: _torch_step(
-            p, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if config.amsgrad else None,
-            float(step_list[i]), config, grad_mul))
+        w = p.float() if p.dtype == torch.bfloat16 else p   # a bf16 master: updated in fp32, then rounded
+
+        def update(i=i, p=p, w=w) -> None:
+            _torch_step(w, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if config.amsgrad else None,
+                        float(step_list[i]), config, grad_mul)
+            if w is not p:
+                round_bf16_(p, w, rounding, keys[i])
+        with_shadow(p, shadow_list[i], predict, update)
 
 
 def _check_no_overlap(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, shadows) -> None:

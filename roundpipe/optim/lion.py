@@ -64,9 +64,9 @@ class Lion(FusedOptimizer):
 
     def _native_step(self, config: LionConfig, params: list[torch.Tensor], grads: list[torch.Tensor],
                      states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float,
-                     predict: float = 0.0) -> None:
+                     predict: float = 0.0, rounding: str | None = None, keys: list[int] | None = None) -> None:
         beta1, beta2 = config.betas
-        _native._C.lion_step(**native_buffers(params, grads, shadows, predict),
+        _native._C.lion_step(**native_buffers(params, grads, shadows, predict, rounding, keys),
                              exp_avgs=[b["exp_avg"].data_ptr() for _, b in states], lr=config.lr, beta1=beta1,
                              beta2=beta2, weight_decay=config.weight_decay, maximize=config.maximize,
                              grad_mul=float(grad_mul))
