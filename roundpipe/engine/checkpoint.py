@@ -24,6 +24,9 @@ A checkpoint is a directory:
                           staleness compensation's predicted weights, or the old weights the
                           calls of a stale window read after a whole-model update already ran
     optimizer.pt, lr_scheduler.pt   their state_dict()s (torch.save)
+    optimizer_offload.bin/.json     with offload_dir=: the offloaded layers' optimizer state, copied a
+                          layer at a time from their files through one ring buffer (bounded RAM), and its
+                          layout; loading streams it back (roundpipe/offload/state_tier.py)
 
 What the asynchronous step leaves open (docs/async_step.md).  After `step(opt)`
 with `asynchronous=True` the next calls still read the weights before that step,
@@ -68,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from roundpipe.engine import tensor_file
+from roundpipe.offload import state_tier
 from roundpipe.engine.tensor_file import TensorFile
 
 if TYPE_CHECKING:
@@ -318,6 +322,8 @@ def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any
         sizes["upload.safetensors"] = tensor_file.write(os.path.join(tmp, "upload.safetensors"), _uploads(model))
     if optimizer is not None and model.shards is None:
         sizes["optimizer.pt"] = _save_obj(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        if model.offload is not None and model.offload.optimizer is optimizer:   # the state on disk, streamed
+            sizes.update(model.offload.save(tmp))
     if lr_scheduler is not None:
         sizes["lr_scheduler.pt"] = _save_obj(lr_scheduler.state_dict(), os.path.join(tmp, "lr_scheduler.pt"))
     return sizes
@@ -410,6 +416,9 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
         unscaled = _check_unscaled(manifest, os.path.join(path, MANIFEST))
         if opt_state is not None:
             _check_optimizer(optimizer, opt_state, os.path.join(path, opt_file))
+            offload_meta = state_tier.read_meta(path, optimizer) if state_tier.BIN in files else None
+            if model.offload is not None:
+                model.offload.bind(optimizer)
         if (manifest["loss_scale"] is None) != (model.scaler is None):   # the last check
             raise ValueError(f"load_checkpoint: the checkpoint {'has no' if manifest['loss_scale'] is None else 'has'} "
                              f"loss-scaling state but this model {'scales' if model.scaler else 'does not scale'} its "
@@ -434,6 +443,10 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
                     uf.read_into(name, upload)
         if opt_state is not None:
             optimizer.load_state_dict(opt_state)
+            if model.offload is not None:
+                model.offload.reset()
+            if offload_meta is not None:
+                state_tier.load(path, offload_meta, optimizer, model.offload)
         if sched_state is not None:
             lr_scheduler.load_state_dict(sched_state)
         torch.set_rng_state(ef.read("rng.cpu"))

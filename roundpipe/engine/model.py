@@ -70,6 +70,19 @@ def _as_layers(layers: object) -> nn.Sequential:
     return seq
 
 
+def _state_tier(host: HostState, offload_dir: Any, host_memory: Any, compute_dtype: torch.dtype, sharded: bool):
+    """The optimizer-state tier of offload_dir= / host_memory= (None without them); ValueError for bad input."""
+    if offload_dir is None:
+        if host_memory is not None:
+            raise ValueError(f"host_memory={host_memory!r} needs offload_dir= (where the optimizer state that does "
+                             "not fit goes); give both, or neither")
+        return None
+    if sharded:
+        raise ValueError("offload_dir= and shard_optimizer=True are not supported together")
+    from roundpipe.offload.state_tier import StateTier
+    return StateTier(host, offload_dir, host_memory, compute_dtype)
+
+
 def _gpu_input_events(mb) -> dict | None:
     """For call inputs already on a GPU: an event on the caller's current stream of each such device,
     so that workers read them (a training call: its snapshots of them) only after the work the caller
@@ -125,7 +138,7 @@ class RoundPipe:
                  loss_reduction: str = "mean", batchnorm: str = "per-microbatch", precision: Precision | None = None,
                  process_group: Any = None, shard_optimizer: bool = False,
                  compensation: StalenessCompensation | None = None, master_dtype: torch.dtype = torch.float32,
-                 master_rounding: str = "stochastic"):
+                 master_rounding: str = "stochastic", offload_dir: Any = None, host_memory: int | None = None):
         self.module = _as_layers(layers)
         self.devices = parse_devices(devices)
         n = len(self.devices)
@@ -184,6 +197,8 @@ class RoundPipe:
         if shard_optimizer and self.dp is None:
             raise ValueError("shard_optimizer=True needs process_group= (the ranks the optimizer state is split over)")
         self.shards = OptimizerShards(self.host, self.dp) if shard_optimizer else None
+        # optimizer state of the layers that do not fit host_memory, on disk (roundpipe/offload/state_tier.py)
+        self.offload = _state_tier(self.host, offload_dir, host_memory, self.compute_dtype, shard_optimizer)
         if compensation is not None and not isinstance(compensation, StalenessCompensation):
             raise TypeError(f"compensation must be a roundpipe.StalenessCompensation or None, got "
                             f"{type(compensation).__name__}")
@@ -524,8 +539,9 @@ class RoundPipe:
         """The next step's StepFns; what it was given is kept for a checkpoint saved while it is pending."""
         self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
                            "scale_used": scale_used, "predict": predict, "lr_factor": lr_factor}
-        return make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
-                         self.scaler, self.sync.steps_issued + 1, scale_used, self.shards, predict, lr_factor)
+        fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
+                        self.scaler, self.sync.steps_issued + 1, scale_used, self.shards, predict, lr_factor)
+        return self.offload.wrap(fns, optimizer) if self.offload is not None else fns
 
     def _scale_index(self) -> int:
         """The loss-scale history entry of the calls issued now and of the step after them."""
@@ -558,6 +574,8 @@ class RoundPipe:
             t.wait_idle()
         for t in self._host_threads():
             t.raise_error()
+        if self.offload is not None:
+            self.offload.settle()   # writes behind done; a write failure raised here
 
     def synchronize(self) -> None:
         """Waits for pending gradient copies and optimizer steps; masters and p.grad are then consistent.
@@ -639,6 +657,8 @@ class RoundPipe:
         if optimizer is not None:
             host["optimizer_state"] = sum(v.nbytes for state in optimizer.state.values()
                                           for v in state.values() if isinstance(v, torch.Tensor))
+        if self.offload is not None:
+            host.update(self.offload.stats())
         return {"workers": workers, "host": host}
 
     def _as_run(self, loss_fn: Callable) -> Callable:
@@ -718,6 +738,8 @@ class RoundPipe:
                 for w in self.workers:
                     w.close()
                 self.host.close()
+                if self.offload is not None:
+                    self.offload.close()
             for t in self._host_threads():
                 t.raise_error()
 

@@ -1,0 +1,497 @@
+"""The optimizer-state tier: the state of the layers that do not fit `host_memory` lives on NVMe.
+
+    model = RoundPipe(layers, offload_dir="/nvme/rp", host_memory=64 << 30)
+    model.step(rp.optim.AdamW(model.parameters()))   # first step: placement, files preallocated
+
+Where state lives.  Masters, upload copies and gradients stay in host memory (masters
+on disk are phase 2).  At the first step the tier learns the optimizer's per-parameter
+state layout exactly (its own `_states` run on meta tensors: AdamW 8 B/param,
+AdamW8bit 2 B/param + absmax), keeps the state of layers in RAM, first fit from
+layer 0, while masters + upload copies + gradients + the ring + the resident state
+stay under `host_memory`, and gives every other layer one region (a preallocated
+file) of an `NVMeStore` under `offload_dir`.  Between steps an offloaded parameter's
+`optimizer.state[p]` holds only its 'step' count.
+
+A step, per offloaded layer (the protocol visits layers tail first):
+
+    ring slot:   [ read l (ahead) ] [ update l: state[p] = views of the slot ] [ write l (behind) ]
+    meanwhile:   the reads of the next layers below l into the other slots (`slots`, 3 by default)
+
+The unchanged fused `step_layer` runs on views of a slot (the kernels update in place, so
+the bytes and the arithmetic are those of training in RAM: bitwise equal); after it the
+slot is written back whole.  Each state byte crosses the disk once each way per step.
+When the last offloaded layer of a step is updated the writes are waited for and the
+first layers of the next step are read ahead.
+
+Failure semantics (per layer all or nothing):
+  - a read fails (StorageError naming the file): that layer and every layer after it in
+    the step are not updated (their masters and state are as before, upload copies
+    rewritten from the masters, gradients dropped, as after any step error); layers
+    updated before it keep their update, state written; the error reaches the caller.
+  - a write fails: the layer was updated and its new state is still in the slot, which
+    the tier keeps in RAM (that layer is resident until a later write of it succeeds), so
+    masters and state agree; the error is raised by the next step before it updates any
+    layer, or by `synchronize()` / `save_checkpoint` / `close()`, whichever comes first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from roundpipe.offload.nvme import NVMeConfig, NVMeStore, check_free_space, file_bytes
+
+SLICE_ALIGN = 64   # bytes: each state tensor in a slot starts on a cache line
+TRIM_BYTES = 1 << 20
+
+
+def _trim_heap() -> None:
+    """Hands freed heap memory back to the kernel (glibc malloc_trim).  The first step's fresh state
+    tensors are freed once copied into the ring, but glibc raises its mmap threshold after freeing
+    large chunks and keeps later ones on the heap: measured (bench/nvme_train.py, 8 x Linear(2048),
+    AdamW) the peak RSS stayed at the in-RAM run's without this."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One state tensor of a parameter inside its layer's region."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def describe(self) -> list:
+        return [self.key, str(self.dtype).removeprefix("torch."), list(self.shape), self.offset]
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """The packed optimizer state of one layer: (optimizer parameter index, its slices) per parameter."""
+
+    layer: int
+    params: tuple[tuple[int, tuple[Slice, ...]], ...]
+    nbytes: int   # a multiple of 4096 (the region's size)
+
+    def describe(self) -> list:
+        return [[i, [s.describe() for s in slices]] for i, slices in self.params]
+
+
+def _view(buf: torch.Tensor, s: Slice) -> torch.Tensor:
+    return buf[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+
+
+def fixed_bytes(host: Any, compute_dtype: torch.dtype) -> dict[str, int]:
+    """Host bytes that stay in RAM whatever is offloaded: masters, upload copies and gradients
+    (a landing buffer and the step's gradient per trainable element, in the compute dtype)."""
+    b = host.host_bytes()
+    trainable = {id(p): p for st in host.layers for p in st.params if p.requires_grad}
+    item = torch.empty((), dtype=compute_dtype).element_size()
+    return {"masters": b["masters"], "upload_copies": b["upload_copies"],
+            "gradients": 2 * item * sum(p.numel() for p in trainable.values())}
+
+
+def probe_layout(optimizer: Any, layer: int, params: list[torch.Tensor], index: dict[int, int]) -> LayerLayout:
+    """The layer's state layout, from the optimizer's own `_states` on meta tensors (nothing allocated)."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out, offset = [], 0
+    for p in params:
+        if id(p) not in index:
+            continue
+        meta = torch.empty_like(p, device="meta")
+        try:
+            (_, bufs), = optimizer._states([meta], optimizer._config(group_of[id(p)]))
+        finally:
+            optimizer.state.pop(meta, None)
+        slices = []
+        for key in sorted(bufs):
+            t = bufs[key]
+            nbytes = t.numel() * t.element_size()
+            slices.append(Slice(key, t.dtype, tuple(t.shape), offset, nbytes))
+            offset += -(-nbytes // SLICE_ALIGN) * SLICE_ALIGN
+        out.append((index[id(p)], tuple(slices)))
+    return LayerLayout(layer, tuple(out), file_bytes(offset))
+
+
+class _Slot:
+    """A ring buffer: free (layer None), or holding layer's state being read / ready / in use / written."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.layer, self.kind, self.fence = buf, None, "free", None
+
+
+class StateTier:
+    """Optimizer state of the layers that do not fit `host_memory`, in files under `directory`."""
+
+    def __init__(self, host: Any, directory: Any, host_memory: int | None, compute_dtype: torch.dtype, *,
+                 config: NVMeConfig | None = None, slots: int = 3, _test_hooks: dict | None = None):
+        self.host = host
+        self.fixed = fixed_bytes(host, compute_dtype)
+        need = sum(self.fixed.values())
+        if host_memory is not None:
+            if isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory <= 0:
+                raise ValueError(f"host_memory={host_memory!r} must be None or a number of bytes > 0")
+            if host_memory < need:
+                raise ValueError(
+                    f"host_memory={host_memory} bytes is below what stays in host memory: upload copies "
+                    f"{self.fixed['upload_copies']} + gradients {self.fixed['gradients']} + fp32 masters "
+                    f"{self.fixed['masters']} = {need} bytes (only optimizer state goes to offload_dir; masters on "
+                    f"disk are not supported yet); raise host_memory to at least {need}")
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"offload_dir must be a path (str or os.PathLike), got {type(directory).__name__}")
+        directory = os.fspath(directory)
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ValueError(f"offload_dir={directory!r} exists and is not a directory")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
+            raise ValueError(f"slots={slots!r} must be an int >= 2 (one updated, one read ahead or written)")
+        try:
+            self.store = NVMeStore(directory, config, _test_hooks=_test_hooks)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"offload_dir={directory!r} is not a writable directory ({e}); give a directory on a "
+                             f"local disk this process may write") from None
+        self.directory, self.host_memory, self.nslots = directory, host_memory, slots
+        self.optimizer: Any = None
+        self.layouts: dict[int, LayerLayout] = {}   # offloaded layers
+        self.resident_bytes = 0                      # optimizer state kept in RAM (estimated at placement)
+        self.regions: dict[int, Any] = {}
+        self.slots: list[_Slot] = []
+        self.initialized: set[int] = set()     # optimizer parameter indices whose state is on disk
+        self.resident: dict[int, torch.Tensor] = {}   # layers whose write failed: their state, in RAM
+        self.error: BaseException | None = None      # a write failure not raised yet
+        self._params: list[torch.Tensor] = []
+        self._lock = threading.RLock()
+
+    # ---- placement ------------------------------------------------------------------------------
+    def bind(self, optimizer: Any) -> None:
+        """At the first step: the layout, which layers go to disk, the free-space check, the files."""
+        from roundpipe.optim.base import FusedOptimizer
+        if self.optimizer is optimizer:
+            return
+        if self.optimizer is not None:
+            raise ValueError("offload_dir: the optimizer state on disk belongs to the optimizer of the first step(); "
+                             "step with that optimizer (a new one needs a new RoundPipe)")
+        if not isinstance(optimizer, FusedOptimizer):
+            raise ValueError(f"offload_dir needs a roundpipe.optim optimizer (AdamW, AdamW8bit, ...: the tier streams "
+                             f"the state of its per-layer fused step), got {type(optimizer).__name__}")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        layouts = [probe_layout(optimizer, l, self.host.step_params(l)[0], index) for l in range(len(self.host))]
+        ring = self.nslots * max((lay.nbytes for lay in layouts), default=0)
+        budget = None if self.host_memory is None else self.host_memory - sum(self.fixed.values()) - ring
+        if budget is not None and budget < 0:
+            raise ValueError(f"host_memory={self.host_memory} bytes leaves no room for the {self.nslots} ring buffers "
+                             f"of the offloaded optimizer state ({ring} bytes) beside masters, upload copies and "
+                             f"gradients ({sum(self.fixed.values())} bytes); raise host_memory to at least "
+                             f"{sum(self.fixed.values()) + ring}")
+        disk, resident = [], 0
+        for lay in layouts:   # first fit from layer 0
+            if budget is not None and resident + lay.nbytes <= budget:
+                resident += lay.nbytes
+            elif lay.params:
+                disk.append(lay)
+        check_free_space(self.directory, sum(lay.nbytes for lay in disk), "the offloaded optimizer state")
+        for lay in disk:
+            self.regions[lay.layer] = self.store.allocate(f"layer{lay.layer}.optim", lay.nbytes)
+            self.layouts[lay.layer] = lay
+        if disk:
+            size = max(lay.nbytes for lay in disk)
+            self.slots = [_Slot(self.store.empty(size)) for _ in range(self.nslots)]
+        self.optimizer, self._params, self.resident_bytes = optimizer, params, resident
+
+    def stats(self) -> dict[str, int]:
+        return {"optimizer_state_on_disk": sum(lay.nbytes for lay in self.layouts.values()),
+                "offloaded_layers": len(self.layouts),
+                "offload_ring": sum(s.buf.nbytes for s in self.slots),
+                "optimizer_state_resident_after_error": sum(t.nbytes for t in self.resident.values())}
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def wrap(self, fns: Any, optimizer: Any) -> Any:
+        """The step's StepFns with every offloaded layer's state read ahead, installed, written behind."""
+        self.bind(optimizer)
+        if not self.layouts:
+            return fns
+        inner = fns.update
+        started, done = [False], set()
+
+        def update(l: int) -> None:
+            with self._lock:
+                if not started[0]:
+                    started[0] = True
+                    self._settle_writes()
+                    self._raise_pending()
+            if l not in self.layouts:
+                return inner(l)
+            slot = self._take(l)
+            installed = self._install(l, slot)
+            try:
+                inner(l)
+            except BaseException:
+                self._uninstall(installed)
+                slot.layer, slot.kind = None, "free"   # the state on disk is still the one before the step
+                raise
+            self._pack_and_write(l, slot)
+            done.add(l)
+            if len(done) == len(self.layouts):   # the step's last offloaded layer: settle, read the next step's first
+                with self._lock:
+                    self._settle_writes()
+                    self._prefetch({s.layer for s in self.slots if s.layer is not None})
+        fns.update = update
+        return fns
+
+    def _order(self, skip: set[int]) -> list[int]:
+        return sorted((l for l in self.layouts if l not in skip), reverse=True)   # tail first, as gates open
+
+    def _needs_read(self, l: int) -> bool:
+        return any(i in self.initialized for i, _ in self.layouts[l].params)
+
+    def _load(self, l: int, slot: _Slot) -> None:
+        slot.layer = l
+        if l in self.resident:   # its state after a failed write: the buffer becomes the slot's
+            slot.buf, slot.kind, slot.fence = self.resident.pop(l), "ready", None
+        elif self._needs_read(l):
+            region = self.regions[l]
+            slot.kind, slot.fence = "read", self.store.read_async(region, slot.buf[:region.nbytes])
+        else:
+            slot.kind, slot.fence = "ready", None
+
+    def _free_slot(self, wait: bool) -> _Slot | None:
+        for s in self.slots:
+            if s.kind == "free":
+                return s
+        for s in self.slots:
+            if s.kind == "write" and s.fence.state != "pending":
+                self._retire_write(s)
+                return s
+        if not wait:
+            return None
+        for s in self.slots:
+            if s.kind == "write":
+                self._retire_write(s)
+                return s
+        for s in self.slots:   # a layer read ahead out of order: give its slot up
+            if s.kind in ("read", "ready"):
+                self._drop(s)
+                return s
+        raise AssertionError("every ring slot is in use")
+
+    def _drop(self, s: _Slot) -> None:
+        if s.kind == "read":
+            try:
+                self.store.wait(s.fence)
+            except OSError:
+                pass   # a failed read ahead that nobody needs
+        s.layer, s.kind, s.fence = None, "free", None
+
+    def _retire_write(self, s: _Slot) -> None:
+        """Waits for the slot's write; a failure keeps the slot's state (the layer's newest) in RAM."""
+        try:
+            self.store.wait(s.fence)
+        except OSError as e:
+            self.resident[s.layer] = s.buf
+            s.buf = self.store.empty(s.buf.nbytes)
+            self.error = self.error or e
+        s.layer, s.kind, s.fence = None, "free", None
+
+    def _take(self, l: int) -> _Slot:
+        with self._lock:
+            slot = next((s for s in self.slots if s.layer == l and s.kind in ("read", "ready")), None)
+            if slot is None:
+                slot = self._free_slot(wait=True)
+                self._load(l, slot)
+            if slot.kind == "read":
+                try:
+                    self.store.wait(slot.fence)
+                except OSError:
+                    slot.layer, slot.kind, slot.fence = None, "free", None
+                    self._settle_writes()   # the layers updated before this one: their state on disk
+                    raise
+            slot.kind, slot.fence = "busy", None
+            self._prefetch({l} | {s.layer for s in self.slots if s.layer is not None}, after=l)
+            return slot
+
+    def _prefetch(self, skip: set[int], after: int | None = None) -> None:
+        """Reads the next layers of the step order (below `after`, or from the top) into free slots."""
+        for l in self._order(skip):
+            if after is not None and l >= after:
+                continue
+            s = self._free_slot(wait=False)
+            if s is None:
+                return
+            self._load(l, s)
+
+    def _install(self, l: int, slot: _Slot) -> list[tuple[dict, str]]:
+        """state[p][key] = a view of the slot, for the layer's parameters whose state is on disk."""
+        installed = []
+        for i, slices in self.layouts[l].params:
+            if i not in self.initialized:
+                continue
+            state = self.optimizer.state[self._params[i]]
+            if any(s.key in state for s in slices):   # loaded into the optimizer since (load_state_dict): it wins
+                continue
+            for s in slices:
+                state[s.key] = _view(slot.buf, s)
+                installed.append((state, s.key))
+        return installed
+
+    @staticmethod
+    def _uninstall(installed: list[tuple[dict, str]]) -> None:
+        for state, key in installed:
+            state.pop(key, None)
+
+    def _pack_and_write(self, l: int, slot: _Slot) -> None:
+        """The layer's state after its update -> the slot (copied where the optimizer made new tensors), out of
+        optimizer.state, and the slot written behind."""
+        copied = 0
+        for i, slices in self.layouts[l].params:
+            state = self.optimizer.state.get(self._params[i])
+            if not state or not any(s.key in state for s in slices):
+                continue
+            for s in slices:
+                t = state.pop(s.key)
+                v = _view(slot.buf, s)
+                assert t.dtype == s.dtype and tuple(t.shape) == s.shape, (l, i, s, t.dtype, t.shape)
+                if t.data_ptr() != v.data_ptr():
+                    v.copy_(t)
+                    copied += t.nbytes
+                del t
+            self.initialized.add(i)
+        if copied >= TRIM_BYTES:   # state the optimizer made in RAM (a first step, a loaded state dict), now freed
+            _trim_heap()
+        with self._lock:
+            region = self.regions[l]
+            slot.kind, slot.fence = "write", self.store.write_async(region, slot.buf[:region.nbytes])
+
+    def _settle_writes(self) -> None:
+        for s in self.slots:
+            if s.kind == "write":
+                self._retire_write(s)
+
+    def _raise_pending(self) -> None:
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+    def settle(self) -> None:
+        """At a sync point (host thread idle): every write waited for, a write failure raised."""
+        with self._lock:
+            self._settle_writes()
+            self._raise_pending()
+
+    def quiesce(self) -> None:
+        """settle(), and the reads ahead dropped: the ring is free (checkpoints)."""
+        with self._lock:
+            self._settle_writes()
+            for s in self.slots:
+                if s.kind in ("read", "ready"):
+                    self._drop(s)
+            self._raise_pending()
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._settle_writes()
+            finally:
+                self.store.close()
+            self._raise_pending()
+
+    # ---- checkpoints: a layer at a time ------------------------------------------------------------
+    def save(self, folder: str) -> dict[str, int]:
+        """optimizer_offload.bin (every offloaded layer's region, in layer order) and its layout
+        optimizer_offload.json, streamed through one ring slot; returns their sizes."""
+        self.quiesce()
+        meta = {"layers": [], "initialized": sorted(self.initialized)}
+        bin_path = os.path.join(folder, BIN)
+        with self._lock, open(bin_path, "wb") as f:
+            slot = self.slots[0] if self.slots else None
+            for l in sorted(self.layouts):
+                lay, region = self.layouts[l], self.regions[l]
+                if l in self.resident:
+                    buf = self.resident[l]
+                else:
+                    buf = slot.buf
+                    if self._needs_read(l):
+                        self.store.read(region, buf[:region.nbytes])
+                    else:
+                        buf[:region.nbytes].zero_()
+                f.write(memoryview(buf[:lay.nbytes].numpy()))
+                meta["layers"].append({"layer": l, "nbytes": lay.nbytes, "params": lay.describe()})
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(folder, META), "w") as f:
+            json.dump(meta, f)
+        return {BIN: os.path.getsize(bin_path), META: os.path.getsize(os.path.join(folder, META))}
+
+    def reset(self) -> None:
+        """After the optimizer's state was loaded: nothing on disk counts until written again."""
+        self.quiesce()
+        self.initialized.clear()
+        self.resident.clear()
+
+
+BIN, META = "optimizer_offload.bin", "optimizer_offload.json"
+ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "state1", "state2")   # shaped like the parameter
+
+
+def read_meta(folder: str, optimizer: Any) -> dict:
+    """The checkpoint's offload layout, checked against the optimizer's parameters (ValueError naming the file)."""
+    path = os.path.join(folder, META)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"load_checkpoint: {path} could not be read ({e})") from None
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    total = 0
+    for entry in meta["layers"]:
+        for i, slices in entry["params"]:
+            if not 0 <= i < len(params):
+                raise ValueError(f"load_checkpoint: {path} has state of optimizer parameter {i}; the optimizer has "
+                                 f"{len(params)}")
+            for key, dtype, shape, off in slices:
+                if key in ELEMENTWISE and tuple(shape) != tuple(params[i].shape):
+                    raise ValueError(f"load_checkpoint: {path}: state {key!r} of parameter {i} has shape {shape}; "
+                                     f"the parameter is {list(params[i].shape)}")
+        total += entry["nbytes"]
+    got = os.path.getsize(os.path.join(folder, BIN))
+    if got != total:
+        raise ValueError(f"load_checkpoint: {os.path.join(folder, BIN)} has {got} bytes; {path} describes {total}")
+    return meta
+
+
+def load(folder: str, meta: dict, optimizer: Any, tier: StateTier | None) -> None:
+    """Streams a checkpoint's offloaded state a layer at a time: into this model's region where the layer is
+    offloaded with the same layout, else into optimizer.state (RAM)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if tier is not None:
+        tier.bind(optimizer)
+        tier.reset()
+    init = set(meta["initialized"])
+    with open(os.path.join(folder, BIN), "rb") as f:
+        for entry in meta["layers"]:
+            l, nbytes = entry["layer"], entry["nbytes"]
+            lay = tier.layouts.get(l) if tier is not None else None
+            same = lay is not None and lay.nbytes == nbytes and lay.describe() == entry["params"]
+            buf = tier.slots[0].buf if same else torch.empty(nbytes, dtype=torch.uint8)
+            f.readinto(memoryview(buf[:nbytes].numpy()))
+            if same:
+                tier.store.write(tier.regions[l], buf[:nbytes])
+                tier.initialized.update(i for i, _ in entry["params"] if i in init)
+                continue
+            for i, slices in entry["params"]:
+                if i not in init:
+                    continue
+                state = optimizer.state[params[i]]
+                for key, dtype, shape, off in slices:
+                    dt = getattr(torch, dtype)
+                    n = torch.empty((), dtype=dt).element_size() * torch.Size(shape).numel()
+                    state[key] = _view(buf, Slice(key, dt, tuple(shape), off, n)).clone()
