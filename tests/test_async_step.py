@@ -327,3 +327,28 @@ def test_fused_adamw_async_loops_do_not_deadlock(case, num_mb, plan):
         with rp.RoundPipe(MODELS["mlp"](4), devices=["cpu"] * 2, num_microbatches=num_mb) as model:
             fit_calls(model, rp.optim.AdamW(model.parameters(), lr=1e-2), plan)
     run_with_watchdog(run, timeout_s=30)
+
+
+def test_gradient_copy_error_reaches_the_caller(monkeypatch):
+    """An exception while a layer's landed gradients are copied into p.grad (the G-copy thread) reaches the caller,
+    once, and the thread still counts every layer, so nothing waits forever (before: the remaining layers were
+    never counted and the next step hung)."""
+    from roundpipe.engine.host_state import HostState
+    layers = MODELS["mlp"](4)
+    x, y = batches(1)[0]
+    real = HostState.gcopy
+
+    def failing(self, layer):
+        if layer == 2:
+            raise MemoryError("injected: gradient copy of layer 2")
+        return real(self, layer)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
+        monkeypatch.setattr(HostState, "gcopy", failing)
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        with pytest.raises(MemoryError, match="layer 2"):
+            model.step(opt)
+            model.synchronize()
+        monkeypatch.setattr(HostState, "gcopy", real)
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)   # usable afterwards
+        model.step(opt, asynchronous=False)

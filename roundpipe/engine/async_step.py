@@ -295,8 +295,9 @@ def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Calla
               reduce: Callable[[], None] | None = None) -> None:
     """G-copy thread job: once its calls ended, each layer's landed gradients into p.grad as soon
     as the steps issued before it consumed the layer's.  `reduce` (data parallelism) first
-    replaces every layer's landed sums by their average over the ranks; if it fails, nothing is
-    moved, every layer is still counted (so no step waits forever) and its error is raised."""
+    replaces every layer's landed sums by their average over the ranks.  If that or a layer's copy
+    fails, nothing more is moved, every layer is still counted (so no step waits forever) and the
+    error is raised (tests/test_async_step.py)."""
     after_steps, calls = issued
     sync.wait_calls(calls)
     error: BaseException | None = None
@@ -311,6 +312,8 @@ def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Calla
         try:
             if error is None:
                 gcopy(layer)
+        except BaseException as e:  # noqa: BLE001 - every layer is still counted, then re-raised
+            error = e
         finally:
             pending.discard(layer)
             sync.gcopy_done(layer)
