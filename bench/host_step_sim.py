@@ -34,7 +34,7 @@ faster by its memory bandwidth, not by its core count: every rate is multiplied 
 --host-scale (default 1 and 4: the VM as measured, and a host with 4x its bandwidth,
 ~170 GB/s, e.g. an 8-channel DDR4-3200 server of 16+ cores, as 8-GPU boxes have).  The
 same factor for torch's sequence assumes it stays memory-bound too (~50 bytes a
-parameter in separate passes, DESIGN.md section 6).  Unmeasured on such a host.
+parameter in separate passes, per the project's design notes).  Unmeasured on such a host.
 
 Model (Llama-3.1-8B): 32 decoder layers, hidden 4096, 32 query / 8 KV heads of 128,
 intermediate 14336, vocab 128256, untied LM head; 218.1 M parameters a layer, 525.3 M

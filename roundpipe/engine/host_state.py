@@ -192,7 +192,10 @@ class HostState:
     copy: Callable[[torch.Tensor, torch.Tensor], None] = staticmethod(default_copy)
 
     def __init__(self, layers: list[nn.Module], upload_dtype: torch.dtype, pinned: bool, device: int | None = None,
-                 master_dtype: torch.dtype = torch.float32, master_rounding: str = "stochastic"):
+                 master_dtype: torch.dtype = torch.float32, master_rounding: str = "stochastic",
+                 self_copy: bool = True):
+        # self_copy False: every trained master keeps an upload copy of its own even in the upload dtype
+        # (staleness compensation writes predicted weights there, never into the master)
         self.upload_dtype = upload_dtype
         self.master_dtype = check_master_dtype(master_dtype)
         self.master_rounding = check_rounding(master_rounding)
@@ -237,7 +240,7 @@ class HostState:
                 dtype = upload_dtype if p.is_floating_point() else p.dtype
                 u = self.alloc(p.shape, dtype)
                 self.copy(u, p.data)
-                if p.dtype == dtype:
+                if p.dtype == dtype and (self_copy or not p.requires_grad):
                     p.data = u   # already in the upload dtype: the upload copy is the master, one copy
                 state.upload.append(u)
             self._set_trainable(state)

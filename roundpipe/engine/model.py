@@ -187,7 +187,8 @@ class RoundPipe:
         check_rounding(master_rounding)
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda,
                               device=self.devices[0].index if self._cuda else None,   # the arena's home GPU
-                              master_dtype=master_dtype, master_rounding=master_rounding)
+                              master_dtype=master_dtype, master_rounding=master_rounding,
+                              self_copy=compensation is None)   # predicted weights go to upload copies
         # data parallelism over torch.distributed (roundpipe/engine/data_parallel.py), None: this process
         # alone; checked before any thread starts, so a bad argument leaves nothing running
         self.dp = (DataParallel(process_group, L, loss_reduction, devices=self.devices)
@@ -388,10 +389,11 @@ class RoundPipe:
             self._retire(cancelled=key)   # a new plan starts from an empty pipeline
         self._retire(keep=1, cancelled=key)   # at most one earlier call still draining
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
-        if not sched.fits_checked:   # before any work, once per schedule: a stage that cannot fit
+        first = not sched.fits_checked
+        if first:   # before any work, once per schedule: a stage that cannot fit
             check_schedule(sched.tasks, self.device_memory, self.host)
-            self._predict_peaks(sched, (mb.args[0], mb.kwargs[0]), loss)
             sched.fits_checked = True
+        self._predict_peaks(sched, (mb.args[0], mb.kwargs[0]), loss, warn=first)
         if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
             self._grads_reserved = True
             self.host.reserve_gradients()
@@ -668,24 +670,28 @@ class RoundPipe:
                 return loss_fn(out, labels)
         return run
 
-    def _predict_peaks(self, sched, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None) -> None:
+    def _predict_peaks(self, sched, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None,
+                       warn: bool) -> None:
         """The schedule's predicted peak device bytes per worker (memory_stats' "predicted_peak"), from the
         planner's memory model; a warning where one exceeds the worker's cap (only an explicit plan can)."""
         if self.autoplan.profiler is None and not any(c is not None for c in self.device_memory.values()):
-            self._predicted = {}   # a fixed plan without caps: no dry run just for the figure
-            return
+            return   # a fixed plan without caps: no dry run just for the figure
         weights, grads = layer_bytes(self.host)
         prefetches = any(w.prefetches for w in self.workers)
-        self._predicted = worker_peaks(sched.tasks, weights, grads, self.autoplan.layer_memory(sample, loss), prefetches)
-        for name, need in self._predicted.items():
+        predicted = worker_peaks(sched.tasks, weights, grads, self.autoplan.layer_memory(sample, loss), prefetches)
+        for name, need in predicted.items():
+            # the rotation gives each call its own schedule: a worker's figure covers every schedule it ran
+            # since the last reset_peak_memory(), as its measured peak does
+            self._predicted[name] = max(self._predicted.get(name, 0), need)
             cap = self.device_memory.get(name)
-            if cap is not None and need > cap:
+            if warn and cap is not None and need > cap:
                 warnings.warn(f"worker {name}: the plan's predicted peak of {need:,} device bytes exceeds its "
                               f"device_memory cap of {cap:,} (weights, gradients and activations; "
                               "roundpipe/planner/memory.py); give a plan with smaller stages or fewer rows "
                               "per microbatch, or let the planner choose", stacklevel=4)
 
     def reset_peak_memory(self) -> None:
+        self._predicted = {}   # the next schedule (a new call) predicts again
         for w in self.workers:
             w.ledger.reset_peak()
 

@@ -239,15 +239,17 @@ class Transfers:
             fence.wait()
 
     def flush_downloads(self) -> None:
-        """A stage ended: every held-back download goes now, and those issued before the previous
-        stage ended are waited for, so a worker holds the gradients of at most two stages besides
-        the running one's (the cap counts them: a slow copy path throttles compute, never memory)."""
+        """A stage ended: every held-back download goes now, and those issued before it began (the
+        previous stage's gradients, which had this whole stage to leave) are waited for, so a worker
+        holds the gradients of at most one stage besides the running one's, as the memory model
+        counts them (roundpipe/planner/memory.py): a slow copy path throttles compute, never memory.
+        Before, two earlier stages' could be in flight at once (1.1x the prediction under delays)."""
         with self._lock:
             downs = self._waiting["grad_down"]
             while downs:
                 self._send_one(downs, [])
             old = []
-            while self._downs and self._downs[0][0] < self._stage:
+            while self._downs and self._downs[0][0] <= self._stage:
                 old.append(self._downs.popleft()[1])
             self._stage += 1
         for b in old:
