@@ -53,7 +53,7 @@ def exact_partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
     best: Partition | None = None
     for a in range(L - 1, -1, -1):
         fused = range(a, L)
-        if bmem(fused) > mem_limit:
+        if backward_memory(costs, fused, fused=True) > mem_limit:   # the loss's workspace at its top
             break  # a longer fused stage only needs more memory
         fwd = _best_by_count(a, ftime, fmem, mem_limit)
         bwd = _best_by_count(a, btime, bmem, mem_limit)
