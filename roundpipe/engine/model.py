@@ -389,11 +389,14 @@ class RoundPipe:
             self._retire(cancelled=key)   # a new plan starts from an empty pipeline
         self._retire(keep=1, cancelled=key)   # at most one earlier call still draining
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
-        first = not sched.fits_checked
-        if first:   # before any work, once per schedule: a stage that cannot fit
+        if not sched.fits_checked:   # before any work, once per schedule: a stage that cannot fit
             check_schedule(sched.tasks, self.device_memory, self.host)
+            sched.predicted = self._predict_peaks(sched, (mb.args[0], mb.kwargs[0]), loss)
             sched.fits_checked = True
-        self._predict_peaks(sched, (mb.args[0], mb.kwargs[0]), loss, warn=first)
+        for name, need in sched.predicted.items():
+            # the rotation gives each call its own schedule: a worker's figure covers every schedule it ran
+            # since the last reset_peak_memory(), as its measured peak does
+            self._predicted[name] = max(self._predicted.get(name, 0), need)
         if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
             self._grads_reserved = True
             self.host.reserve_gradients()
@@ -670,25 +673,22 @@ class RoundPipe:
                 return loss_fn(out, labels)
         return run
 
-    def _predict_peaks(self, sched, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None,
-                       warn: bool) -> None:
+    def _predict_peaks(self, sched, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None) -> dict[str, int]:
         """The schedule's predicted peak device bytes per worker (memory_stats' "predicted_peak"), from the
         planner's memory model; a warning where one exceeds the worker's cap (only an explicit plan can)."""
         if self.autoplan.profiler is None and not any(c is not None for c in self.device_memory.values()):
-            return   # a fixed plan without caps: no dry run just for the figure
+            return {}   # a fixed plan without caps: no dry run just for the figure
         weights, grads = layer_bytes(self.host)
         prefetches = any(w.prefetches for w in self.workers)
         predicted = worker_peaks(sched.tasks, weights, grads, self.autoplan.layer_memory(sample, loss), prefetches)
         for name, need in predicted.items():
-            # the rotation gives each call its own schedule: a worker's figure covers every schedule it ran
-            # since the last reset_peak_memory(), as its measured peak does
-            self._predicted[name] = max(self._predicted.get(name, 0), need)
             cap = self.device_memory.get(name)
-            if warn and cap is not None and need > cap:
+            if cap is not None and need > cap:
                 warnings.warn(f"worker {name}: the plan's predicted peak of {need:,} device bytes exceeds its "
                               f"device_memory cap of {cap:,} (weights, gradients and activations; "
                               "roundpipe/planner/memory.py); give a plan with smaller stages or fewer rows "
                               "per microbatch, or let the planner choose", stacklevel=4)
+        return predicted
 
     def reset_peak_memory(self) -> None:
         self._predicted = {}   # the next schedule (a new call) predicts again

@@ -108,6 +108,7 @@ class StageRun:
         self.early: dict[int, Arrival] = {}   # microbatch -> input upload issued one microbatch early
         self._routes: dict[tuple, tuple[bool, bool]] = {}   # (kind, boundary) -> (keep_device, need_host)
         self.keep: DequantKeep | None = None   # the stage's dequantized 4-bit weights, while it runs
+        self.quantized: list = []              # the replicas' 4-bit modules the keep is attached to
 
     def _get(self, key: tuple) -> Any:
         """A board value; held-back bulk copies are sent first if it has to be waited for."""
@@ -157,17 +158,17 @@ class StageRun:
                 bufs = [next(constants) if c else next(written) for c in st.constant]
             self.bound.append(rep.bind(params, [grad and p.requires_grad for p in st.params], bufs))
             self.acc.append([None] * len(st.trainable))
-        quantized = [m for rep in self.reps for m in rep.keeping]
-        if quantized:   # dequantize once per stage run (roundpipe/quant/keep.py)
+        self.quantized = [m for rep in self.reps for m in rep.keeping]
+        if self.quantized:   # dequantize once per stage run (roundpipe/quant/keep.py)
             self.keep = DequantKeep(w.ledger)
-            attach(quantized, self.keep)
+            attach(self.quantized, self.keep)
 
     def release(self) -> None:
         """The end of the stage: its weights die once their copies completed (tests/test_memory.py)."""
         for rep in self.reps:
             rep.unbind()
         if self.keep is not None:   # the kept dequantized weights die here
-            attach([m for rep in self.reps for m in rep.keeping], None)
+            attach(self.quantized, None)
             self.keep.release()
         self.bound.clear()
         self.acc.clear()
@@ -386,9 +387,7 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
                         run.upload_input_early(task.mbs[i + 1])
                 timer = w.timer_start() if ctx.on_timing is not None else None
                 step(m)
-                w.copies.pace()   # the previous stage's gradients leave during this stage, one window per microbatch
-                w.copies.bound_activation_downloads()   # at most m's output still downloading
-                w.copies.release_completed()   # m's input (and landed downloads) die now, not at the stage's end
+                w.copies.microbatch_done()   # earlier gradients paced out, downloads bounded, m's input freed
                 if timer is not None:   # execution time: on a GPU measured by events, reported later
                     w.timer_stop(timer, functools.partial(ctx.on_timing, w.name, task.kind, task.layers.start, m))
                 if i == 0 and next_task is not None and w.prefetches:

@@ -213,9 +213,17 @@ class Transfers:
             if ups:
                 self._send_one(ups, [])
 
+    def microbatch_done(self) -> None:
+        """A microbatch's compute was issued: `pace` the previous stage's gradients, keep at most this
+        microbatch's output downloading (`bound_activation_downloads`), and let go of completed
+        copies (its input and landed downloads die now, not at the stage's end)."""
+        self.pace()
+        self.bound_activation_downloads()
+        self.release_completed()
+
     def pace(self) -> None:
-        """A microbatch's compute was issued: if no activation download released a held-back
-        download window since the last pace, one goes now.  A stage whose outputs stay on the
+        """If no activation download released a held-back download window since the last pace,
+        one goes now.  A stage whose outputs stay on the
         device (a same-device hand-off) downloads no activation, and the previous stage's
         gradients would wait for the end of the worker's part of the call (all of them on the
         device at once); paced, a stage's M windows leave during the next stage's M microbatches."""
