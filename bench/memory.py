@@ -59,18 +59,12 @@ DEEPSPEED_DOCUMENTED = (16, 18)   # ZeRO-Offload paper / docs: fp32 master + Ada
 MMAP_THRESHOLD = 1 << 20
 
 _CHILD = r'''
-import ctypes, json, os, resource, sys
+import ctypes, json, os, sys
 import torch, torch.nn.functional as F
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
 from roundpipe.commands.train import TrainConfig
 size, provider, steps, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-def peak_rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-def rss_file():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssFile:"):
-            return int(line.split()[1]) * 1024
-    return 0
+from roundpipe.bench.rss import peak_rss, rss_file
 def malloc_free():
     try:
         class MallInfo2(ctypes.Structure):
@@ -159,15 +153,12 @@ SLOPE_PROVIDERS = {
 }
 
 _SLOPE_CHILD = r'''
-import json, resource, sys
+import json, sys
 import torch
 import roundpipe as rp
 from roundpipe.models.tiny_decoder import DecoderConfig, build_layers, loss_fn
 optim, master, compute, depth = sys.argv[1], getattr(torch, sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4])
-def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-def rss_file():
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssFile:"))
+from roundpipe.bench.rss import peak_rss as peak, rss_file
 torch.manual_seed(0)
 x, y = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
 base, base_file = peak(), rss_file()

@@ -1,8 +1,5 @@
 """Data parallelism on torch.distributed (gloo on loopback): ranks vs one process on the combined batch."""
-import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -10,41 +7,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dp_run  # noqa: E402
+import ranks  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: dict, world: int, tmp_path, timeout: float = 240) -> list[dict]:
     """Runs dp_run.py on `world` ranks; returns what each rank saved (its result or its error)."""
-    cfg = dict(cfg, out=str(tmp_path / "rank"))
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dp_run.py"), json.dumps(cfg)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    errs = []
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=timeout)
-            errs.append(err)
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for rank in range(world):
-        path = tmp_path / f"rank.{rank}"
-        assert path.exists(), f"rank {rank} wrote nothing:\n{errs[rank][-3000:]}"
-        results.append(torch.load(path))
-    return results
+    return ranks.launch(os.path.join(HERE, "dp_run.py"), cfg, world, tmp_path, timeout)
 
 
 def assert_close(a, b, rel=1e-5):

@@ -7,14 +7,13 @@ runs one rank (the tests below start both).
 import copy
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import roundpipe as rp
+import ranks
 from test_hf_trainer import dataset
 
 V = 32
@@ -83,29 +82,10 @@ def main() -> None:
 
 
 def launch(cfg: dict, tmp_path, world: int = 2, timeout: float = 240) -> list[dict]:
-    """Runs this file as `world` ranks with torchrun's environment; what each rank saved."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = dict(cfg, out=str(tmp_path / "rank"))
-    procs = [subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
-             for r in range(world)]
-    errs = []
-    try:
-        for p in procs:
-            errs.append(p.communicate(timeout=timeout)[1])
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for r in range(world):
-        path = tmp_path / f"rank.{r}"
-        assert path.exists(), f"rank {r} wrote nothing:\n{errs[r][-3000:]}"
-        results.append(torch.load(path))
-        assert "error" not in results[-1], (results[-1], errs[r][-3000:])
+    """Runs this file as `world` ranks with torchrun's environment; what each rank saved (never an error)."""
+    results = ranks.launch(__file__, cfg, world, tmp_path, timeout)
+    for r in results:
+        assert "error" not in r, r
     return results
 
 

@@ -65,15 +65,12 @@ def test_no_graph_or_weight_copy_after_synchronize():
 
 
 _RSS_CHILD = r'''
-import json, resource, sys
+import json, sys
 import torch
 import roundpipe as rp
 from roundpipe.models.tiny_decoder import DecoderConfig, build_layers, loss_fn
 asynchronous, depth = sys.argv[1] == "async", int(sys.argv[2])
-def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-def rss_file():
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssFile:"))
+from roundpipe.bench.rss import peak_rss as peak, rss_file
 torch.manual_seed(0)
 x, y = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
 base, base_file = peak(), rss_file()
