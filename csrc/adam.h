@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "convert.h"
+#include "step_tensor.h"
 
 namespace rp {
 
@@ -42,19 +43,10 @@ struct AdamOptions {
 // One tensor of a group.  max_exp_avg_sq is used only with amsgrad; shadow
 // may be null (no low-precision copy).  step is the step number after this
 // update (1 for the first), for bias correction.
-struct AdamTensor {
-  void* param = nullptr;            // fp32, or bf16 (param_dtype): computed in fp32, then rounded
-  DType param_dtype = DType::F32;
-  bool stochastic = false;           // a bf16 master's rounding: stochastic, else to nearest even
-  uint64_t round_key = 0;            // the stochastic rounding's key for this tensor and step (half.h)
-  const void* grad = nullptr;
-  DType grad_dtype = DType::F32;
+struct AdamTensor : StepTensor {
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   float* max_exp_avg_sq = nullptr;
-  void* shadow = nullptr;
-  DType shadow_dtype = DType::BF16;
-  size_t n = 0;
   double step = 1;
 };
 

@@ -36,6 +36,7 @@
 
 #include "adam.h"
 #include "convert.h"
+#include "step_tensor.h"
 
 namespace rp {
 
@@ -54,20 +55,11 @@ struct Adam8bitTables {
 
 // One tensor of a group: n elements, ceil(n / kQuantBlock) absmax entries per
 // state.  shadow may be null.  step is the step number after this update.
-struct Adam8bitTensor {
-  void* param = nullptr;            // fp32, or bf16 (param_dtype): computed in fp32, then rounded
-  DType param_dtype = DType::F32;
-  bool stochastic = false;           // a bf16 master's rounding: stochastic, else to nearest even
-  uint64_t round_key = 0;            // the stochastic rounding's key for this tensor and step (half.h)
-  const void* grad = nullptr;
-  DType grad_dtype = DType::F32;
+struct Adam8bitTensor : StepTensor {
   uint8_t* state1 = nullptr;
   uint8_t* state2 = nullptr;
   float* absmax1 = nullptr;
   float* absmax2 = nullptr;
-  void* shadow = nullptr;
-  DType shadow_dtype = DType::BF16;
-  size_t n = 0;
   double step = 1;
 };
 

@@ -476,9 +476,8 @@ class GroupArgs {
     return ptr(addr);
   }
 
-  // Fills the fields every kernel's tensor struct shares (param, grad, shadow, n).
-  template <class Tensor>
-  void fill(size_t i, Tensor& t) {
+  // Fills the fields every kernel's tensor struct shares (rp::StepTensor: param, grad, shadow, n).
+  void fill(size_t i, rp::StepTensor& t) {
     t.n = numels_[i];
     t.param_dtype = param_dtypes_.empty() ? rp::DType::F32 : parse_dtype(item("param_dtypes", i), param_dtypes_[i]);
     if (t.param_dtype == rp::DType::F16)

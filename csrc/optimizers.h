@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "convert.h"
+#include "step_tensor.h"
 
 namespace rp {
 
@@ -58,17 +59,8 @@ struct OptimOptions {
 // momentum), the sum or exp_avg; shadow may be null.  step: Adagrad's step
 // number after this update (1 for the first); first: SGD's momentum buffer is
 // new and takes the gradient as it is.
-struct OptimTensor {
-  void* param = nullptr;            // fp32, or bf16 (param_dtype): computed in fp32, then rounded
-  DType param_dtype = DType::F32;
-  bool stochastic = false;           // a bf16 master's rounding: stochastic, else to nearest even
-  uint64_t round_key = 0;            // the stochastic rounding's key for this tensor and step (half.h)
-  const void* grad = nullptr;
-  DType grad_dtype = DType::F32;
+struct OptimTensor : StepTensor {
   float* state = nullptr;
-  void* shadow = nullptr;
-  DType shadow_dtype = DType::BF16;
-  size_t n = 0;
   double step = 1;
   bool first = false;
 };
