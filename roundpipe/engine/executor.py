@@ -41,6 +41,7 @@ import time
 import weakref
 from typing import Callable, Sequence
 
+from roundpipe.engine import omp
 from roundpipe.engine.async_step import Aborted
 
 _local = threading.local()   # .name: the engine thread's name, on engine threads only
@@ -77,7 +78,11 @@ class SerialExecutor:
     def _loop(self) -> None:
         _local.name = self._thread.name
         while True:
-            job = self._q.get()
+            try:   # idle a moment: the thread's OpenMP team goes back (roundpipe/engine/omp.py)
+                job = self._q.get(timeout=omp.IDLE_RELEASE_S)
+            except queue.Empty:
+                omp.release_team()
+                job = self._q.get()
             if job is None:
                 return
             try:

@@ -32,7 +32,7 @@ from roundpipe.engine.async_step import LayerSync, run_gcopy, run_step
 from roundpipe.engine.optimizer_step import check_step_args, copy_step, make_step
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine import batchnorm as batchnorm_stats
-from roundpipe.engine import checkpoint, loss_scale
+from roundpipe.engine import checkpoint, loss_scale, omp
 from roundpipe.engine.board import Board
 from roundpipe.engine.device_memory import check_schedule, layer_bytes, resolve_caps
 from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
@@ -432,6 +432,7 @@ class RoundPipe:
             finally:
                 sync.end_call(run.ctx.call)
         earlier = [rec.run for rec in self._inflight]   # training calls still draining (they end first)
+        omp.release_team()   # this thread only waits from here: its OpenMP team would throttle the workers'
         run = self.dispatcher.start(ctx, sched, on_end)
         for e in earlier:
             run.watch(e)

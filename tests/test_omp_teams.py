@@ -1,0 +1,82 @@
+"""Idle threads give their OpenMP teams back (roundpipe/engine/omp.py).
+
+libgomp throttles every team's spinning once all teams' helper threads outnumber the
+CPUs; the engine keeps teams only on the threads working now.  Teams are counted as the
+process's threads: a parallel region started by a thread without a team starts helpers.
+"""
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe import RoundPipe
+from roundpipe.engine import omp
+from roundpipe.engine.executor import SerialExecutor
+
+pytestmark = pytest.mark.skipif(not omp.available() or torch.get_num_threads() < 2,
+                                reason="needs libgomp with omp_pause_resource_all and 2+ OpenMP threads")
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def parallel_region() -> None:
+    """A torch op large enough to run on every OpenMP thread."""
+    torch.ones(1 << 22).sum()
+
+
+def test_release_team_joins_the_callers_helpers():
+    parallel_region()
+    with_team = threads()
+    assert omp.release_team()
+    assert threads() == with_team - (torch.get_num_threads() - 1)
+    assert omp.release_team()   # no team: still fine
+    parallel_region()           # the next region builds it again
+    assert threads() == with_team
+
+
+def test_an_idle_engine_thread_gives_its_team_back():
+    parallel_region()
+    omp.release_team()
+    before = threads()
+    ex = SerialExecutor("omp-test")
+    try:
+        started = threads()
+        assert started == before + 1
+        seen = []
+        ex.submit(lambda: (parallel_region(), seen.append(threads())))
+        ex.wait_idle(raise_errors=True)
+        assert seen == [started + torch.get_num_threads() - 1]   # the job ran with a team of its own
+        deadline = time.monotonic() + 10
+        while threads() > started and time.monotonic() < deadline:
+            time.sleep(omp.IDLE_RELEASE_S)
+        assert threads() == started
+    finally:
+        ex.close()
+
+
+def test_a_call_gives_the_callers_team_back():
+    torch.manual_seed(0)
+    model = RoundPipe(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)), devices=["cpu"])
+    try:
+        seen = {}
+        main = threading.get_ident()
+
+        def loss_fn(out, y):
+            seen["during"] = threads()
+            return ((out - y) ** 2).mean()
+
+        x, y = torch.randn(4, 8), torch.randn(4, 1)
+        model.forward_backward(x, labels=y, loss_fn=loss_fn)   # the first call sets everything up
+        model.synchronize()
+        parallel_region()   # the script's own work gives the main thread a team
+        with_team = threads()
+        model.forward_backward(x, labels=y, loss_fn=loss_fn)
+        assert threading.get_ident() == main
+        assert seen["during"] <= with_team - (torch.get_num_threads() - 1)
+    finally:
+        model.close()
