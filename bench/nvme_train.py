@@ -3,7 +3,9 @@
 A stack of Linear+Tanh layers trained with rp.optim.AdamW (or AdamW8bit) on CPU workers,
 twice per step mode: all state in RAM, and with `offload_dir=` and a `host_memory` that
 leaves room for a quarter of the optimizer state (the state is 3x what fits beside the
-masters, upload copies, gradients and the ring).  Each configuration runs in its own
+masters, upload copies, gradients and the ring).  With --compute bf16 (fp32 masters, bf16
+upload copies: masters that can move) the `host_memory` leaves room for a quarter of the
+masters instead (phase 2: all the state and 3/4 of the masters on disk).  Each configuration runs in its own
 child process so that its peak RSS (ru_maxrss) is its own; the row also carries the RSS
 of the child before it built the model (interpreter + torch: the fixed costs) and the
 arena's reservation.  Committed rows: bench/results/nvme_train.jsonl.
@@ -30,7 +32,8 @@ from torch import nn  # noqa: E402
 
 from roundpipe.bench.runner import Report, add_common_args  # noqa: E402
 
-COLUMNS = ["optimizer", "mode", "placement", "params", "state_MB", "on_disk_MB", "host_memory_MB", "step_ms",
+COLUMNS = ["optimizer", "compute", "mode", "placement", "params", "state_MB", "on_disk_MB", "masters_on_disk_MB",
+           "host_memory_MB", "step_ms",
            "x RAM", "peak_rss_MB", "rss_saved_MB", "base_rss_MB", "budget+fixed_MB"]
 
 
@@ -73,7 +76,8 @@ def child(args) -> dict:
         offload = {"offload_dir": args.dir, "host_memory": args.host_memory}
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, args.width)
-    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=2, **offload) as model:
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.compute]
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=2, compute_dtype=dtype, **offload) as model:
         opt = make(model.parameters(), lr=1e-4)
         times = []
         for i in range(args.warmup + args.steps):
@@ -95,7 +99,7 @@ def child(args) -> dict:
 def run_child(args, placement: str, mode: str, host_memory: int | None) -> dict:
     cmd = [sys.executable, __file__, "--child", "--placement", placement, "--mode", mode, "--width",
            str(args.width), "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--optimizer", args.optimizer, "--dir", args.dir]
+           "--warmup", str(args.warmup), "--optimizer", args.optimizer, "--dir", args.dir, "--compute", args.compute]
     if host_memory is not None:
         cmd += ["--host-memory", str(host_memory)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser)
     parser.add_argument("--dir", default=None, help="offload folder (default: the temp folder)")
     parser.add_argument("--optimizer", default="AdamW", choices=["AdamW", "AdamW8bit"])
+    parser.add_argument("--compute", default="fp32", choices=["fp32", "bf16"],
+                        help="compute dtype: fp32 (masters are their upload copies: only state moves) or bf16")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--batch", type=int, default=256)
@@ -132,16 +138,24 @@ def main(argv: list[str] | None = None) -> int:
     numel = args.layers * (args.width * args.width + args.width)
     per_layer = state_bytes_per_param(args.optimizer) * numel / args.layers
     state = per_layer * args.layers
-    fixed = numel * (4 + 4 + 2 * 4)   # fp32 masters, upload copies and gradients (CPU workers: fp32 compute)
-    ring = 3 * (int(per_layer) + 2 * 4096)
-    host_memory = int(fixed + ring + state / 4)   # a quarter of the state fits: the state is ~3x what fits beside
+    item = 4 if args.compute == "fp32" else 2
+    if args.compute == "fp32":   # masters are their own upload copies; gradients 2 x item a parameter
+        fixed = numel * (4 + 2 * item)
+        ring = 3 * (int(per_layer) + 2 * 4096)
+        host_memory = int(fixed + ring + state / 4)   # a quarter of the state fits: the state is ~3x what fits beside
+    else:   # upload copies and gradients stay; all state and 3/4 of the masters go to disk (phase 2)
+        fixed = numel * (item + 2 * item)
+        ring = 3 * (int(per_layer) + 4 * numel // args.layers + 4 * 4096)
+        host_memory = int(fixed + ring + 4 * numel / 4)
     for mode in ("async", "sync"):
         ram = run_child(args, "ram", mode, None)
         disk = run_child(args, "disk", mode, host_memory)
         for placement, r in (("ram", ram), ("disk", disk)):
             h = r["host"]
-            report.add(optimizer=args.optimizer, mode=mode, placement=placement, params=r["params"],
-                       state_MB=state / 2**20, on_disk_MB=h.get("optimizer_state_on_disk", 0) / 2**20,
+            report.add(optimizer=args.optimizer, compute=args.compute, mode=mode, placement=placement,
+                       params=r["params"], state_MB=state / 2**20,
+                       on_disk_MB=h.get("optimizer_state_on_disk", 0) / 2**20,
+                       masters_on_disk_MB=h.get("masters_on_disk", 0) / 2**20,
                        host_memory_MB=host_memory / 2**20 if placement == "disk" else None,
                        step_ms=r["step_s"] * 1e3, **{"x RAM": r["step_s"] / ram["step_s"]},
                        peak_rss_MB=r["peak_rss_MB"], rss_saved_MB=ram["peak_rss_MB"] - r["peak_rss_MB"],

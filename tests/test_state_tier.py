@@ -104,17 +104,22 @@ def test_write_failure_keeps_the_layer_and_raises(tmp_path, asynchronous):
         assert_bitwise(ram, masters(model))
 
 
+def two_steps_and_a_call(model, opt, data):
+    """Two synchronous steps on data[0], data[1], then data[2]'s call, its step not yet taken."""
+    for x, y in data[:2]:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.step(opt, asynchronous=False)
+    x, y = data[2]
+    model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+
+
 def test_read_failure_updates_no_layer_after_it(tmp_path):
     """An injected EIO on a read: the error names the file and reaches step(); the layers updated before it (tail
     first) keep their update, that layer and those after it are unchanged; the next step trains."""
     data = batches(4)
     with rp.RoundPipe(layers(), devices=["cpu"] * 2, num_microbatches=3, offload_dir=tmp_path) as model:
         opt = OPTIMIZERS["AdamW"](model.parameters())
-        for x, y in data[:2]:
-            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-            model.step(opt, asynchronous=False)
-        x, y = data[2]
-        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        two_steps_and_a_call(model, opt, data)
         before = [[p.detach().clone() for p in layer.parameters()] for layer in model.module]
         model.offload.quiesce()   # no read ahead left: the step's own reads meet the fault
         model.offload.store._native.inject_fault("read", errno.EIO, 1)

@@ -314,6 +314,8 @@ def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any
     if rank != 0:
         return sizes
     items, aliases = _unique_state(model)
+    if model.offload is not None:   # masters on disk: streamed a layer at a time
+        items = model.offload.stream_masters(items)
     sizes["model.safetensors"] = tensor_file.write(os.path.join(tmp, "model.safetensors"), items,
                                                    {"format": "pt", "aliases": json.dumps(aliases)})
     # what workers read when it is not the masters rounded: the old weights of a whole-model update's
@@ -427,9 +429,11 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
         model._latest_async = manifest["latest_asynchronous"]
         if model.scaler is not None:   # indices relative to the last issued step, a pending one re-issued below
             model.scaler.load(manifest["loss_scale"], 1 if step is not None else 0)
+        on_disk = model.offload.masters_on_disk(state) if model.offload is not None else {}
         with torch.no_grad():
             for name, t in state.items():
-                mf.read_into(name, t.data if isinstance(t, torch.nn.Parameter) else t)
+                if name not in on_disk:
+                    mf.read_into(name, t.data if isinstance(t, torch.nn.Parameter) else t)
         host = model.host
         for l in range(len(host)):
             host.clear_grads(l)
@@ -437,6 +441,8 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
             for j in st.trainable:
                 st.gbuf[j], st.ghas[j] = None, False
             host.refresh(l)
+        if on_disk:   # streamed into their files a layer at a time, upload copies rewritten from them
+            model.offload.load_masters(mf.read_into, on_disk)
         if "upload.safetensors" in files:   # before any step could rewrite them: gates are closed
             with TensorFile(os.path.join(path, "upload.safetensors")) as uf:
                 for name, upload in _uploads(model):

@@ -201,6 +201,8 @@ class HostState:
         self.master_rounding = check_rounding(master_rounding)
         self._grad_sets = 0   # gradient sets reserved in the arena (reserve_gradients)
         self.pinned = pinned
+        # data_ptrs of the placeholders of masters on disk (roundpipe/offload/masters.py): no P-copy from them
+        self.placeholders: set[int] = set()
         self.arena = make_arena(pinned, device)   # device: the GPU whose context page-locks the arena
         # this call's landings per (layer, param): None if it started the sum, else what it added
         self._landed: dict[tuple[int, int], list[torch.Tensor] | None] = {}
@@ -356,7 +358,7 @@ class HostState:
             unique = {id(t): t for st in self.layers for t in get(st) if t is not None}
             return sum(t.nbytes for t in unique.values())
         masters = {p.data_ptr() for st in self.layers for p in st.params}   # a frozen master may be its upload copy
-        out = {"masters": total(lambda st: st.params),
+        out = {"masters": total(lambda st: [p for p in st.params if p.data_ptr() not in self.placeholders]),
                # masters that are their own upload copies: arena blocks, inside arena_reserved too
                "masters_in_arena": total(lambda st: [p for p in st.params if self.owns(p)] if self.arena else []),
                "upload_copies": total(lambda st: [u for u in st.upload if u.data_ptr() not in masters]),
@@ -401,7 +403,8 @@ class HostState:
         delay_point("pcopy")
         st = self.layers[layer]
         for j in st.owned:   # an alias's upload copy is its owner's
-            if st.upload[j].data_ptr() != st.params[j].data_ptr():   # else the master is its upload copy
+            ptr = st.params[j].data_ptr()
+            if st.upload[j].data_ptr() != ptr and ptr not in self.placeholders:   # own upload copy; on disk
                 self.copy(st.upload[j], st.params[j].data)
         self.stamp(layer)
 

@@ -265,10 +265,16 @@ class RoundPipe:
         return self._owner.named_buffers(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """The module's state_dict after every pending step; masters on disk (offload_dir, phase 2) are read into
+        copies (their bytes in RAM: save_checkpoint streams them instead)."""
         with self._api:
             self._check_open()
             self._drain()
-            return self._owner.state_dict(*args, **kwargs)
+            sd = self._owner.state_dict(*args, **kwargs)
+            if self.offload is not None and self.offload.placeholders:
+                for name in self.offload.masters_on_disk(sd):
+                    sd[name] = self.offload.master(sd[name])
+            return sd
 
     def _named_state(self) -> dict[str, torch.Tensor]:
         """Every master and buffer under the names a checkpoint stores them by: the owner's state_dict

@@ -58,8 +58,8 @@ def write(path: str, tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for _, t in tensors:
-            if t.numel():
-                f.write(_raw(t))
+            if t.numel():   # a master on disk (roundpipe/offload/masters.py) is read as it is written
+                f.write(_raw(t.materialize() if hasattr(t, "materialize") else t))
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(raw) + offset

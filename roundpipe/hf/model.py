@@ -162,6 +162,11 @@ class HFRoundPipe(RoundPipe):
         """The HF model's save_pretrained (safetensors, HF names; a PEFT model writes its adapter)
         with the masters as they are after every pending step."""
         self.synchronize()
+        if self.offload is not None and self.offload.placeholders:
+            raise ValueError("save_pretrained: some fp32 masters live in offload_dir (host_memory too small for them), "
+                             "and the HF model holds placeholders for them; save with save_checkpoint (streamed), or "
+                             "close() this model (which reads the masters back into the HF model) and call "
+                             "hf_model.save_pretrained")
         self.hf_model.save_pretrained(save_directory, **kwargs)
 
 

@@ -3,14 +3,18 @@
     model = RoundPipe(layers, offload_dir="/nvme/rp", host_memory=64 << 30)
     model.step(rp.optim.AdamW(model.parameters()))   # first step: placement, files preallocated
 
-Where state lives.  Masters, upload copies and gradients stay in host memory (masters
-on disk are phase 2).  At the first step the tier learns the optimizer's per-parameter
-state layout exactly (its own `_states` run on meta tensors: AdamW 8 B/param,
-AdamW8bit 2 B/param + absmax), keeps the state of layers in RAM, first fit from
-layer 0, while masters + upload copies + gradients + the ring + the resident state
-stay under `host_memory`, and gives every other layer one region (a preallocated
-file) of an `NVMeStore` under `offload_dir`.  Between steps an offloaded parameter's
-`optimizer.state[p]` holds only its 'step' count.
+Where state lives.  Upload copies and gradients stay in host memory.  At the first
+step the tier learns the optimizer's per-parameter state layout exactly (its own
+`_states` run on meta tensors: AdamW 8 B/param, AdamW8bit 2 B/param + absmax).
+Phase 1: it keeps the state of layers in RAM, first fit from layer 0, while masters +
+upload copies + gradients + the ring + the resident state stay under `host_memory`,
+and gives every other layer one region (a preallocated file) of an `NVMeStore` under
+`offload_dir`.  Between steps an offloaded parameter's `optimizer.state[p]` holds only
+its 'step' count.  Phase 2, when even all the state on disk leaves the masters over
+`host_memory`: every layer's state on disk, and the fp32 masters that do not fit
+(first fit from layer 0) in a second region per layer, travelling with the state
+through the same ring slot (roundpipe/offload/masters.py: placeholders between steps,
+what cannot move).
 
 A step, per offloaded layer (the protocol visits layers tail first):
 
@@ -43,6 +47,8 @@ from typing import Any, Callable
 
 import torch
 
+from roundpipe.offload.masters import LazyMaster, MasterLayout, master_layout, movable_bytes, placeholder
+from roundpipe.offload.masters import view as master_view
 from roundpipe.offload.nvme import NVMeConfig, NVMeStore, check_free_space, file_bytes
 
 SLICE_ALIGN = 64   # bytes: each state tensor in a slot starts on a cache line
@@ -137,16 +143,18 @@ class StateTier:
                  config: NVMeConfig | None = None, slots: int = 3, _test_hooks: dict | None = None):
         self.host = host
         self.fixed = fixed_bytes(host, compute_dtype)
-        need = sum(self.fixed.values())
+        kept = self.fixed["masters"] - movable_bytes(host)   # masters that are their own upload copies stay
+        need = self.fixed["upload_copies"] + self.fixed["gradients"] + kept
         if host_memory is not None:
             if isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory <= 0:
                 raise ValueError(f"host_memory={host_memory!r} must be None or a number of bytes > 0")
             if host_memory < need:
+                own = (f" + masters that are their own upload copies (the workers read them) {kept}" if kept else "")
                 raise ValueError(
                     f"host_memory={host_memory} bytes is below what stays in host memory: upload copies "
-                    f"{self.fixed['upload_copies']} + gradients {self.fixed['gradients']} + fp32 masters "
-                    f"{self.fixed['masters']} = {need} bytes (only optimizer state goes to offload_dir; masters on "
-                    f"disk are not supported yet); raise host_memory to at least {need}")
+                    f"{self.fixed['upload_copies']} + gradients {self.fixed['gradients']}{own} = {need} bytes "
+                    f"(the optimizer state and the other fp32 masters go to offload_dir); raise host_memory to at "
+                    f"least {need}")
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"offload_dir must be a path (str or os.PathLike), got {type(directory).__name__}")
         directory = os.fspath(directory)
@@ -162,6 +170,11 @@ class StateTier:
         self.directory, self.host_memory, self.nslots = directory, host_memory, slots
         self.optimizer: Any = None
         self.layouts: dict[int, LayerLayout] = {}   # offloaded layers
+        self.master_layouts: dict[int, MasterLayout] = {}   # layers whose masters are on disk too (phase 2)
+        self.master_regions: dict[int, Any] = {}
+        self.master_base = 0                         # where a slot's master part begins
+        self.placeholders: dict[tuple[int, int], torch.Tensor] = {}   # (layer, j) -> p.data between steps
+        self._cached: int | None = None              # the layer whose masters slot 0 holds (master_view)
         self.resident_bytes = 0                      # optimizer state kept in RAM (estimated at placement)
         self.regions: dict[int, Any] = {}
         self.slots: list[_Slot] = []
@@ -186,31 +199,75 @@ class StateTier:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(params)}
         layouts = [probe_layout(optimizer, l, self.host.step_params(l)[0], index) for l in range(len(self.host))]
-        ring = self.nslots * max((lay.nbytes for lay in layouts), default=0)
-        budget = None if self.host_memory is None else self.host_memory - sum(self.fixed.values()) - ring
-        if budget is not None and budget < 0:
-            raise ValueError(f"host_memory={self.host_memory} bytes leaves no room for the {self.nslots} ring buffers "
-                             f"of the offloaded optimizer state ({ring} bytes) beside masters, upload copies and "
-                             f"gradients ({sum(self.fixed.values())} bytes); raise host_memory to at least "
-                             f"{sum(self.fixed.values()) + ring}")
-        disk, resident = [], 0
-        for lay in layouts:   # first fit from layer 0
-            if budget is not None and resident + lay.nbytes <= budget:
-                resident += lay.nbytes
-            elif lay.params:
-                disk.append(lay)
-        check_free_space(self.directory, sum(lay.nbytes for lay in disk), "the offloaded optimizer state")
+        mlayouts = [master_layout(self.host, l, index) for l in range(len(self.host))]
+        disk, mdisk, resident = self._place(layouts, mlayouts)
+        check_free_space(self.directory, sum(lay.nbytes for lay in disk) + sum(m.nbytes for m in mdisk),
+                         "the offloaded optimizer state" + (" and fp32 masters" if mdisk else ""))
         for lay in disk:
             self.regions[lay.layer] = self.store.allocate(f"layer{lay.layer}.optim", lay.nbytes)
             self.layouts[lay.layer] = lay
+        for m in mdisk:
+            self.master_regions[m.layer] = self.store.allocate(f"layer{m.layer}.master", m.nbytes)
+            self.master_layouts[m.layer] = m
         if disk:
-            size = max(lay.nbytes for lay in disk)
+            self.master_base = max(lay.nbytes for lay in disk)
+            size = self.master_base + max((m.nbytes for m in mdisk), default=0)
             self.slots = [_Slot(self.store.empty(size)) for _ in range(self.nslots)]
         self.optimizer, self._params, self.resident_bytes = optimizer, params, resident
+        for m in mdisk:   # the masters move: written once, then p.data is the placeholder
+            self._write_masters_out(m)
+        if mdisk:
+            _trim_heap()
+
+    def _place(self, layouts: list[LayerLayout], mlayouts: list[MasterLayout]):
+        """(state layouts to disk, master layouts to disk, resident state bytes).  Phase 1: masters in RAM, layers
+        keep their state first fit from layer 0.  Phase 2, when even every layer's state on disk leaves the
+        masters over host_memory: all the state on disk, and the masters that do not fit first fit from layer 0."""
+        fixed = sum(self.fixed.values())
+        ring = self.nslots * max((lay.nbytes for lay in layouts), default=0)
+        budget = None if self.host_memory is None else self.host_memory - fixed - ring
+        if budget is None or budget >= 0:
+            disk, resident = [], 0
+            for lay in layouts:
+                if budget is not None and resident + lay.nbytes <= budget:
+                    resident += lay.nbytes
+                elif lay.params:
+                    disk.append(lay)
+            return disk, [], resident
+        raw = [sum(n for _, _, n in m.params) for m in mlayouts]
+        kept = fixed - sum(raw)   # upload copies, gradients and the masters that cannot move
+        ring = self.nslots * (max((lay.nbytes for lay in layouts), default=0) + max(m.nbytes for m in mlayouts))
+        budget = self.host_memory - kept - ring
+        if budget < 0:
+            raise ValueError(f"host_memory={self.host_memory} bytes leaves no room for the {self.nslots} ring buffers "
+                             f"of a layer's optimizer state and fp32 masters ({ring} bytes) beside upload copies, "
+                             f"gradients and the masters that stay in RAM ({kept} bytes); raise host_memory to at "
+                             f"least {kept + ring}")
+        mdisk, resident = [], 0
+        for m, n in zip(mlayouts, raw):
+            if resident + n <= budget:
+                resident += n
+            elif m.params:
+                mdisk.append(m)
+        return [lay for lay in layouts if lay.params], mdisk, 0
+
+    def _write_masters_out(self, m: MasterLayout) -> None:
+        """At placement: the layer's masters -> its master region (through slot 0), then placeholders."""
+        st, buf = self.host.layers[m.layer], self.slots[0].buf[self.master_base:]
+        for j, off, n in m.params:
+            master_view(buf, st.params[j], off, n).copy_(st.params[j].data)
+        self.store.write(self.master_regions[m.layer], buf[:m.nbytes])
+        for j, _, _ in m.params:
+            ph = self.placeholders[m.layer, j] = placeholder(st.params[j])
+            st.params[j].data = ph
+            self.host.placeholders.add(ph.data_ptr())
+        self.host.stamp(m.layer)
 
     def stats(self) -> dict[str, int]:
         return {"optimizer_state_on_disk": sum(lay.nbytes for lay in self.layouts.values()),
                 "offloaded_layers": len(self.layouts),
+                "masters_on_disk": sum(n for m in self.master_layouts.values() for _, _, n in m.params),
+                "offloaded_master_layers": len(self.master_layouts),
                 "offload_ring": sum(s.buf.nbytes for s in self.slots),
                 "optimizer_state_resident_after_error": sum(t.nbytes for t in self.resident.values())}
 
@@ -232,11 +289,13 @@ class StateTier:
             if l not in self.layouts:
                 return inner(l)
             slot = self._take(l)
-            installed = self._install(l, slot)
+            installed, masters = self._install(l, slot)
             try:
                 inner(l)
             except BaseException:
                 self._uninstall(installed)
+                for p, before in masters:
+                    p.data = before
                 slot.layer, slot.kind = None, "free"   # the state on disk is still the one before the step
                 raise
             self._pack_and_write(l, slot)
@@ -258,18 +317,23 @@ class StateTier:
         slot.layer = l
         if l in self.resident:   # its state after a failed write: the buffer becomes the slot's
             slot.buf, slot.kind, slot.fence = self.resident.pop(l), "ready", None
-        elif self._needs_read(l):
-            region = self.regions[l]
-            slot.kind, slot.fence = "read", self.store.read_async(region, slot.buf[:region.nbytes])
         else:
-            slot.kind, slot.fence = "ready", None
+            fences = []
+            if self._needs_read(l):
+                region = self.regions[l]
+                fences.append(self.store.read_async(region, slot.buf[:region.nbytes]))
+            if l in self.master_regions:
+                region, base = self.master_regions[l], self.master_base
+                fences.append(self.store.read_async(region, slot.buf[base:base + region.nbytes]))
+                self._cached = None
+            slot.kind, slot.fence = ("read", fences) if fences else ("ready", None)
 
     def _free_slot(self, wait: bool) -> _Slot | None:
         for s in self.slots:
             if s.kind == "free":
                 return s
         for s in self.slots:
-            if s.kind == "write" and s.fence.state != "pending":
+            if s.kind == "write" and all(f.state != "pending" for f in s.fence):
                 self._retire_write(s)
                 return s
         if not wait:
@@ -287,7 +351,7 @@ class StateTier:
     def _drop(self, s: _Slot) -> None:
         if s.kind == "read":
             try:
-                self.store.wait(s.fence)
+                self.store.wait(*s.fence)
             except OSError:
                 pass   # a failed read ahead that nobody needs
         s.layer, s.kind, s.fence = None, "free", None
@@ -295,7 +359,7 @@ class StateTier:
     def _retire_write(self, s: _Slot) -> None:
         """Waits for the slot's write; a failure keeps the slot's state (the layer's newest) in RAM."""
         try:
-            self.store.wait(s.fence)
+            self.store.wait(*s.fence)
         except OSError as e:
             self.resident[s.layer] = s.buf
             s.buf = self.store.empty(s.buf.nbytes)
@@ -310,7 +374,7 @@ class StateTier:
                 self._load(l, slot)
             if slot.kind == "read":
                 try:
-                    self.store.wait(slot.fence)
+                    self.store.wait(*slot.fence)
                 except OSError:
                     slot.layer, slot.kind, slot.fence = None, "free", None
                     self._settle_writes()   # the layers updated before this one: their state on disk
@@ -329,8 +393,20 @@ class StateTier:
                 return
             self._load(l, s)
 
-    def _install(self, l: int, slot: _Slot) -> list[tuple[dict, str]]:
-        """state[p][key] = a view of the slot, for the layer's parameters whose state is on disk."""
+    def _install(self, l: int, slot: _Slot) -> tuple[list[tuple[dict, str]], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """state[p][key] = a view of the slot, for the layer's parameters whose state is on disk; p.data = a view of
+        the slot's master part for those whose master is (a master the user replaced since is copied in first:
+        it wins).  Returns what to undo: the state keys, and (p, its data before)."""
+        masters = []
+        if l in self.master_layouts:
+            st, buf = self.host.layers[l], slot.buf[self.master_base:]
+            for j, off, n in self.master_layouts[l].params:
+                p = st.params[j]
+                v, before = master_view(buf, p, off, n), p.data
+                if before.data_ptr() != self.placeholders[l, j].data_ptr():
+                    v.copy_(before)
+                p.data = v
+                masters.append((p, before))
         installed = []
         for i, slices in self.layouts[l].params:
             if i not in self.initialized:
@@ -341,7 +417,7 @@ class StateTier:
             for s in slices:
                 state[s.key] = _view(slot.buf, s)
                 installed.append((state, s.key))
-        return installed
+        return installed, masters
 
     @staticmethod
     def _uninstall(installed: list[tuple[dict, str]]) -> None:
@@ -365,11 +441,20 @@ class StateTier:
                     copied += t.nbytes
                 del t
             self.initialized.add(i)
+        if l in self.master_layouts:   # the masters back to their placeholders, as the upload copies now hold them
+            st = self.host.layers[l]
+            for j, _, _ in self.master_layouts[l].params:
+                st.params[j].data = self.placeholders[l, j]
+            self.host.stamp(l)
         if copied >= TRIM_BYTES:   # state the optimizer made in RAM (a first step, a loaded state dict), now freed
             _trim_heap()
         with self._lock:
             region = self.regions[l]
-            slot.kind, slot.fence = "write", self.store.write_async(region, slot.buf[:region.nbytes])
+            fences = [self.store.write_async(region, slot.buf[:region.nbytes])]
+            if l in self.master_regions:
+                region, base = self.master_regions[l], self.master_base
+                fences.append(self.store.write_async(region, slot.buf[base:base + region.nbytes]))
+            slot.kind, slot.fence = "write", fences
 
     def _settle_writes(self) -> None:
         for s in self.slots:
@@ -394,15 +479,94 @@ class StateTier:
             for s in self.slots:
                 if s.kind in ("read", "ready"):
                     self._drop(s)
+            self._cached = None
             self._raise_pending()
 
     def close(self) -> None:
+        """Writes settled, the masters on disk handed back to the module (read into RAM: the upload copies were
+        dropped just before), the files removed."""
         with self._lock:
             try:
                 self._settle_writes()
+                for s in self.slots:
+                    if s.kind in ("read", "ready"):
+                        self._drop(s)
+                self._cached = None
+                for l in sorted(self.master_layouts):
+                    st = self.host.layers[l]
+                    for j, _, _ in self.master_layouts[l].params:
+                        st.params[j].data = self.master_view(l, j).clone()
+                        self.host.placeholders.discard(self.placeholders.pop((l, j)).data_ptr())
             finally:
                 self.store.close()
             self._raise_pending()
+
+    # ---- masters on disk: read, checkpoints ----------------------------------------------------------
+    def _where(self) -> dict[int, tuple[int, int]]:
+        """placeholder data_ptr -> (layer, j) of every master on disk."""
+        return {ph.data_ptr(): lj for lj, ph in self.placeholders.items()}
+
+    def master_view(self, l: int, j: int) -> torch.Tensor:
+        """The master j of layer l as on disk, a view of slot 0 (read once per layer; quiesce() first)."""
+        m = self.master_layouts[l]
+        off, n = next((off, n) for k, off, n in m.params if k == j)
+        p = self.host.layers[l].params[j]
+        if l in self.resident:   # its write failed: the newest master is in RAM
+            return master_view(self.resident[l][self.master_base:], p, off, n)
+        buf = self.slots[0].buf[self.master_base:]
+        if self._cached != l:
+            self.store.read(self.master_regions[l], buf[:m.nbytes])
+            self._cached = l
+        return master_view(buf, p, off, n)
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """A copy of the master of `p` (read from disk when it lives there; after synchronize())."""
+        where = self._where().get(p.data_ptr())
+        if where is None:
+            return p.detach().clone()
+        with self._lock:
+            self.quiesce()
+            return self.master_view(*where).clone()
+
+    def stream_masters(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
+        """A checkpoint's (name, tensor) list with the masters on disk as LazyMaster (read a layer at a time)."""
+        where = self._where()
+        if not where:
+            return items
+        self.quiesce()
+        return [(name, LazyMaster(self, *where[t.data_ptr()], t) if t.data_ptr() in where else t)
+                for name, t in items]
+
+    def masters_on_disk(self, named: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+        """name -> (layer, j) of the named tensors that are masters on disk."""
+        where = self._where()
+        return {name: where[t.data_ptr()] for name, t in named.items() if t.data_ptr() in where}
+
+    def load_masters(self, read_into: Callable[[str, torch.Tensor], None], names: dict[str, tuple[int, int]]) -> None:
+        """Loading a checkpoint: each layer's masters read (`read_into(name, dst)`) into slot 0, its upload copies
+        rewritten from them, the region written; the placeholders back."""
+        self.quiesce()
+        by_layer: dict[int, list[tuple[str, int]]] = {}
+        for name, (l, j) in names.items():
+            by_layer.setdefault(l, []).append((name, j))
+        with self._lock:
+            buf = self.slots[0].buf[self.master_base:]
+            for l, entries in sorted(by_layer.items()):
+                m, st = self.master_layouts[l], self.host.layers[l]
+                self.store.read(self.master_regions[l], buf[:m.nbytes])   # masters the checkpoint has no name for
+                views = {j: master_view(buf, st.params[j], off, n) for j, off, n in m.params}
+                for name, j in entries:
+                    read_into(name, views[j])
+                for j, v in views.items():
+                    st.params[j].data = v
+                self.host.pcopy(l)
+                self.store.write(self.master_regions[l], buf[:m.nbytes])
+                if l in self.resident:
+                    self.resident[l][self.master_base:self.master_base + m.nbytes].copy_(buf[:m.nbytes])
+                for j in views:
+                    st.params[j].data = self.placeholders[l, j]
+                self.host.stamp(l)
+            self._cached = None
 
     # ---- checkpoints: a layer at a time ------------------------------------------------------------
     def save(self, folder: str) -> dict[str, int]:
@@ -432,10 +596,16 @@ class StateTier:
         return {BIN: os.path.getsize(bin_path), META: os.path.getsize(os.path.join(folder, META))}
 
     def reset(self) -> None:
-        """After the optimizer's state was loaded: nothing on disk counts until written again."""
+        """After the optimizer's state was loaded: nothing on disk counts until written again (but the masters of a
+        layer whose write failed: written now)."""
         self.quiesce()
-        self.initialized.clear()
-        self.resident.clear()
+        with self._lock:
+            for l, buf in list(self.resident.items()):
+                if l in self.master_regions:
+                    n = self.master_regions[l].nbytes
+                    self.store.write(self.master_regions[l], buf[self.master_base:self.master_base + n])
+            self.initialized.clear()
+            self.resident.clear()
 
 
 BIN, META = "optimizer_offload.bin", "optimizer_offload.json"

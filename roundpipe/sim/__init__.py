@@ -11,12 +11,14 @@ with a split backward).
     allreduce  AllReduce: data-parallel ranks and their bucketed ring all-reduce of gradients
     uploads    Uploads: each stage's weight bytes over a PCIe bandwidth, overlapping compute
     hoststep   HostStep: the optimizer step on the host (whole or per layer, synchronous or one step stale)
+    disk       Disk: the state tier's layers on NVMe, read ahead of and written behind their host step
     scaling    data_parallel(...): one rank's iteration time with the reduction, scaling vs 1 rank
     tune       best_partition / tuned_plan: the planner's candidates ranked by simulation
     cli        `roundpipe simulate`;  timeline: `roundpipe timeline TRACE --png FILE`
 """
 from roundpipe.sim.allreduce import AllReduce, ring_time
 from roundpipe.sim.costs import Costs, sizes_from_plan
+from roundpipe.sim.disk import Disk
 from roundpipe.sim.hoststep import HostStep, HostStepResult, host_step
 from roundpipe.sim.metrics import Bubbles, bubbles
 from roundpipe.sim.simulate import SCHEDULES, Result, roundpipe_sizes, simulate
@@ -26,4 +28,4 @@ from roundpipe.sim.uploads import Uploads
 
 __all__ = ["AllReduce", "ring_time", "DataParallelResult", "data_parallel", "Costs", "sizes_from_plan", "Bubbles",
            "bubbles", "SCHEDULES", "Result", "roundpipe_sizes", "simulate", "best_partition", "tuned_plan", "Uploads",
-           "HostStep", "HostStepResult", "host_step"]
+           "HostStep", "HostStepResult", "host_step", "Disk"]

@@ -32,7 +32,9 @@ iterations too, and its makespan is the steady-state time per iteration, as for
 the asynchronous one.  `host_step(...)` compares a schedule with and without the
 step's time: the exposed seconds per iteration.  With `uploads`, the upload of a
 layer also waits for its step (the P-copy writes the upload copy); with `allreduce`,
-a layer's step waits for the bucket holding it.
+a layer's step waits for the bucket holding it.  With `disk` (roundpipe.sim.disk) the
+per-layer step of an offloaded layer also waits for its read from disk and is written
+behind on a "disk" worker: the state tier of `RoundPipe(offload_dir=, host_memory=)`.
 
 Not modelled: the G-copy of downloaded gradients into the optimizer's (their
 download is not modelled either), the wait of an asynchronous P-copy for the
@@ -47,6 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from roundpipe.sim.allreduce import _check
+from roundpipe.sim.disk import Disk
 
 POLICIES = ("whole", "per-layer")
 
@@ -58,6 +61,7 @@ class HostStep:
     params: tuple[float, ...]                      # parameters per layer, the LM head last (layers + 1 entries)
     rate: float                                    # parameters per second the host steps (all its cores)
     policy: Literal["whole", "per-layer"] = "per-layer"
+    disk: Disk | None = None                       # the layers whose state the step streams from disk
 
     def __post_init__(self):
         params = tuple(_check(f"params[{i}]", v) for i, v in enumerate(self.params))
@@ -67,14 +71,23 @@ class HostStep:
         object.__setattr__(self, "rate", _check("rate", self.rate, positive=True))
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
+        if self.disk is not None:
+            if not isinstance(self.disk, Disk):
+                raise TypeError(f"disk={self.disk!r} must be a roundpipe.sim.Disk or None")
+            if self.disk.num_layers != self.num_layers:
+                raise ValueError(f"disk has bytes for {self.disk.num_layers} layers (+ head) but params for "
+                                 f"{self.num_layers}")
+            if self.policy != "per-layer":
+                raise ValueError(f"disk needs policy='per-layer' (the state tier streams the fused per-layer step), "
+                                 f"got policy={self.policy!r}")
 
     @classmethod
     def uniform(cls, layers: int, params: float, rate: float, head_params: float = 0.0,
-                policy: Literal["whole", "per-layer"] = "per-layer") -> "HostStep":
+                policy: Literal["whole", "per-layer"] = "per-layer", disk: Disk | None = None) -> "HostStep":
         """`params` for each of `layers` layers, `head_params` for the LM head."""
         if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
             raise ValueError(f"layers={layers!r} must be an int >= 1")
-        return cls((params,) * layers + (head_params,), rate, policy)
+        return cls((params,) * layers + (head_params,), rate, policy, disk)
 
     @property
     def num_layers(self) -> int:
@@ -105,11 +118,18 @@ class HostStepResult:
     def summary(self) -> dict:
         """JSON-ready numbers, times in ms."""
         return {"iteration_ms": 1e3 * self.iteration, "baseline_ms": 1e3 * self.baseline,
-                "step_ms": 1e3 * self.step, "exposed_ms": 1e3 * self.exposed}
+                "step_ms": 1e3 * self.step, "exposed_ms": 1e3 * self.exposed, "disk_ms": 1e3 * self.disk}
+
+    @property
+    def disk(self) -> float:
+        """Seconds per iteration the drive works for the step (0 without a disk)."""
+        d = self.result.run.schedule.meta.get("disk")
+        return d.time() if d is not None else 0.0
 
 
 def host_step(schedule: str, costs, workers: int, microbatches: int, step: HostStep, **kwargs) -> HostStepResult:
-    """Simulates `schedule` ("roundpipe" or "roundpipe-async") with `step` and with an instantaneous one.
+    """Simulates `schedule` ("roundpipe" or "roundpipe-async") with `step` and with an instantaneous one
+    (no disk either).
 
     `kwargs` go to `simulate` (partition, iterations, uploads, ...)."""
     from roundpipe.sim.simulate import simulate
@@ -117,8 +137,8 @@ def host_step(schedule: str, costs, workers: int, microbatches: int, step: HostS
     if not isinstance(step, HostStep):
         raise TypeError(f"step={step!r} must be a roundpipe.sim.HostStep")
     timed = simulate(schedule, costs, workers, microbatches, host_step=step, **kwargs)
-    free = simulate(schedule, costs, workers, microbatches, host_step=replace(step, params=(0.0,) * len(step.params)),
-                    **kwargs)
+    free = simulate(schedule, costs, workers, microbatches,
+                    host_step=replace(step, params=(0.0,) * len(step.params), disk=None), **kwargs)
     t, base = timed.makespan, free.makespan
     if abs(t - base) <= 1e-9 * base:   # the same steady state, measured through other task ends
         t = base

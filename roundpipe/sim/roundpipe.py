@@ -59,7 +59,9 @@ step", after the upload workers if any) runs each iteration's step, whole or per
 layer; iteration t + `lag`'s work on a layer (and its upload) waits for that
 layer's step in iteration t.  `lag` is 2 for the one-step-stale asynchronous
 step, 1 for the synchronous one (then the iterations flow only as far as the
-updates allow: the first forward stage waits for layer 0's step).
+updates allow: the first forward stage waits for layer 0's step).  With a `disk`
+(roundpipe.sim.disk) one more worker ("disk") reads the offloaded layers' state ahead
+of their steps and writes it behind.
 """
 from __future__ import annotations
 
@@ -127,10 +129,16 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
         meta["upload_gbps"] = uploads.bandwidth(N) / 1e9
         names.update({up_base + w: f"GPU {w} upload" for w in range(N)})
     host = up_base + (N if uploads is not None else 0)
+    workers_total = host
     if host_step is not None:
         meta["host_step"] = host_step.policy
         names[host] = "host step"
-    sched = Schedule(name, host + (1 if host_step is not None else 0), meta=meta, names=names)
+        workers_total += 1
+        if host_step.disk is not None:
+            meta["disk"] = host_step.disk
+            names[host + 1] = "disk"
+            workers_total += 1
+    sched = Schedule(name, workers_total, meta=meta, names=names)
     held: list[list[int]] = [[] for _ in range(N)]   # per GPU, the last compute task of each slot it ran
     ids: dict[tuple, object] = {}  # task ids, and per ("done", it, j) lists
     slots = [("F", j) for j in range(k)] + [("B", j) for j in range(len(backward))]
@@ -161,7 +169,7 @@ def roundpipe_schedule(costs: Costs, workers: int, microbatches: int, forward: S
         if buckets:
             _add_reduction(sched, ids, N, it, len(backward), buckets, allreduce.bucket_times())
         if host_step is not None:
-            _add_host_step(sched, ids, host, it, bwd_ranges, host_step)
+            _add_host_step(sched, ids, host, it, bwd_ranges, host_step, iterations)
     return sched
 
 
@@ -173,8 +181,9 @@ def _updated(ids, it, layers, head) -> list[tuple[int, bool]]:
     return [(ids["step", it, l], False) for l in range(layers.start, stop) if ("step", it, l) in ids]
 
 
-def _add_host_step(sched, ids, worker, it, bwd_ranges, step) -> None:
-    """Iteration `it`'s optimizer step on the host `worker`: whole, or per layer as each stage's gradients land."""
+def _add_host_step(sched, ids, worker, it, bwd_ranges, step, iterations) -> None:
+    """Iteration `it`'s optimizer step on the host `worker`: whole, or per layer as each stage's gradients land
+    (with a disk: the offloaded layers read ahead and written behind on worker `worker` + 1)."""
     L = step.num_layers
 
     def reduced(layers):
@@ -186,13 +195,42 @@ def _add_host_step(sched, ids, worker, it, bwd_ranges, step) -> None:
         for l in range(L + 1):
             ids["step", it, l] = i
         return
+    order = [L] + [l for r in bwd_ranges for l in reversed(r)]
+    disk = step.disk
+    offloaded = [l for l in order if disk is not None and disk.layer_bytes[l] > 0]
+    if offloaded and it == 0:
+        _read_ahead(sched, ids, worker + 1, it, offloaded[:disk.slots], disk)
     for j, r in enumerate(bwd_ranges):
         landed = [(i, False) for i in ids["done", it, j]]   # a stage's gradients download after its last microbatch
         for l in ([L] if j == 0 else []) + list(reversed(r)):
             name = "step head" if l == L else f"step L{l}"
-            ids["step", it, l] = sched.add(Task(worker, name, "optimizer", step.layer_time(l), "step", l, it,
-                                                landed + reduced([l])))
+            deps = landed + reduced([l]) + ([(ids["read", it, l], False)] if l in offloaded else [])
+            ids["step", it, l] = sched.add(Task(worker, name, "optimizer", step.layer_time(l), "step", l, it, deps))
             landed = []
+            if l in offloaded:
+                _write_behind(sched, ids, worker, it, l, offloaded, disk, iterations)
+
+
+def _read_ahead(sched, ids, worker, it, layers, disk, deps=()) -> None:
+    for l in layers:
+        ids["read", it, l] = sched.add(Task(worker, f"read L{l}", "copy", disk.read_time(l), "disk", l, it,
+                                            list(deps)))
+
+
+def _write_behind(sched, ids, host, it, l, offloaded, disk, iterations) -> None:
+    """Layer l's write once its step ended, then the read its ring slot frees; after the step's last offloaded
+    layer the step settles its writes and reads the next step's first layers ahead."""
+    wrote = sched.add(Task(host + 1, f"write L{l}", "copy", disk.write_time(l), "disk", l, it,
+                           [(ids["step", it, l], False)]))
+    i = offloaded.index(l)
+    if i + disk.slots < len(offloaded):
+        _read_ahead(sched, ids, host + 1, it, [offloaded[i + disk.slots]], disk, [(wrote, False)])
+    if i + 1 < len(offloaded):
+        return
+    ids["step", it, l] = sched.add(Task(host, "settle writes", "optimizer", 0.0, "step", l, it,
+                                        [(ids["step", it, l], False), (wrote, False)]))
+    if it + 1 < iterations:
+        _read_ahead(sched, ids, host + 1, it + 1, offloaded[:disk.slots], disk)
 
 def _add_reduction(sched, ids, worker, it, stages, buckets, seconds) -> None:
     """The all-reduce of iteration `it`: buckets in order on `worker`, after every task of `it` has ended."""
