@@ -158,30 +158,35 @@ import torch
 import roundpipe as rp
 from roundpipe.models.tiny_decoder import DecoderConfig, build_layers, loss_fn
 optim, master, compute, depth = sys.argv[1], getattr(torch, sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4])
-from roundpipe.bench.rss import peak_rss as peak, rss_file
+from roundpipe.bench.rss import HostPeak, peak_rss as peak, rss, rss_file
 torch.manual_seed(0)
 x, y = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
-base, base_file = peak(), rss_file()
-layers = build_layers(DecoderConfig(hidden=1024, layers=depth, heads=16), seed=0)
-n = sum(p.numel() for l in layers for p in l.parameters())
-out = {"params": n, "held": 0, "host": None}
-if optim == "torch AdamW":
-    model = torch.nn.Sequential(*layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for _ in range(3):
-        loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
-else:
-    kw = {} if master == torch.float32 else {"master_dtype": master}
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=compute, **kw) as model:
-        opt = getattr(rp.optim, optim)(model.parameters(), lr=1e-4)
-        for i in range(3):
-            model.forward_backward(x, labels=y, loss_fn=loss_fn)
-            if i == 2:
-                out["host"] = model.memory_stats(opt)["host"]
-            model.step(opt, asynchronous=False)
-        model.synchronize()
-        out["held"] = sum(s["peak_total"] for s in model.memory_stats()["workers"].values())
-out["rss"], out["code"] = peak() - base, rss_file() - base_file
+base, base_file, base_now = peak(), rss_file(), rss()
+workers = []   # the CPU workers once wrapped: their live ledger bytes are not host memory
+with HostPeak(lambda: sum(w.ledger.live_bytes() for w in workers)) as sampler:
+    layers = build_layers(DecoderConfig(hidden=1024, layers=depth, heads=16), seed=0)
+    n = sum(p.numel() for l in layers for p in l.parameters())
+    out = {"params": n, "held": 0, "host": None}
+    if optim == "torch AdamW":
+        model = torch.nn.Sequential(*layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for _ in range(3):
+            loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+    else:
+        kw = {} if master == torch.float32 else {"master_dtype": master}
+        with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=compute, **kw) as model:
+            for w in model.workers:   # the ledger counts the layer compute's own tensors too (autograd's saved
+                w.records_workspace = True   # tensors, parameter gradients as written): worker memory, not host
+            workers.extend(model.workers)
+            opt = getattr(rp.optim, optim)(model.parameters(), lr=1e-4)
+            for i in range(3):
+                model.forward_backward(x, labels=y, loss_fn=loss_fn)
+                if i == 2:
+                    out["host"] = model.memory_stats(opt)["host"]
+                model.step(opt, asynchronous=False)
+            model.synchronize()
+            out["held"] = sum(s["peak_total"] for s in model.memory_stats()["workers"].values())
+out["rss"], out["code"], out["host_peak"] = peak() - base, rss_file() - base_file, sampler.peak - base_now
 print("RESULT " + json.dumps(out))
 '''
 
@@ -199,23 +204,29 @@ def slope_run(provider: str, depth: int) -> dict:
 
 def slope_rows(providers: list[str], depths: tuple[int, int]) -> Report:
     """Host bytes per added parameter: (host(large) - host(small)) / (params(large) - params(small)) for decoders of
-    width 1024 at two depths, synchronous steps on 2 CPU workers, host = peak RSS - workers' ledger peaks - code
-    pages; and the engine's accounted bytes (memory_stats) the same way."""
-    report = Report("memory_slope", columns=["provider", "optimizer", "master", "compute", "params", "RSS B/added param",
+    width 1024 at two depths, synchronous steps on 2 CPU workers, host = the peak over time of RSS - the workers'
+    live ledger bytes (HostPeak) - code pages; beside it the older peak RSS - the sum of the workers' ledger peaks
+    - code pages, and the engine's accounted bytes (memory_stats) the same way."""
+    report = Report("memory_slope", columns=["provider", "optimizer", "master", "compute", "params",
+                                             "host peak B/added param", "RSS B/added param",
                                              "accounted B/added param", "host vs torch"], device="cpu")
     runs = {p: [slope_run(p, d) for d in depths] for p in providers}
     host = lambda r: r["rss"] - r["held"] - r["code"]   # noqa: E731
+    sampled = lambda r: r["host_peak"] - r["code"]   # noqa: E731
     slope = lambda a, b, f: (f(b) - f(a)) / (b["params"] - a["params"])   # noqa: E731
-    ref = slope(*runs["torch"], host) if "torch" in runs else None
+    ref = slope(*runs["torch"], sampled) if "torch" in runs else None
     for p, (small, large) in runs.items():
         optim, master, compute = SLOPE_PROVIDERS[p]
-        rss = slope(small, large, host)
+        peak = slope(small, large, sampled)
         acc = slope(small, large, lambda r: accounted_bytes(r["host"])) if small["host"] else None
         report.add(provider=p, optimizer=optim, master=master, compute=compute, params=f"{small['params']}-{large['params']}",
-                   **{"RSS B/added param": rss, "accounted B/added param": acc,
-                      "host vs torch": rss / ref if ref else None})
+                   **{"host peak B/added param": peak, "RSS B/added param": slope(small, large, host),
+                      "accounted B/added param": acc, "host vs torch": peak / ref if ref else None})
     report.note(f"decoders hidden 1024, depths {depths[0]} and {depths[1]}, 3 synchronous steps, batch 2 x 64, 2 CPU "
-                "workers, MALLOC_MMAP_THRESHOLD_=1 MiB; RSS slope of peak RSS - workers' ledger peaks - code pages; "
+                "workers, MALLOC_MMAP_THRESHOLD_=1 MiB; host peak: the largest RSS - the workers' live ledger bytes "
+                "sampled together every 0.2 ms (roundpipe/bench/rss.py HostPeak) - code pages; RSS (as before "
+                "2026-11-26): peak RSS - the sum of the workers' ledger peaks - code pages, which subtracts bytes no "
+                "two workers held at once (one-stage plans: twice the stage) and so overstates the slope; "
                 "accounted: memory_stats()['host'] after the last call's gradients landed (masters counted once "
                 "where they are their own upload copies); goals (issue 29): AdamW8bit <= 10.5 with fp32 masters, "
                 "<= 6.5 with bf16 masters")

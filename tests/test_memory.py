@@ -218,6 +218,74 @@ def test_low_precision_gradient_accumulators_are_in_the_ledger():
         assert_nothing_live(model, "after the call")
 
 
+_PENDING: list[int] = []
+
+
+class _CountGrads(torch.autograd.Function):
+    """Identity whose backward records how many of its module's parameters hold a .grad at that moment."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module = module
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _PENDING.append(sum(p.grad is not None for p in ctx.module.parameters()))
+        return g, None
+
+
+class _Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(_CountGrads.apply(x, self))))
+
+
+def test_low_precision_parameter_gradients_are_folded_as_written():
+    """bf16 compute: each parameter gradient autograd writes goes into its fp32 accumulator and is dropped
+    at once, so when the backward reaches a layer's input none of the layer's 4 parameters still holds a
+    bf16 .grad (before: all of a stage's .grad stayed until its backward ended, 2 bytes per parameter of
+    the stage beside the accumulators' 4); the gradients are unchanged."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    ref = [nn.Linear(32, 32), _Probe()]
+    layers = [nn.Linear(32, 32), _Probe()]
+    for a, b in zip(ref, layers):
+        b.load_state_dict(a.state_dict())
+    _PENDING.clear()
+    plan = rp.Plan(forward=[], backward=[range(0, 2)])
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=2, compute_dtype=torch.bfloat16, plan=plan) as model:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        assert _PENDING and set(_PENDING) == {0}, _PENDING
+        got = [p.grad.clone() for p in model.parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = sum(F.mse_loss(torch.nn.Sequential(*ref)(x[i:i + 4]).float(), y[i:i + 4]) for i in (0, 4)) / 2
+    loss.backward()
+    for g, p in zip(got, (p for m in ref for p in m.parameters())):
+        torch.testing.assert_close(g, p.grad, rtol=2e-2, atol=2e-3)
+
+
+def test_gradient_accumulators_are_dropped_as_they_are_rounded():
+    """bf16 compute, one 4-layer backward stage: at the stage's end each fp32 accumulator dies as its bf16
+    download copy is made, so the gradients' peak is the fp32 sums plus one weight's bf16 copy (before: every
+    bf16 copy was made while all the fp32 sums were alive, 6 bytes per parameter of the stage instead of 4)."""
+    torch.manual_seed(0)
+    layers = mlp(4, width=128)
+    fp32_sums = 4 * (128 * 128 + 128) * 4
+    largest_bf16 = 128 * 128 * 2
+    plan = rp.Plan(forward=[], backward=[range(0, 4)])
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=2, compute_dtype=torch.bfloat16, plan=plan) as model:
+        model.forward_backward(torch.randn(8, 128), labels=torch.randn(8, 128), loss_fn=F.mse_loss)
+        model.wait_calls()
+        peak = model.workers[0].ledger.stats()["peak"]["gradients"]
+        assert fp32_sums <= peak <= fp32_sums + largest_bf16, (peak, fp32_sums)
+        assert_nothing_live(model, "after the call")
+
+
 @pytest.mark.parametrize("depth, workers, num_mb, dtype", [(12, 2, 2, torch.float32), (48, 2, 2, torch.float32),
                                                           (48, 1, 2, torch.float32), (48, 1, 8, torch.float32),
                                                           (48, 4, 4, torch.float32), (48, 1, 2, torch.bfloat16),
