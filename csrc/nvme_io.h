@@ -23,10 +23,14 @@
 // has the opcodes (Linux 5.6+, not disabled by io_uring_disabled or seccomp),
 // else the threads.  Both run the same scheduler (pick_locked, the ordering
 // and poisoning below) and the same checks before a chunk, so they differ
-// only in who waits for the disk.  Measured on this machine's virtio disk
-// (bench/results/nvme.jsonl, docs/benchmarks.md): both reach the plain
-// single-threaded O_DIRECT probe; the ring saves a thread wakeup per chunk
-// (microseconds against milliseconds) and `threads` - 1 threads.
+// only in who waits for the disk.  Measured (roundpipe bench nvme, 3 runs on
+// the 2-core VM's virtio disk, 1 GiB sequential and 16 x 64 MiB per layer, 8 MiB
+// chunks, 4 in flight; docs/benchmarks.md): both beat the plain single-threaded
+// O_DIRECT probe.  Sequential writes: io_uring 116-136% of the probe, threads
+// 121-151%; reads 114-121% against 116-129%; the per-layer loop 91-131%
+// against 86-127%.  The threads were ahead on every sequential case, the ring
+// on the per-layer loop in 2 of 3 runs; falling back to the threads costs
+// nothing measured here.
 //
 // Buffers: the body of a transfer goes straight between the caller's buffer
 // and the file, so the buffer must be 4096-aligned (the arena with
