@@ -206,6 +206,13 @@ rp::DirectMode parse_direct(const std::string& name) {
   throw py::value_error("direct='" + name + "' is unknown; expected 'auto', 'on' or 'off'");
 }
 
+rp::IoBackend parse_io_backend(const std::string& name) {
+  if (name == "auto") return rp::IoBackend::Auto;
+  if (name == "io_uring") return rp::IoBackend::Uring;
+  if (name == "threads") return rp::IoBackend::Threads;
+  throw py::value_error("backend='" + name + "' is unknown; expected 'auto', 'io_uring' or 'threads'");
+}
+
 rp::IoKind parse_kind(const std::string& name) {
   if (name == "read") return rp::IoKind::Read;
   if (name == "write") return rp::IoKind::Write;
@@ -223,21 +230,26 @@ void bind_nvme(py::module_& m) {
            "Blocks (GIL released) until complete; StorageError when the I/O failed.")
       .def("done", &rp::IoFence::done_io, "True when complete; StorageError when the I/O failed.");
   py::class_<rp::FileStore>(m, "FileStore",
-                            "Regions in preallocated files under a directory, read and written by a pool of I/O "
-                            "threads (O_DIRECT where the file system takes it); csrc/nvme_io.h.")
+                            "Regions in preallocated files under a directory, read and written by an io_uring "
+                            "or a pool of I/O threads (O_DIRECT where the file system takes it); csrc/nvme_io.h.")
       .def(py::init([](const std::string& directory, int threads, size_t chunk_bytes, const std::string& direct,
-                       double delay_s, bool simulate_no_direct) {
+                       double delay_s, bool simulate_no_direct, const std::string& backend, bool simulate_no_uring) {
         rp::FileStoreOptions o;
         o.threads = threads;
         o.chunk_bytes = chunk_bytes;
         o.direct = parse_direct(direct);
         o.delay_s = delay_s;
         o.simulate_no_direct = simulate_no_direct;
+        o.backend = parse_io_backend(backend);
+        o.simulate_no_uring = simulate_no_uring;
         return std::make_unique<rp::FileStore>(directory, o);
       }), py::arg("directory"), py::arg("threads") = 4, py::arg("chunk_bytes") = size_t{8} << 20,
          py::arg("direct") = "auto", py::arg("delay_s") = 0.0, py::arg("simulate_no_direct") = false,
-         "direct: 'auto' (O_DIRECT when the file system takes it, else buffered), 'on' (error without it), 'off'. "
-         "delay_s (every chunk sleeps first) and simulate_no_direct are test hooks.")
+         py::arg("backend") = "auto", py::arg("simulate_no_uring") = false,
+         "threads: chunks in flight (I/O threads, or the ring's depth). direct: 'auto' (O_DIRECT when the file "
+         "system takes it, else buffered), 'on' (error without it), 'off'. backend: 'auto' (io_uring when "
+         "io_uring_setup succeeds, else threads), 'io_uring' (error without it), 'threads'. delay_s (every chunk "
+         "sleeps first), simulate_no_direct and simulate_no_uring are test hooks.")
       .def("allocate", &rp::FileStore::allocate, py::arg("name"), py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>(),
            "Creates and preallocates the file of a new region of nbytes; returns the region's index.")
@@ -265,6 +277,12 @@ void bind_nvme(py::module_& m) {
       .def_property_readonly("direct", &rp::FileStore::direct, "Whether the files are opened with O_DIRECT.")
       .def_property_readonly("direct_reason", &rp::FileStore::direct_reason,
                              "'O_DIRECT', or why the store fell back to buffered I/O.")
+      .def_property_readonly("backend", [](const rp::FileStore& s) {
+        return s.backend() == rp::IoBackend::Uring ? "io_uring" : "threads";
+      }, "'io_uring' or 'threads': what moves the chunks.")
+      .def_property_readonly("backend_reason", &rp::FileStore::backend_reason,
+                             "Why that backend: 'io_uring_setup succeeded', \"backend='threads'\", or why io_uring "
+                             "could not be used.")
       .def_property_readonly("directory", &rp::FileStore::directory)
       .def_property_readonly("threads", [](const rp::FileStore& s) { return s.options().threads; })
       .def_property_readonly("chunk_bytes", [](const rp::FileStore& s) { return s.options().chunk_bytes; })

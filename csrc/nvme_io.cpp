@@ -1,6 +1,7 @@
 #include "nvme_io.h"
 
 #include <fcntl.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -116,6 +117,11 @@ FileStore::FileStore(std::string directory, const FileStoreOptions& options)
   }
   if (!S_ISDIR(st.st_mode)) throw IoError(ENOTDIR, directory_, errno_text(ENOTDIR) + " (the store's directory)");
   probe_direct();
+  pick_backend();
+  if (ring_) {
+    threads_.emplace_back([this] { ring_worker(); });
+    return;
+  }
   threads_.reserve(options.threads);
   for (int t = 0; t < options.threads; ++t) threads_.emplace_back([this] { worker(); });
 }
@@ -161,6 +167,34 @@ void FileStore::probe_direct() {
     throw std::invalid_argument("direct='on' but the file system of " + directory_ + " does not take O_DIRECT (" +
                                 why + "); pass direct='auto' for buffered I/O");
   direct_reason_ = why;
+}
+
+// io_uring when the kernel gives a ring with the opcodes (and an eventfd to wake it), else the threads.
+void FileStore::pick_backend() {
+  if (options_.backend == IoBackend::Threads) {
+    backend_reason_ = "backend='threads'";
+    return;
+  }
+  std::string why;
+  if (options_.simulate_no_uring) {
+    why = "io_uring_setup: " + errno_text(EPERM) + " (simulated)";
+  } else if ((ring_ = Uring::open(2 * static_cast<unsigned>(options_.threads) + 2, &why))) {
+    // Each chunk in flight holds at most two entries (body and tail, or its delay), plus the wake read.
+    wake_fd_ = ::eventfd(0, EFD_CLOEXEC);
+    if (wake_fd_ < 0) {
+      why = "eventfd: " + errno_text(errno);
+      ring_.reset();
+    }
+  }
+  if (ring_) {
+    backend_ = IoBackend::Uring;
+    backend_reason_ = options_.backend == IoBackend::Uring ? "backend='io_uring'" : "io_uring_setup succeeded";
+    return;
+  }
+  if (options_.backend == IoBackend::Uring)
+    throw std::invalid_argument("backend='io_uring' but this process cannot use io_uring (" + why +
+                                "); pass backend='auto' to fall back to the thread pool");
+  backend_reason_ = why;
 }
 
 size_t FileStore::allocate(const std::string& name, size_t nbytes) {
@@ -254,6 +288,7 @@ std::shared_ptr<IoFence> FileStore::submit(IoKind kind, size_t region, size_t of
   queue_.push_back(r);
   ++outstanding_;
   work_cv_.notify_all();
+  wake();
   return r->fence;
 }
 
@@ -285,6 +320,21 @@ bool FileStore::pick_locked(Chunk* out) {
   return false;
 }
 
+// The errno a chunk of `kind` should fail with instead of its I/O (inject_fault), or 0.
+int FileStore::take_fault_locked(IoKind kind) {
+  const int k = static_cast<int>(kind);
+  if (fault_count_[k] == 0) return 0;
+  --fault_count_[k];
+  return fault_code_[k];
+}
+
+// A chunk ended (failed when `error` is set); the request completes with its last chunk.
+void FileStore::finish_chunk_locked(const Chunk& c, std::shared_ptr<const IoError> error) {
+  Request& r = *c.request;
+  if (error && (!r.error || c.index < r.error_chunk)) r.error = std::move(error), r.error_chunk = c.index;
+  if (--r.remaining == 0) complete_locked(r, r.error);
+}
+
 void FileStore::complete_locked(Request& r, std::shared_ptr<const IoError> error) {
   if (r.kind == IoKind::Write && error) r.reg->poisoned = error;
   else if (r.kind == IoKind::Write && r.offset == 0 && r.nbytes == r.reg->nbytes) r.reg->poisoned = nullptr;
@@ -304,15 +354,9 @@ void FileStore::worker() {
     Chunk c;
     work_cv_.wait(lock, [&] { return pick_locked(&c) || (stopping_ && queue_.empty()); });
     if (!c.request) return;
-    Request& r = *c.request;
     std::shared_ptr<const IoError> error;
-    if (!r.error) {  // else an earlier chunk failed: this one is skipped
-      const int k = static_cast<int>(r.kind);
-      int fault = 0;
-      if (fault_count_[k] > 0) {
-        --fault_count_[k];
-        fault = fault_code_[k];
-      }
+    if (!c.request->error) {  // else an earlier chunk failed: this one is skipped
+      const int fault = take_fault_locked(c.request->kind);
       lock.unlock();
       try {
         if (options_.delay_s > 0)
@@ -323,49 +367,65 @@ void FileStore::worker() {
       }
       lock.lock();
     }
-    if (error && (!r.error || c.index < r.error_chunk)) r.error = error, r.error_chunk = c.index;
-    if (--r.remaining == 0) complete_locked(r, r.error);
+    finish_chunk_locked(c, std::move(error));
   }
 }
 
-// One chunk's I/O, mu_ not held (`fault`: an injected errno instead).  Throws IoError.
-void FileStore::run_chunk(const Chunk& c, int fault, char* bounce) {
+FileStore::Span FileStore::span(const Chunk& c) const {
   const Request& r = *c.request;
-  const Region& reg = *r.reg;
   const size_t start = c.index * options_.chunk_bytes;
   const size_t len = std::min(options_.chunk_bytes, r.nbytes - std::min(start, r.nbytes));
-  const size_t off = r.offset + start;
-  const auto fail = [&](int code, const std::string& text) {
-    throw IoError(code, reg.path, text + " while " + verb(r.kind) + " " + std::to_string(len) + " bytes at offset " +
-                                      std::to_string(off) + " of region '" + reg.name + "'");
-  };
-  if (fault) fail(fault, errno_text(fault) + " (injected)");
+  return Span{r.buf + start, r.offset + start, len, len / kAlign * kAlign, len % kAlign};
+}
+
+IoError FileStore::chunk_error(const Chunk& c, int code, const std::string& text) const {
+  const Request& r = *c.request;
+  const Span sp = span(c);
+  return IoError(code, r.reg->path, text + " while " + verb(r.kind) + " " + std::to_string(sp.len) +
+                                        " bytes at offset " + std::to_string(sp.off) + " of region '" + r.reg->name + "'");
+}
+
+IoError FileStore::chunk_errno(const Chunk& c, int code) const { return chunk_error(c, code, errno_text(code)); }
+
+IoError FileStore::short_read(const Chunk& c, size_t done) const {
+  return chunk_error(c, ENODATA, "short read (" + std::to_string(done) + " bytes: end of file)");
+}
+
+void FileStore::check_chunk(const Chunk& c, int fault) const {
+  if (fault) throw chunk_error(c, fault, errno_text(fault) + " (injected)");
   // Truncated or removed underneath: a write would silently re-extend or land in an unlinked inode.
+  const Region& reg = *c.request->reg;
   struct stat st;
   if (::fstat(reg.fd, &st) != 0) {
-    const int e = errno;
-    fail(e, errno_text(e));
+    throw chunk_errno(c, errno);
   }
-  if (st.st_nlink == 0) fail(ENOENT, errno_text(ENOENT) + ": the file was removed underneath");
+  if (st.st_nlink == 0) throw chunk_error(c, ENOENT, errno_text(ENOENT) + ": the file was removed underneath");
   if (static_cast<size_t>(st.st_size) < reg.file_bytes)
-    fail(ENODATA, "the file was truncated underneath to " + std::to_string(st.st_size) + " of " +
-                      std::to_string(reg.file_bytes) + " bytes");
-  if (len == 0) return;
-  const size_t body = len / kAlign * kAlign, tail = len - body;
+    throw chunk_error(c, ENODATA, "the file was truncated underneath to " + std::to_string(st.st_size) + " of " +
+                                      std::to_string(reg.file_bytes) + " bytes");
+}
+
+// One chunk's I/O on a pool thread, mu_ not held (`fault`: an injected errno instead).  Throws IoError.
+void FileStore::run_chunk(const Chunk& c, int fault, char* bounce) {
+  check_chunk(c, fault);
+  const IoKind kind = c.request->kind;
+  const int fd = c.request->reg->fd;
+  const Span sp = span(c);
+  if (sp.len == 0) return;
   size_t done = 0;
-  int e = transfer(r.kind, reg.fd, r.buf + start, body, off, &done);
-  if (e) fail(e, errno_text(e));
-  if (done < body) fail(ENODATA, "short read (" + std::to_string(done) + " bytes: end of file)");
-  if (!tail) return;
+  int e = transfer(kind, fd, sp.buf, sp.body, sp.off, &done);
+  if (e) throw chunk_errno(c, e);
+  if (done < sp.body) throw short_read(c, done);
+  if (!sp.tail) return;
   // The last partial block through the bounce block: written whole, zero-padded; read whole.
-  if (r.kind == IoKind::Write) {
-    std::memcpy(bounce, r.buf + start + body, tail);
-    std::memset(bounce + tail, 0, kAlign - tail);
+  if (kind == IoKind::Write) {
+    std::memcpy(bounce, sp.buf + sp.body, sp.tail);
+    std::memset(bounce + sp.tail, 0, kAlign - sp.tail);
   }
-  e = transfer(r.kind, reg.fd, bounce, kAlign, off + body, &done);
-  if (e) fail(e, errno_text(e));
-  if (done < tail) fail(ENODATA, "short read (" + std::to_string(body + done) + " bytes: end of file)");
-  if (r.kind == IoKind::Read) std::memcpy(r.buf + start + body, bounce, tail);
+  e = transfer(kind, fd, bounce, kAlign, sp.off + sp.body, &done);
+  if (e) throw chunk_errno(c, e);
+  if (done < sp.tail) throw short_read(c, sp.body + done);
+  if (kind == IoKind::Read) std::memcpy(sp.buf + sp.body, bounce, sp.tail);
 }
 
 void FileStore::synchronize() {
@@ -380,8 +440,12 @@ void FileStore::close() {
     stopping_ = true;
     idle_cv_.wait(lock, [&] { return outstanding_ == 0; });
     work_cv_.notify_all();
+    wake();
   }
   for (auto& t : threads_) t.join();
+  ring_.reset();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  wake_fd_ = -1;
   std::lock_guard<std::mutex> lock(mu_);
   for (Region& r : regions_) {
     if (r.fd >= 0) ::close(r.fd);

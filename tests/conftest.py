@@ -46,3 +46,21 @@ def _seed():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(params=["io_uring", "threads"])
+def state_tier_backend(request, monkeypatch):
+    """Runs a test once per file-store backend: the StateTier's NVMeStore is made with NVMeConfig(backend=...)."""
+    from roundpipe.offload import state_tier
+    from roundpipe.offload.nvme import NVMeConfig, NVMeStore, io_uring_refused
+
+    if request.param == "io_uring" and io_uring_refused():
+        pytest.skip(f"no io_uring here: {io_uring_refused()}")
+
+    def store(directory, config=None, **kwargs):
+        made = NVMeStore(directory, config or NVMeConfig(backend=request.param), **kwargs)
+        assert made.backend == request.param
+        return made
+
+    monkeypatch.setattr(state_tier, "NVMeStore", store)
+    return request.param

@@ -391,16 +391,16 @@ def gen_nvme(draw, outcomes):
     if not outcomes:
         args = [{"$dir": 1}, draw(st.integers(1, 4)), draw(st.sampled_from([4096, 8192, 1 << 16])),
                 draw(st.sampled_from(["auto", "off", "on"])), draw(st.sampled_from([0.0, 0.0, 1e-4])),
-                rarely(draw, 2)]
+                rarely(draw, 2), draw(st.sampled_from(["auto", "io_uring", "threads"])), rarely(draw, 1)]
         if rarely(draw, 2):   # one argument wrong
-            k = draw(st.integers(0, 5))
+            k = draw(st.integers(0, 7))
             args[k] = draw([st.one_of(st.sampled_from(["", "/nonexistent/roundpipe", "/proc/self/status", "a\0b"]),
                                       junk),
                             st.one_of(st.sampled_from([0, -1, 257, 2**31 - 1]), junk),
                             st.one_of(st.sampled_from([0, 1, 4095, 4097, (1 << 30) + 4096]), size_extreme, junk),
                             st.one_of(st.just("sometimes"), junk),
                             st.sampled_from([-1.0, 10.5, 1e300, float("inf"), float("nan"), "x"]),
-                            junk][k])
+                            junk, st.one_of(st.sampled_from(["uring", "", "IO_URING"]), junk), junk][k])
         return "FileStore", args, {}
     store = {"$res": 0}
     small = st.sampled_from([0, 1, 100, 4095, 4096, 4097, 8192, 20000, 1 << 16])
@@ -408,10 +408,11 @@ def gen_nvme(draw, outcomes):
         return "FileStore.allocate", [store, "r0", draw(st.sampled_from([4096, 8192, 20000, 1 << 16]))], {}
     fences = [{"$res": i} for i, (_, out) in enumerate(outcomes) if out.get("t") == "IoFence"]
     op = draw(st.sampled_from(["FileStore.allocate"] * 2 + ["FileStore.read"] * 5 + ["FileStore.write"] * 5 + [
-        "FileStore.synchronize", "FileStore.close", "FileStore.inject_fault", "FileStore.region_path",
+        "FileStore.synchronize", "FileStore.synchronize", "FileStore.close", "FileStore.inject_fault", "FileStore.region_path",
         "FileStore.region_bytes", "FileStore.num_regions", "FileStore.direct", "FileStore.direct_reason",
-        "FileStore.directory", "FileStore.threads", "FileStore.chunk_bytes", "FileStore.closed", "IoFence",
-        "IoFence.wait", "IoFence.wait", "IoFence.done", "IoFence.done"]))
+        "FileStore.directory", "FileStore.threads", "FileStore.chunk_bytes", "FileStore.closed",
+        "FileStore.backend", "FileStore.backend_reason", "IoFence", "IoFence.wait", "IoFence.wait", "IoFence.done",
+        "IoFence.done"]))
     region = mostly(draw, st.sampled_from([0, 0, 0, 1, 2]), st.one_of(st.sampled_from([-1, 7, 2**31, U64 - 1]), junk),
                     1)
     if op == "FileStore.allocate":
@@ -632,8 +633,8 @@ SURFACE = {
     "nvme": ["FileStore", "FileStore.allocate", "FileStore.read", "FileStore.write", "FileStore.synchronize",
              "FileStore.close", "FileStore.inject_fault", "FileStore.region_path", "FileStore.region_bytes",
              "FileStore.num_regions", "FileStore.direct", "FileStore.direct_reason", "FileStore.directory",
-             "FileStore.threads", "FileStore.chunk_bytes", "FileStore.closed", "IoFence", "IoFence.wait",
-             "IoFence.done"],
+             "FileStore.threads", "FileStore.chunk_bytes", "FileStore.closed", "FileStore.backend",
+             "FileStore.backend_reason", "IoFence", "IoFence.wait", "IoFence.done"],
 }
 GENERATORS = {"cpu": (gen_cpu, 40, 4), "kernels": (gen_kernels, 160, 3), "fences": (gen_fences, 80, 5),
               "arena": (gen_arena, 150, 8), "pack_lpt": (gen_pack, 150, 3), "copy_engine": (gen_engine, 120, 6),

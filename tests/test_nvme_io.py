@@ -1,4 +1,5 @@
-"""The NVMe file store (roundpipe.offload.nvme over csrc/nvme_io): bytes, ordering, faults and bad arguments."""
+"""The NVMe file store (roundpipe.offload.nvme over csrc/nvme_io): bytes, ordering, faults and bad arguments, each
+with the io_uring backend and with the thread pool."""
 from __future__ import annotations
 
 import errno
@@ -17,7 +18,17 @@ pytestmark = pytest.mark.skipif(not _native.available(), reason="needs the nativ
 
 if _native.available():
     from roundpipe.offload import ArenaConfig, HostArena, IoFence, NVMeConfig, NVMeStore, StorageError
-    from roundpipe.offload.nvme import check_free_space, file_bytes, free_bytes
+    from roundpipe.offload.nvme import check_free_space, file_bytes, free_bytes, io_uring_refused
+
+BACKENDS = ["io_uring", "threads"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    if request.param == "io_uring" and io_uring_refused():
+        pytest.skip(f"no io_uring here: {io_uring_refused()}")
+    return request.param
+
 
 AWKWARD = [0, 1, 123, 4095, 4096, 4097, 3000 * 7, (64 << 10) - 1, (1 << 20) + 5, 3 * (64 << 10) + 17]
 
@@ -30,16 +41,17 @@ def _random(store, nbytes, seed):
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = NVMeStore(tmp_path, NVMeConfig(threads=3, chunk_bytes=64 << 10))
+def store(tmp_path, backend):
+    s = NVMeStore(tmp_path, NVMeConfig(threads=3, chunk_bytes=64 << 10, backend=backend))
+    assert s.backend == backend
     yield s
     s.close()
 
 
 @pytest.mark.parametrize("direct", ["auto", "off"])
-def test_round_trip_awkward_sizes_bitwise(tmp_path, direct):
+def test_round_trip_awkward_sizes_bitwise(tmp_path, direct, backend):
     """Regions of awkward sizes (0, 1, 4095, 4097, several chunks + 17) read back bit for bit, O_DIRECT and buffered."""
-    with NVMeStore(tmp_path, NVMeConfig(threads=3, chunk_bytes=64 << 10, direct=direct)) as store:
+    with NVMeStore(tmp_path, NVMeConfig(threads=3, chunk_bytes=64 << 10, direct=direct, backend=backend)) as store:
         assert store.direct == (direct == "auto")   # this machine's disk takes O_DIRECT
         regions = [store.allocate(f"r{i}", n) for i, n in enumerate(AWKWARD)]
         for r in regions:
@@ -99,11 +111,12 @@ def test_concurrent_threads(store):
     assert not errors, errors
 
 
-def test_read_ahead_write_behind_order(tmp_path):
+def test_read_ahead_write_behind_order(tmp_path, backend):
     """With chunks delayed at random on 4 threads, a read queued right after a write of the same bytes sees the
     write, and a write queued after a read does not change what the read returns: a per-layer loop of read ahead,
     update, write behind needs no waits between."""
-    store = NVMeStore(tmp_path, NVMeConfig(threads=4, chunk_bytes=16 << 10), _test_hooks={"delay_s": 0.004})
+    store = NVMeStore(tmp_path, NVMeConfig(threads=4, chunk_bytes=16 << 10, backend=backend),
+                      _test_hooks={"delay_s": 0.004})
     try:
         r = store.allocate("rw", 48 << 10)
         for k in range(6):   # write then read at once, no wait between
@@ -212,7 +225,7 @@ FSIZE_SCRIPT = r"""
 import errno, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 from roundpipe.offload import NVMeConfig, NVMeStore, StorageError
-store = NVMeStore(sys.argv[1], NVMeConfig(threads=2, chunk_bytes=64 << 10))
+store = NVMeStore(sys.argv[1], NVMeConfig(threads=2, chunk_bytes=64 << 10, backend=sys.argv[2]))
 big = store.allocate("big", 1 << 20)                    # preallocated before the limit
 resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
 try:
@@ -227,22 +240,22 @@ store.close()
 """
 
 
-def test_file_size_limit_is_a_clear_error(tmp_path):
+def test_file_size_limit_is_a_clear_error(tmp_path, backend):
     """With RLIMIT_FSIZE (the stand-in for a full disk: SIGXFSZ ignored -> EFBIG), preallocation fails naming the new
     file, and a write past the limit fails naming the file and the offset where it stopped."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path), backend], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, PYTHONPATH=root))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["allocate True True True", "write True True True"], out.stdout
 
 
-def test_no_o_direct_falls_back_with_one_warning(tmp_path):
+def test_no_o_direct_falls_back_with_one_warning(tmp_path, backend):
     """A file system without O_DIRECT (simulated: tmpfs takes it since Linux 6.6): buffered I/O, one RuntimeWarning
     naming the reason, bytes intact; direct='on' refuses instead."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        store = NVMeStore(tmp_path, _test_hooks={"simulate_no_direct": True})
+        store = NVMeStore(tmp_path, NVMeConfig(backend=backend), _test_hooks={"simulate_no_direct": True})
         assert not store.direct
         r = store.allocate("a", 10_000)
         src = _random(store, r.nbytes, 9)
@@ -253,8 +266,33 @@ def test_no_o_direct_falls_back_with_one_warning(tmp_path):
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "O_DIRECT" in msgs[0] and "buffered" in msgs[0] and "simulated" in msgs[0]
     with pytest.raises(ValueError, match="direct='on'"):
-        NVMeStore(tmp_path, NVMeConfig(direct="on"), _test_hooks={"simulate_no_direct": True})
+        NVMeStore(tmp_path, NVMeConfig(direct="on", backend=backend), _test_hooks={"simulate_no_direct": True})
     assert os.listdir(tmp_path) == []   # the refused store left no folder
+
+
+def test_backend_choice_and_fallback(tmp_path):
+    """'auto' takes io_uring where io_uring_setup succeeds and says so; where it is refused (simulated) the thread pool
+    with the errno as the reason and no warning (the same bytes and speed); backend='io_uring' raises instead and
+    leaves no folder; 'threads' is taken as asked."""
+    if io_uring_refused():
+        pytest.skip(f"no io_uring here: {io_uring_refused()}")
+    with NVMeStore(tmp_path) as store:
+        assert (store.backend, store.backend_reason) == ("io_uring", "io_uring_setup succeeded")
+        assert "backend='io_uring'" in repr(store)
+    with NVMeStore(tmp_path, NVMeConfig(backend="threads")) as store:
+        assert (store.backend, store.backend_reason) == ("threads", "backend='threads'")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store = NVMeStore(tmp_path, _test_hooks={"simulate_no_uring": True})
+    assert store.backend == "threads" and store.backend_reason == "io_uring_setup: Operation not permitted (simulated)"
+    r = store.allocate("a", 5000)
+    src = _random(store, r.nbytes, 4)
+    store.write(r, src)
+    assert torch.equal(store.read(r, store.empty(r.nbytes)), src)
+    store.close()
+    with pytest.raises(ValueError, match=r"backend='io_uring' but .*Operation not permitted \(simulated\).*'auto'"):
+        NVMeStore(tmp_path, NVMeConfig(backend="io_uring"), _test_hooks={"simulate_no_uring": True})
+    assert os.listdir(tmp_path) == []
 
 
 def test_free_space_check(tmp_path):
@@ -317,7 +355,8 @@ def test_bad_arguments_name_themselves(store, tmp_path):
     with pytest.raises(TypeError, match="fences must be what read_async/write_async returned"):
         store.wait(object())
     for cfg, msg in [(dict(threads=0), "threads=0"), (dict(chunk_bytes=1000), "chunk_bytes=1000"),
-                     (dict(direct="maybe"), "direct='maybe'"), (dict(threads=2.0), "threads must be an int")]:
+                     (dict(direct="maybe"), "direct='maybe'"), (dict(threads=2.0), "threads must be an int"),
+                     (dict(backend="uring"), "backend='uring' must be 'auto', 'io_uring' or 'threads'")]:
         with pytest.raises((TypeError, ValueError), match=msg):
             NVMeConfig(**cfg)
     with pytest.raises(ValueError, match="alignment=256"):

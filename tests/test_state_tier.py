@@ -10,6 +10,7 @@ from torch import nn
 import roundpipe as rp
 
 pytest.importorskip("roundpipe._C")
+pytestmark = pytest.mark.usefixtures("state_tier_backend")   # each test with io_uring and with threads
 
 WIDTH = 80   # 6400-element weights take AdamW8bit's 8-bit path, the 80-element biases its fp32 one
 

@@ -10,6 +10,7 @@ import roundpipe as rp
 from tests.test_state_tier import OPTIMIZERS, WIDTH, assert_bitwise, batches, layers, two_steps_and_a_call
 
 pytest.importorskip("roundpipe._C")
+pytestmark = pytest.mark.usefixtures("state_tier_backend")   # each test with io_uring and with threads
 
 BF16 = dict(devices=["cpu"] * 2, num_microbatches=3, compute_dtype=torch.bfloat16)   # fp32 masters, bf16 uploads
 NUMEL = WIDTH * WIDTH + WIDTH

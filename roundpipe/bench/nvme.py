@@ -1,6 +1,9 @@
-"""NVMe tier: read/write GB/s of the file store against a plain O_DIRECT probe on the same file system.
+"""NVMe tier: read/write GB/s of the file store, io_uring and thread pool, against a plain O_DIRECT probe.
 
-Cases, each run by both providers on files in the same folder (--dir):
+Providers, on files in the same folder (--dir): the probe, and an NVMeStore per
+backend (--backend both: io_uring, where the kernel gives this process one, and
+the thread pool; both keep --threads chunks of --chunk-bytes in the drive's queue).
+Cases, each run by every provider:
 
 sequential write / read   one region of --size bytes moved as one request (the
                           store cuts it into chunk_bytes pieces over its threads)
@@ -13,13 +16,14 @@ per-layer read+write      --layers regions of --layer-bytes (64 MiB: a decoder
 
 The probe is the simplest program that reaches the drive: one thread, an
 O_DIRECT file descriptor, pwrite/preadv of 8 MiB blocks in a loop (per layer: read
-the layer, then write it).  "% probe" is the store's rate over the probe's,
-measured in the same run, alternating the two providers run by run (medians of 5,
+the layer, then write it).  "% probe" is a store's rate over the probe's,
+measured in the same run, the providers taking turns run by run (medians of 5,
 3 with --quick); the goal is >= 80 (DeepSpeed's own tuning guide reaches
 66-74% of a drive's rating).  Writes are not fsync'ed by either provider (O_DIRECT
 bypasses the page cache; both see the same device write cache).
 
-    roundpipe bench nvme [--quick] [--dir /nvme/scratch] [--threads 4] [--out FILE.jsonl | DIR] [--no-save]
+    roundpipe bench nvme [--quick] [--dir /nvme/scratch] [--threads 4] [--backend both|io_uring|threads]
+                         [--out FILE.jsonl | DIR] [--no-save]
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import time
 import torch
 
 from roundpipe.bench.runner import Report, add_common_args
-from roundpipe.offload.nvme import NVMeConfig, NVMeStore, check_free_space, file_bytes
+from roundpipe.offload.nvme import NVMeConfig, NVMeStore, check_free_space, file_bytes, io_uring_refused
 
 MiB, GiB = 1 << 20, 1 << 30
 PROBE_BLOCK = 8 * MiB
@@ -63,19 +67,20 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def _paired(probe_fn, ours_fn, warmup: int, repeat: int) -> tuple[float, float]:
-    """Median seconds of each, measured alternately (probe, ours, probe, ...): a shared virtual disk drifts by
-    tens of percent over seconds, and alternating puts both providers under the same drift."""
+def _turns(fns, warmup: int, repeat: int) -> list[float]:
+    """Median seconds of each function, measured in turns (a, b, c, then b, c, a, ...): a shared virtual disk drifts
+    by tens of percent over seconds, and taking turns puts every provider under the same drift."""
     for _ in range(warmup):
-        probe_fn()
-        ours_fn()
-    times: tuple[list, list] = ([], [])
-    for _ in range(repeat):
-        for fn, out in ((probe_fn, times[0]), (ours_fn, times[1])):
-            start = time.perf_counter()
+        for fn in fns:
             fn()
-            out.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeat):
+        for k in range(len(fns)):
+            i = (r + k) % len(fns)
+            start = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def _layer_loop(store: NVMeStore, regions, bufs) -> None:
@@ -100,60 +105,89 @@ def _probe_layers(probe: Probe, view: memoryview, layers: int, layer_bytes: int)
         probe.transfer(True, piece, i * layer_bytes)
 
 
+def _backends(choice: str) -> tuple[list[str], str]:
+    """The store backends to time, and a note when io_uring was asked for and is refused here."""
+    refused = io_uring_refused()
+    if choice == "threads" or (choice == "both" and refused):
+        return ["threads"], f"io_uring not timed: {refused}" if refused else ""
+    if refused:
+        raise SystemExit(f"roundpipe bench nvme: --backend io_uring, but {refused}")
+    return (["io_uring", "threads"] if choice == "both" else ["io_uring"]), ""
+
+
+def _provider(store: NVMeStore) -> str:
+    n = store.config.threads
+    return f"NVMeStore io_uring (depth {n})" if store.backend == "io_uring" else f"NVMeStore threads ({n} threads)"
+
+
 def run(args) -> Report:
     report = Report("nvme", columns=COLUMNS, device="cpu")
     parent = args.dir or tempfile.gettempdir()
     size, layer_bytes, layers = args.size, args.layer_bytes, args.layers
-    needed = 2 * file_bytes(size) + 2 * layers * file_bytes(layer_bytes)
+    backends, skipped = _backends(args.backend)
+    needed = (1 + len(backends)) * (file_bytes(size) + layers * file_bytes(layer_bytes))
     check_free_space(parent, needed, what="roundpipe bench nvme")
     repeat, warmup = (3, 1) if args.quick else (5, 1)
-    store = NVMeStore(parent, NVMeConfig(threads=args.threads, chunk_bytes=args.chunk_bytes))
-    probe = Probe(store.folder, max(size, layers * layer_bytes))
+    stores = [NVMeStore(parent, NVMeConfig(threads=args.threads, chunk_bytes=args.chunk_bytes, backend=b))
+              for b in backends]
+    probe = Probe(stores[0].folder, max(size, layers * layer_bytes))
     try:
-        buf = store.empty(size)
+        buf = stores[0].empty(size)
         buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
         view = memoryview(buf.numpy())
-        seq = store.allocate("sequential", size)
-        store.write(seq, buf)
+        seqs = [store.allocate("sequential", size) for store in stores]
+        for store, seq in zip(stores, seqs):
+            store.write(seq, buf)
         probe.transfer(True, view)
         for case, write in (("sequential write", True), ("sequential read", False)):
-            op = store.write if write else store.read
-            t_probe, t_ours = _paired(lambda: probe.transfer(write, view), lambda: op(seq, buf), warmup, repeat)
-            _rows(report, case, size, t_ours, t_probe, args.threads)
+            ops = [(store.write if write else store.read, seq) for store, seq in zip(stores, seqs)]
+            times = _turns([lambda: probe.transfer(write, view)] + [lambda op=op, seq=seq: op(seq, buf)
+                                                                    for op, seq in ops], warmup, repeat)
+            _rows(report, case, size, times, stores)
 
-        regions = [store.allocate(f"layer{i}", layer_bytes) for i in range(layers)]
-        bufs = [store.empty(layer_bytes) for _ in range(3)]
-        for r in regions:
-            store.write(r, buf[:layer_bytes] if layer_bytes <= size else bufs[0])
-        moved = 2 * layers * layer_bytes
+        bufs = [stores[0].empty(layer_bytes) for _ in range(3)]
+        regions = [[store.allocate(f"layer{i}", layer_bytes) for i in range(layers)] for store in stores]
+        for store, regs in zip(stores, regions):
+            for r in regs:
+                store.write(r, buf[:layer_bytes] if layer_bytes <= size else bufs[0])
         lview = memoryview(bufs[0].numpy())
-        t_probe, t_ours = _paired(lambda: _probe_layers(probe, lview, layers, layer_bytes),
-                                  lambda: _layer_loop(store, regions, bufs), warmup, repeat)
-        _rows(report, f"per-layer read+write ({layers} x {layer_bytes // MiB} MiB)", moved, t_ours, t_probe,
-              args.threads)
-        report.note(f"folder {parent} ({'O_DIRECT' if store.direct else 'buffered: no O_DIRECT'}); store: "
-                    f"{args.threads} I/O threads, {args.chunk_bytes // MiB} MiB chunks, thread-pool pread/pwrite "
-                    f"(no io_uring path); probe: 1 thread, {PROBE_BLOCK // MiB} MiB O_DIRECT pwrite/preadv")
+        times = _turns([lambda: _probe_layers(probe, lview, layers, layer_bytes)] +
+                       [lambda store=store, regs=regs: _layer_loop(store, regs, bufs)
+                        for store, regs in zip(stores, regions)], warmup, repeat)
+        _rows(report, f"per-layer read+write ({layers} x {layer_bytes // MiB} MiB)", 2 * layers * layer_bytes,
+              times, stores)
+        report.note(f"folder {parent} ({'O_DIRECT' if stores[0].direct else 'buffered: no O_DIRECT'}); stores: "
+                    f"{args.chunk_bytes // MiB} MiB chunks, {args.threads} in flight; "
+                    + "; ".join(f"{s.backend}: {s.backend_reason}" for s in stores)
+                    + (f"; {skipped}" if skipped else "")
+                    + f"; probe: 1 thread, {PROBE_BLOCK // MiB} MiB O_DIRECT pwrite/preadv")
     finally:
         probe.close()
-        store.close()
+        for store in stores:
+            store.close()
     return report
 
 
-def _rows(report: Report, case: str, nbytes: int, t_ours: float, t_probe: float, threads: int) -> None:
-    probe = _gbps(nbytes, t_probe)
-    report.add(case=case, provider="O_DIRECT probe (1 thread)", bytes=nbytes, ms=t_probe * 1e3, **{"GB/s": probe,
-               "% probe": 100.0})
-    ours = _gbps(nbytes, t_ours)
-    report.add(case=case, provider=f"NVMeStore ({threads} threads)", bytes=nbytes, ms=t_ours * 1e3,
-               **{"GB/s": ours, "% probe": 100.0 * ours / probe})
+def _rows(report: Report, case: str, nbytes: int, times: list[float], stores: list[NVMeStore]) -> None:
+    """A row for the probe (times[0]) and one per store (times[1:]), with each store's percent of the probe."""
+    probe = _gbps(nbytes, times[0])
+    report.add(case=case, provider="O_DIRECT probe (1 thread)", bytes=nbytes, ms=times[0] * 1e3,
+               **{"GB/s": probe, "% probe": 100.0})
+    for store, t in zip(stores, times[1:]):
+        ours = _gbps(nbytes, t)
+        report.add(case=case, provider=_provider(store), bytes=nbytes, ms=t * 1e3,
+                   **{"GB/s": ours, "% probe": 100.0 * ours / probe})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="roundpipe bench nvme", description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     parser.add_argument("--dir", default=None, help="folder on the drive to measure (default: the temp folder)")
-    parser.add_argument("--threads", type=int, default=4, help="the store's I/O threads (default 4)")
+    parser.add_argument("--threads", type=int, default=4,
+                        help="chunks each store keeps in flight: I/O threads, or the io_uring's depth (default 4)")
+    parser.add_argument("--backend", choices=["both", "io_uring", "threads"], default="both",
+                        help="which store backends to time against the probe (default both; io_uring is left out "
+                             "with a note where this process cannot use it)")
     parser.add_argument("--chunk-bytes", type=int, default=8 * MiB, help="bytes per thread per step (default 8 MiB)")
     parser.add_argument("--size", type=int, default=None, help="sequential case bytes (default 1 GiB, quick 256 MiB)")
     parser.add_argument("--layers", type=int, default=None, help="per-layer case regions (default 16, quick 6)")

@@ -2,9 +2,10 @@
 
 `NVMeStore` wraps the native file store (csrc/nvme_io.h has the design): each
 region is a file under a private folder of `directory`, preallocated when the
-region is allocated (a full disk shows up there, not mid-step), and moved by a
-small pool of I/O threads with O_DIRECT, so the bytes do not also sit in the page
-cache.  Transfers are asynchronous and return a fence:
+region is allocated (a full disk shows up there, not mid-step), and moved with
+O_DIRECT, so the bytes do not also sit in the page cache, by an io_uring (one
+thread keeps `threads` chunks in the kernel's queue) or, where the kernel has no
+io_uring or forbids it, a pool of `threads` I/O threads.  Transfers are asynchronous and return a fence:
 
     store = NVMeStore("/nvme/offload")
     region = store.allocate("layer3.state", layer_bytes)
@@ -31,11 +32,18 @@ on a file system without O_DIRECT gets buffered I/O and one RuntimeWarning.
 Before training, `check_free_space` raises a ValueError with the bytes needed
 and available.
 
-Paths: O_DIRECT pread/pwrite on a thread pool (or buffered pread/pwrite); no
-io_uring path.
+Backends: `store.backend` is 'io_uring' or 'threads' and `store.backend_reason`
+says why ('io_uring_setup succeeded', "backend='threads'", or the errno of the
+refused io_uring_setup: EPERM under /proc/sys/kernel/io_uring_disabled or a
+container's seccomp filter, ENOSYS before Linux 5.1).  Both give the same bytes,
+ordering and errors (tests/test_nvme_io.py and the state-tier tests run every case
+on each) and both beat a plain O_DIRECT loop on the disk measured (`roundpipe bench
+nvme`, docs/benchmarks.md: the threads a little ahead on sequential transfers), so
+falling back is not a degradation and gives no warning.  NVMeConfig(backend=...) forces one.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -67,6 +75,16 @@ def file_bytes(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
+@functools.lru_cache(maxsize=None)
+def io_uring_refused() -> str:
+    """Why this process cannot use the io_uring backend (io_uring_setup's errno and its likely cause), or ''."""
+    store = _c().FileStore(tempfile.gettempdir(), threads=1, direct="off")   # direct off: no probe file
+    try:
+        return "" if store.backend == "io_uring" else store.backend_reason
+    finally:
+        store.close()
+
+
 def free_bytes(path: str | os.PathLike) -> int:
     """Bytes an unprivileged process may still write on the file system holding `path` (statvfs)."""
     st = os.statvfs(path)
@@ -90,15 +108,18 @@ def check_free_space(path: str | os.PathLike, needed: int, what: str = "the offl
 class NVMeConfig:
     """How a store moves bytes.
 
-    threads: I/O threads; each keeps one chunk in the drive's queue.
-    chunk_bytes: the piece of a transfer one thread does at a time (multiple of 4096).
+    threads: chunks kept in the drive's queue: I/O threads, or the io_uring's depth.
+    chunk_bytes: the piece of a transfer one thread (one ring entry) moves (multiple of 4096).
     direct: 'auto' uses O_DIRECT where the file system takes it and warns once
         before falling back to buffered I/O; 'on' raises instead; 'off' is buffered.
+    backend: 'auto' uses io_uring when io_uring_setup succeeds, else the thread pool;
+        'io_uring' raises a ValueError instead of falling back; 'threads' is the pool.
     """
 
     threads: int = 4
     chunk_bytes: int = 8 << 20
     direct: Literal["auto", "on", "off"] = "auto"
+    backend: Literal["auto", "io_uring", "threads"] = "auto"
 
     def __post_init__(self):
         for name in ("threads", "chunk_bytes"):
@@ -111,6 +132,8 @@ class NVMeConfig:
             raise ValueError(f"chunk_bytes={self.chunk_bytes} must be a multiple of 4096 between 4096 and 1 GiB")
         if self.direct not in ("auto", "on", "off"):
             raise ValueError(f"direct={self.direct!r} must be 'auto', 'on' or 'off'")
+        if self.backend not in ("auto", "io_uring", "threads"):
+            raise ValueError(f"backend={self.backend!r} must be 'auto', 'io_uring' or 'threads'")
 
 
 @dataclass(frozen=True)
@@ -154,7 +177,7 @@ class NVMeStore:
         self.folder = tempfile.mkdtemp(prefix="roundpipe-", dir=directory)  # this store's files, removed on close
         try:
             self._native = C.FileStore(self.folder, threads=config.threads, chunk_bytes=config.chunk_bytes,
-                                       direct=config.direct, **(_test_hooks or {}))
+                                       direct=config.direct, backend=config.backend, **(_test_hooks or {}))
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise
@@ -172,6 +195,16 @@ class NVMeStore:
     def direct(self) -> bool:
         """Whether transfers bypass the page cache (O_DIRECT)."""
         return self._native.direct
+
+    @property
+    def backend(self) -> str:
+        """'io_uring' or 'threads': what moves the bytes (see backend_reason)."""
+        return self._native.backend
+
+    @property
+    def backend_reason(self) -> str:
+        """Why that backend: 'io_uring_setup succeeded', "backend='threads'", or why io_uring could not be used."""
+        return self._native.backend_reason
 
     @property
     def regions(self) -> dict[str, Region]:
@@ -266,7 +299,7 @@ class NVMeStore:
 
     def __repr__(self) -> str:
         return (f"NVMeStore(folder={self.folder!r}, regions={len(self._regions)}, "
-                f"direct={self.direct if not self.closed else '?'}, config={self.config})")
+                f"direct={self.direct if not self.closed else '?'}, backend={self.backend!r}, config={self.config})")
 
     # -- checks ----------------------------------------------------------------------------------------
     def _check_open(self) -> None:
