@@ -19,9 +19,12 @@ cap.  Activations are on top of that floor; the worker's ledger
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
+
+from roundpipe.planner.memory import worker_peaks
 
 MIN_RESERVE = 512 << 20
 RESERVE_FRACTION = 0.05
@@ -97,3 +100,62 @@ def check_schedule(tasks_by_worker: dict[str, list], caps: dict[str, int | None]
                     f"{need:,} bytes of device memory (weights {own:,}, the next stage's prefetched weights "
                     f"{nxt:,}, gradients {grad:,}) but device_memory caps that worker at {cap:,}; give more "
                     "memory, or a plan with smaller stages (the automatic planner sizes them for the cap)")
+
+
+class PeakPredictions:
+    """The planner's predicted peak device bytes per worker: memory_stats()'s "predicted_peak".
+
+    Worked out once per schedule, with its fit check, from the planner's memory model
+    (roundpipe/planner/memory.py) and kept on the schedule; each call folds its schedule's
+    figures into the maxima since the last `reset()`, as a worker's measured peak covers
+    every schedule it ran (the rotation gives each call its own)."""
+
+    def __init__(self, workers: Sequence, caps: dict[str, int | None]):
+        self.workers = workers
+        self.caps = caps
+        self.peaks: dict[str, int] = {}   # worker name -> predicted peak since the last reset()
+
+    def check(self, sched, host, autoplan, sample: tuple[tuple, dict], loss) -> None:
+        """Before any work of a call: its stages against the caps (ValueError), then its predicted peaks,
+        each checked once per schedule; a warning where a prediction exceeds a cap (only an explicit plan
+        can); the call's figures folded into the maxima."""
+        if not sched.fits_checked:
+            check_schedule(sched.tasks, self.caps, host)
+            sched.predicted = self._predict(sched, host, autoplan, sample, loss)
+            sched.fits_checked = True
+        for name, need in sched.predicted.items():
+            self.peaks[name] = max(self.peaks.get(name, 0), need)
+
+    def _predict(self, sched, host, autoplan, sample, loss) -> dict[str, int]:
+        if autoplan.profiler is None and not any(c is not None for c in self.caps.values()):
+            return {}   # a fixed plan without caps: no dry run just for the figure
+        weights, grads = layer_bytes(host)
+        prefetches = any(w.prefetches for w in self.workers)
+        predicted = worker_peaks(sched.tasks, weights, grads, autoplan.layer_memory(sample, loss), prefetches)
+        for name, need in predicted.items():
+            cap = self.caps.get(name)
+            if cap is not None and need > cap:
+                warnings.warn(f"worker {name}: the plan's predicted peak of {need:,} device bytes exceeds its "
+                              f"device_memory cap of {cap:,} (weights, gradients and activations; "
+                              "roundpipe/planner/memory.py); give a plan with smaller stages or fewer rows "
+                              "per microbatch, or let the planner choose", stacklevel=5)
+        return predicted
+
+    def worker_stats(self) -> dict[str, dict]:
+        """memory_stats()'s "workers": each worker's ledger figures, device, predicted peak and, on CUDA,
+        torch.cuda.memory_allocated."""
+        workers = {}
+        for w in self.workers:
+            stats = w.ledger.stats()
+            stats["device"] = str(w.device)
+            if w.name in self.peaks:
+                stats["predicted_peak"] = self.peaks[w.name]
+            if w.device.type == "cuda":
+                stats["cuda_allocated"] = torch.cuda.memory_allocated(w.device)
+            workers[w.name] = stats
+        return workers
+
+    def reset(self) -> None:
+        self.peaks = {}   # the next call predicts again
+        for w in self.workers:
+            w.ledger.reset_peak()

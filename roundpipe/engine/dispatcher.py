@@ -89,7 +89,7 @@ class Schedule:
                 self.input_consumers = len(self._readers(placed, 0))
         self.next_g0 = slot
         self.fits_checked = False   # set by RoundPipe once its stages were checked against the device caps
-        self.predicted: dict[str, int] = {}   # worker name -> predicted peak device bytes (RoundPipe._predict_peaks)
+        self.predicted: dict[str, int] = {}   # worker name -> predicted peak device bytes (device_memory.PeakPredictions)
 
     @staticmethod
     def _readers(placed: list, b: int) -> list[Consumer]:

@@ -35,11 +35,12 @@ import atexit
 import itertools
 import os
 import queue
+import signal
 import sys
 import threading
 import time
 import weakref
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from roundpipe.engine import omp
 from roundpipe.engine.async_step import Aborted
@@ -208,3 +209,24 @@ def _forget_after_fork() -> None:
 atexit.register(_stop_all_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def register_then_queue(register: Callable[[], Any], queue: Callable[[Any], None]) -> None:
+    """register() with the protocol, then queue(its record), with Ctrl-C held back in between.
+
+    A KeyboardInterrupt between the two would leave the protocol waiting for a job that never
+    runs, and every later call waiting for it.  On the main thread, with Python's default
+    SIGINT handler in place, an interrupt arriving meanwhile is recorded and raised once the
+    job is queued (one that was already pending may still fire before register(): harmless)."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        queue(register())
+        return
+    hit: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: hit.append(signum))
+    try:
+        queue(register())
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hit:
+        raise KeyboardInterrupt

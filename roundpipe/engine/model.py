@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import threading
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,10 +32,10 @@ from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine import batchnorm as batchnorm_stats
 from roundpipe.engine import checkpoint, loss_scale, omp
 from roundpipe.engine.board import Board
-from roundpipe.engine.device_memory import check_schedule, layer_bytes, resolve_caps
+from roundpipe.engine.device_memory import PeakPredictions, resolve_caps
 from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
-from roundpipe.engine.executor import SerialExecutor, engine_thread, stop_when_collected
+from roundpipe.engine.executor import SerialExecutor, engine_thread, register_then_queue, stop_when_collected
 from roundpipe.engine.host_state import HostState
 from roundpipe.engine.microbatch import SplitFn, batch_size_of, merge, split, tensors, tree_map
 from roundpipe.engine.plan import Plan
@@ -47,7 +45,6 @@ from roundpipe.engine.replica import Replica
 from roundpipe.engine.stage import CallContext
 from roundpipe.engine.staleness import StalenessCompensation
 from roundpipe.optim.rounding import check_master_dtype, check_rounding
-from roundpipe.planner.memory import worker_peaks
 from roundpipe.trace import Trace
 from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
 from roundpipe.workers.base import Handoff, gpu_input_snapshots
@@ -90,27 +87,6 @@ def _gpu_input_events(mb) -> dict | None:
     devices = {t.device for m in range(len(mb)) for t in tensors((mb.args[m], mb.kwargs[m], mb.labels[m]))
                if t.device.type == "cuda"}
     return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
-
-
-def _register_then_queue(register: Callable[[], Any], queue: Callable[[Any], None]) -> None:
-    """register() with the protocol, then queue(its record), with Ctrl-C held back in between.
-
-    A KeyboardInterrupt between the two would leave the protocol waiting for a job that never
-    runs, and every later call waiting for it.  On the main thread, with Python's default
-    SIGINT handler in place, an interrupt arriving meanwhile is recorded and raised once the
-    job is queued (one that was already pending may still fire before register(): harmless)."""
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        queue(register())
-        return
-    hit: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: hit.append(signum))
-    try:
-        queue(register())
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if hit:
-        raise KeyboardInterrupt
 
 
 def _describe(error: BaseException) -> str:
@@ -172,7 +148,6 @@ class RoundPipe:
         # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/engine/autoplan.py).
         self.planning = planning or PlanningConfig()
         self.device_memory = resolve_caps(device_memory, self.devices)   # worker name -> bytes or None
-        self._predicted: dict[str, int] = {}   # worker name -> predicted peak device bytes (_predict_peaks)
         caps = [c for c in self.device_memory.values() if c is not None]
         if caps and self.planning.memory_budget == "device":   # stages sized for the smallest cap
             self.planning = dataclasses.replace(self.planning, memory_budget=min(caps))
@@ -208,6 +183,7 @@ class RoundPipe:
         self.host_thread = SerialExecutor("roundpipe-step")      # optimizer steps and P-copies
         self.gcopy_thread = SerialExecutor("roundpipe-gcopy")    # G-copies
         self.workers = make_workers(self.devices, self.compute_dtype, self.host.alloc, self.host.owns)
+        self.predictions = PeakPredictions(self.workers, self.device_memory)   # memory_stats()'s "predicted_peak"
         for w in self.workers:   # a capped CPU worker also counts compute workspace (ledger.py; ~12% slower)
             w.records_workspace = self.device_memory[w.name] is not None
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
@@ -395,14 +371,7 @@ class RoundPipe:
             self._retire(cancelled=key)   # a new plan starts from an empty pipeline
         self._retire(keep=1, cancelled=key)   # at most one earlier call still draining
         sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
-        if not sched.fits_checked:   # before any work, once per schedule: a stage that cannot fit
-            check_schedule(sched.tasks, self.device_memory, self.host)
-            sched.predicted = self._predict_peaks(sched, (mb.args[0], mb.kwargs[0]), loss)
-            sched.fits_checked = True
-        for name, need in sched.predicted.items():
-            # the rotation gives each call its own schedule: a worker's figure covers every schedule it ran
-            # since the last reset_peak_memory(), as its measured peak does
-            self._predicted[name] = max(self._predicted.get(name, 0), need)
+        self.predictions.check(sched, self.host, self.autoplan, (mb.args[0], mb.kwargs[0]), loss)   # before any work
         if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
             self._grads_reserved = True
             self.host.reserve_gradients()
@@ -519,7 +488,7 @@ class RoundPipe:
         self._grads_pending = False
         sync, host, dp = self.sync, self.host, self.dp   # a queued job must not keep the model alive
         reduce = dp.reducer(host) if dp is not None else None
-        _register_then_queue(sync.issue_gcopy, lambda after: self.gcopy_thread.submit(
+        register_then_queue(sync.issue_gcopy, lambda after: self.gcopy_thread.submit(
             lambda: run_gcopy(sync, after, host.gcopy, reduce)))
 
     def step(self, optimizer, asynchronous: bool = True, *, lr_scheduler=None,
@@ -570,7 +539,7 @@ class RoundPipe:
         self._refresh_edited()   # calls in this step's stale window read the masters as they are now
         self._issue_gcopy()
         sync = self.sync   # a queued job must not keep the model alive
-        _register_then_queue(lambda: sync.new_step(asynchronous, fns.before_gates, window),
+        register_then_queue(lambda: sync.new_step(asynchronous, fns.before_gates, window),
                              lambda rec: self.host_thread.submit(lambda: run_step(sync, rec, fns)))
         self._latest_async = asynchronous
         if not asynchronous:
@@ -656,15 +625,7 @@ class RoundPipe:
         Waits for the calls still draining (`wait_calls`), so the figures are not caught mid-call."""
         if not self._closed:
             self.wait_calls()
-        workers = {}
-        for w in self.workers:
-            stats = w.ledger.stats()
-            stats["device"] = str(w.device)
-            if w.name in self._predicted:
-                stats["predicted_peak"] = self._predicted[w.name]
-            if w.device.type == "cuda":
-                stats["cuda_allocated"] = torch.cuda.memory_allocated(w.device)
-            workers[w.name] = stats
+        workers = self.predictions.worker_stats()
         host = self.host.host_bytes()
         if optimizer is not None:
             host["optimizer_state"] = sum(v.nbytes for state in optimizer.state.values()
@@ -680,27 +641,8 @@ class RoundPipe:
                 return loss_fn(out, labels)
         return run
 
-    def _predict_peaks(self, sched, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None) -> dict[str, int]:
-        """The schedule's predicted peak device bytes per worker (memory_stats' "predicted_peak"), from the
-        planner's memory model; a warning where one exceeds the worker's cap (only an explicit plan can)."""
-        if self.autoplan.profiler is None and not any(c is not None for c in self.device_memory.values()):
-            return {}   # a fixed plan without caps: no dry run just for the figure
-        weights, grads = layer_bytes(self.host)
-        prefetches = any(w.prefetches for w in self.workers)
-        predicted = worker_peaks(sched.tasks, weights, grads, self.autoplan.layer_memory(sample, loss), prefetches)
-        for name, need in predicted.items():
-            cap = self.device_memory.get(name)
-            if cap is not None and need > cap:
-                warnings.warn(f"worker {name}: the plan's predicted peak of {need:,} device bytes exceeds its "
-                              f"device_memory cap of {cap:,} (weights, gradients and activations; "
-                              "roundpipe/planner/memory.py); give a plan with smaller stages or fewer rows "
-                              "per microbatch, or let the planner choose", stacklevel=4)
-        return predicted
-
     def reset_peak_memory(self) -> None:
-        self._predicted = {}   # the next schedule (a new call) predicts again
-        for w in self.workers:
-            w.ledger.reset_peak()
+        self.predictions.reset()
 
     @contextlib.contextmanager
     def record_trace(self) -> Iterator[Trace]:
