@@ -6,10 +6,12 @@
 //   1. per vector: decode m, v; update them, the weight and the shadow; keep the
 //      new m, v in a block buffer (fp32, on the stack) and their running max |.|
 //   2. absmax = that max (NaN ignored, as std::max in bitsandbytes)
-//   3. per vector: code = LUT[int((clamp(x * (1 / absmax), -1, 1) + 1) * 0.5 * 65535 + 0.5)]
+//   3. per pair of vectors: code = LUT[int((clamp(x * (1 / absmax), -1, 1) + 1) * 0.5 * 65535 + 0.5)]
 //      (NaN -> -1: vmax/vmin return their second operand for a NaN first one);
 //      a block whose absmax is 0 gets all codes 0
-// kQuantBlock is a multiple of every kWidth, so only a tensor's last, shorter
+// The level's Codes (vec_<level>.h) decode and encode: map and LUT reads, or at
+// AVX-512 permutes and adam8bit.h's search, with the same results.
+// kQuantBlock is a multiple of every 2 * kWidth, so only a tensor's last, shorter
 // block has a tail: it runs through the vector code on a zero-padded copy.
 #pragma once
 
@@ -29,11 +31,13 @@ struct Adam8bitVecs {
         bc2_sqrt(vset(c.bc2_sqrt)), neg_step(vset(c.neg_step)), eps(vset(c.eps)), predict(vset(c.predict)),
         minus_one(vset(-1.0f)), one(vset(1.0f)), half(vset(0.5f)),
         last_bin(vset(static_cast<float>(rp::kQuantBins - 1))), maximize(c.maximize), l2(c.l2),
-        decay_weight(c.decay_weight), predicting(c.predicting), t(c8.tables) {}
+        decay_weight(c.decay_weight), predicting(c.predicting),
+        codes1(c8.tables.code1, c8.tables.lut1, c8.tables.search1->tree, c8.tables.search1->top),
+        codes2(c8.tables.code2, c8.tables.lut2, c8.tables.search2->tree, c8.tables.search2->top) {}
   Vec grad_mul, l2_decay, weight_scale, beta1, lerp_w, beta2, sq_w, bc2_sqrt, neg_step, eps, predict;
   Vec minus_one, one, half, last_bin;
   bool maximize, l2, decay_weight, predicting;
-  rp::Adam8bitTables t;
+  Codes codes1, codes2;
 };
 
 // One vector: the weight and shadow updated in place, the new m and v stored to m_out / v_out.
@@ -46,8 +50,8 @@ inline void update_vector(const Adam8bitVecs& k, uint64_t key, size_t i, Vec abs
   const Vec before = MK::load(p);
   Vec param = before;
   if (k.l2) grad = vfma(param, k.l2_decay, grad);
-  const Vec m_old = vmul(vgather(k.t.code1, vload_u8(q1)), absmax1);
-  const Vec v_old = vmul(vgather(k.t.code2, vload_u8(q2)), absmax2);
+  const Vec m_old = vmul(k.codes1.decode(q1), absmax1);
+  const Vec v_old = vmul(k.codes2.decode(q2), absmax2);
   const Vec m = vfma(grad, k.lerp_w, vmul(m_old, k.beta1));
   const Vec v = vfma(vmul(k.sq_w, grad), grad, vmul(v_old, k.beta2));
   const Vec denom = vadd(vdiv(vsqrt(v), k.bc2_sqrt), k.eps);
@@ -58,13 +62,13 @@ inline void update_vector(const Adam8bitVecs& k, uint64_t key, size_t i, Vec abs
   F32K::store(v_out, v);
 }
 
-inline VecI code_of(const Adam8bitVecs& k, Vec x, Vec inv_absmax, const uint8_t* lut) {
+inline VecI bin_of(const Adam8bitVecs& k, Vec x, Vec inv_absmax) {
   const Vec y = vmin(vmax(vmul(x, inv_absmax), k.minus_one), k.one);
-  return vgather_u8(lut, vtrunc(vadd(vmul(vmul(vadd(y, k.one), k.half), k.last_bin), k.half)));
+  return vtrunc(vadd(vmul(vmul(vadd(y, k.one), k.half), k.last_bin), k.half));
 }
 
-// Codes of values[0, len) (whole vectors readable, zero past len) into out[0, len).
-inline void encode_block(const Adam8bitVecs& k, const float* values, size_t len, float absmax, const uint8_t* lut,
+// Codes of values[0, len) (whole pairs of vectors readable, zero past len) into out[0, len).
+inline void encode_block(const Adam8bitVecs& k, const float* values, size_t len, float absmax, const Codes& codes,
                          uint8_t* out) {
   if (absmax == 0.0f) {
     std::memset(out, 0, len);
@@ -72,11 +76,12 @@ inline void encode_block(const Adam8bitVecs& k, const float* values, size_t len,
   }
   const Vec inv = vset(1.0f / absmax);
   size_t i = 0;
-  for (; i + kWidth <= len; i += kWidth) vstore_u8(out + i, code_of(k, F32K::load(values + i), inv, lut));
+  for (; i + 2 * kWidth <= len; i += 2 * kWidth)
+    codes.encode2(out + i, bin_of(k, F32K::load(values + i), inv), bin_of(k, F32K::load(values + i + kWidth), inv));
   if (i == len) return;
-  alignas(64) uint8_t codes[kWidth];
-  vstore_u8(codes, code_of(k, F32K::load(values + i), inv, lut));
-  std::memcpy(out + i, codes, len - i);
+  alignas(64) uint8_t tail[2 * kWidth];
+  codes.encode2(tail, bin_of(k, F32K::load(values + i), inv), bin_of(k, F32K::load(values + i + kWidth), inv));
+  std::memcpy(out + i, tail, len - i);
 }
 
 template <class MK, class GK, class SK>
@@ -125,11 +130,15 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
       max1 = vmax(vabs(F32K::load(m + i)), max1);
       max2 = vmax(vabs(F32K::load(v + i)), max2);
     }
+    // Zero past len to the end of the last pair of vectors (encode_block reads whole pairs).
+    const size_t padded = (len + 2 * kWidth - 1) / (2 * kWidth) * (2 * kWidth);
+    std::memset(m + len, 0, (padded - len) * sizeof(float));
+    std::memset(v + len, 0, (padded - len) * sizeof(float));
     const float new_absmax1 = vreduce_max(max1), new_absmax2 = vreduce_max(max2);
     t.absmax1[block] = new_absmax1;
     t.absmax2[block] = new_absmax2;
-    encode_block(k, m, len, new_absmax1, k.t.lut1, q1);
-    encode_block(k, v, len, new_absmax2, k.t.lut2, q2);
+    encode_block(k, m, len, new_absmax1, k.codes1, q1);
+    encode_block(k, v, len, new_absmax2, k.codes2, q2);
   }
 }
 
