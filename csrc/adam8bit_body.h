@@ -6,12 +6,12 @@
 //   1. per vector: decode m, v; update them, the weight and the shadow; keep the
 //      new m, v in a block buffer (fp32, on the stack) and their running max |.|
 //   2. absmax = that max (NaN ignored, as std::max in bitsandbytes)
-//   3. per pair of vectors: code = LUT[int((clamp(x * (1 / absmax), -1, 1) + 1) * 0.5 * 65535 + 0.5)]
+//   3. per run of kEncodeRun vectors: code = LUT[int((clamp(x * (1 / absmax), -1, 1) + 1) * 0.5 * 65535 + 0.5)]
 //      (NaN -> -1: vmax/vmin return their second operand for a NaN first one);
 //      a block whose absmax is 0 gets all codes 0
 // The level's Codes (vec_<level>.h) decode and encode: map and LUT reads, or at
 // AVX-512 permutes and adam8bit.h's search, with the same results.
-// kQuantBlock is a multiple of every 2 * kWidth, so only a tensor's last, shorter
+// kQuantBlock is a multiple of every kEncodeRun * kWidth, so only a tensor's last, shorter
 // block has a tail: it runs through the vector code on a zero-padded copy.
 #pragma once
 
@@ -40,26 +40,26 @@ struct Adam8bitVecs {
   Codes codes1, codes2;
 };
 
-// One vector: the weight and shadow updated in place, the new m and v stored to m_out / v_out.
+// One vector: the weight and shadow updated in place; m and v hold the old codes' map values
+// (decoded) and get the new m and v.
 template <class MK, class GK, class SK>
 inline void update_vector(const Adam8bitVecs& k, uint64_t key, size_t i, Vec absmax1, Vec absmax2,
-                          typename MK::T* p, const typename GK::T* g,
-                          const uint8_t* q1, const uint8_t* q2, float* m_out, float* v_out, typename SK::T* s) {
+                          typename MK::T* p, const typename GK::T* g, float* m, float* v, typename SK::T* s) {
   Vec grad = vmul(GK::load(g), k.grad_mul);
   if (k.maximize) grad = vmul(grad, k.minus_one);
   const Vec before = MK::load(p);
   Vec param = before;
   if (k.l2) grad = vfma(param, k.l2_decay, grad);
-  const Vec m_old = vmul(k.codes1.decode(q1), absmax1);
-  const Vec v_old = vmul(k.codes2.decode(q2), absmax2);
-  const Vec m = vfma(grad, k.lerp_w, vmul(m_old, k.beta1));
-  const Vec v = vfma(vmul(k.sq_w, grad), grad, vmul(v_old, k.beta2));
-  const Vec denom = vadd(vdiv(vsqrt(v), k.bc2_sqrt), k.eps);
+  const Vec m_old = vmul(F32K::load(m), absmax1);
+  const Vec v_old = vmul(F32K::load(v), absmax2);
+  const Vec m_new = vfma(grad, k.lerp_w, vmul(m_old, k.beta1));
+  const Vec v_new = vfma(vmul(k.sq_w, grad), grad, vmul(v_old, k.beta2));
+  const Vec denom = vadd(vdiv(vsqrt(v_new), k.bc2_sqrt), k.eps);
   if (k.decay_weight) param = vmul(param, k.weight_scale);
-  param = MK::store(p, vadd(param, vdiv(vmul(k.neg_step, m), denom)), key, i);
+  param = MK::store(p, vadd(param, vdiv(vmul(k.neg_step, m_new), denom)), key, i);
   SK::store(s, k.predicting ? vfma(vsub(param, before), k.predict, param) : param);
-  F32K::store(m_out, m);
-  F32K::store(v_out, v);
+  F32K::store(m, m_new);
+  F32K::store(v, v_new);
 }
 
 inline VecI bin_of(const Adam8bitVecs& k, Vec x, Vec inv_absmax) {
@@ -67,21 +67,26 @@ inline VecI bin_of(const Adam8bitVecs& k, Vec x, Vec inv_absmax) {
   return vtrunc(vadd(vmul(vmul(vadd(y, k.one), k.half), k.last_bin), k.half));
 }
 
-// Codes of values[0, len) (whole pairs of vectors readable, zero past len) into out[0, len).
+// Codes of values[0, len) (whole runs of kEncodeRun vectors readable, zero past len) into out[0, len).
 inline void encode_block(const Adam8bitVecs& k, const float* values, size_t len, float absmax, const Codes& codes,
                          uint8_t* out) {
   if (absmax == 0.0f) {
     std::memset(out, 0, len);
     return;
   }
+  constexpr size_t kRun = kEncodeRun * kWidth;
   const Vec inv = vset(1.0f / absmax);
-  size_t i = 0;
-  for (; i + 2 * kWidth <= len; i += 2 * kWidth)
-    codes.encode2(out + i, bin_of(k, F32K::load(values + i), inv), bin_of(k, F32K::load(values + i + kWidth), inv));
-  if (i == len) return;
-  alignas(64) uint8_t tail[2 * kWidth];
-  codes.encode2(tail, bin_of(k, F32K::load(values + i), inv), bin_of(k, F32K::load(values + i + kWidth), inv));
-  std::memcpy(out + i, tail, len - i);
+  VecI bins[kEncodeRun];
+  for (size_t i = 0; i < len; i += kRun) {
+    for (int j = 0; j < kEncodeRun; ++j) bins[j] = bin_of(k, F32K::load(values + i + j * kWidth), inv);
+    if (i + kRun <= len) {
+      codes.encode(out + i, bins);
+    } else {
+      alignas(64) uint8_t tail[kRun];
+      codes.encode(tail, bins);
+      std::memcpy(out + i, tail, len - i);
+    }
+  }
 }
 
 template <class MK, class GK, class SK>
@@ -101,12 +106,23 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
     uint8_t* q2 = t.state2 + b0;
     S* s = shadow ? shadow + b0 : nullptr;
     const Vec absmax1 = vset(t.absmax1[block]), absmax2 = vset(t.absmax2[block]);
+    // The block's map values, decoded in one go (a short block's codes from a zero-padded copy).
     alignas(64) float m[rp::kQuantBlock], v[rp::kQuantBlock];
+    if (len == rp::kQuantBlock) {
+      k.codes1.decode_block(q1, m);
+      k.codes2.decode_block(q2, v);
+    } else {
+      alignas(64) uint8_t c1[rp::kQuantBlock] = {}, c2[rp::kQuantBlock] = {};
+      std::memcpy(c1, q1, len);
+      std::memcpy(c2, q2, len);
+      k.codes1.decode_block(c1, m);
+      k.codes2.decode_block(c2, v);
+    }
     Vec max1 = vset(0.0f), max2 = vset(0.0f);
     size_t i = 0;
     for (; i + kWidth <= len; i += kWidth) {
-      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, p + i, g + i, q1 + i, q2 + i, m + i,
-                                v + i, s ? s + i : nullptr);
+      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, p + i, g + i, m + i, v + i,
+                                s ? s + i : nullptr);
       max1 = vmax(vabs(F32K::load(m + i)), max1);
       max2 = vmax(vabs(F32K::load(v + i)), max2);
     }
@@ -116,13 +132,10 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
       const size_t r = len - i;
       alignas(64) P tp[kWidth] = {};
       alignas(64) G tg[kWidth] = {};
-      alignas(64) uint8_t t1[kWidth] = {}, t2[kWidth] = {};
       alignas(64) S ts[kWidth] = {};
       std::memcpy(tp, p + i, r * sizeof(P));
       std::memcpy(tg, g + i, r * sizeof(G));
-      std::memcpy(t1, q1 + i, r);
-      std::memcpy(t2, q2 + i, r);
-      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, tp, tg, t1, t2, m + i, v + i, ts);
+      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, tp, tg, m + i, v + i, ts);
       std::memset(m + len, 0, (kWidth - r) * sizeof(float));
       std::memset(v + len, 0, (kWidth - r) * sizeof(float));
       std::memcpy(p + i, tp, r * sizeof(P));
@@ -130,8 +143,9 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
       max1 = vmax(vabs(F32K::load(m + i)), max1);
       max2 = vmax(vabs(F32K::load(v + i)), max2);
     }
-    // Zero past len to the end of the last pair of vectors (encode_block reads whole pairs).
-    const size_t padded = (len + 2 * kWidth - 1) / (2 * kWidth) * (2 * kWidth);
+    // Zero past len to the end of the last run of vectors (encode_block reads whole runs).
+    constexpr size_t kRun = kEncodeRun * kWidth;
+    const size_t padded = (len + kRun - 1) / kRun * kRun;
     std::memset(m + len, 0, (padded - len) * sizeof(float));
     std::memset(v + len, 0, (padded - len) * sizeof(float));
     const float new_absmax1 = vreduce_max(max1), new_absmax2 = vreduce_max(max2);

@@ -68,20 +68,26 @@ inline Vec vsign(Vec a) {
 
 // ---- 8-bit codes (adam8bit_body.h; see vec_scalar.h): gathers from the map and the LUT ----------
 using VecI = __m256i;
+constexpr int kEncodeRun = 8;
+constexpr size_t kDecodeBlock = 256;  // rp::kQuantBlock
 struct Codes {
   Codes(const float* map, const uint8_t* lut, const uint16_t* /*tree*/, uint16_t /*top*/) : map_(map), lut_(lut) {}
-  Vec decode(const uint8_t* q) const {
-    return _mm256_i32gather_ps(map_, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))), 4);
+  void decode_block(const uint8_t* q, float* out) const {
+    for (size_t j = 0; j < kDecodeBlock; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_i32gather_ps(map_, _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                                              reinterpret_cast<const __m128i*>(q + j))), 4));
   }
-  void encode2(uint8_t* out, VecI a, VecI b) const {
+  void encode(uint8_t* out, const VecI* bins) const {
     // The LUT has 3 bytes of slack after its last bin: each lookup reads 4 bytes, the low one is the code.
     const int* lut = reinterpret_cast<const int*>(lut_);
-    const __m256i ca = _mm256_and_si256(_mm256_i32gather_epi32(lut, a, 1), _mm256_set1_epi32(0xff));
-    const __m256i cb = _mm256_and_si256(_mm256_i32gather_epi32(lut, b, 1), _mm256_set1_epi32(0xff));
-    const __m256i w = _mm256_packus_epi32(ca, cb);            // per 128-bit half: a's 4, b's 4 (16-bit)
-    const __m256i bytes = _mm256_packus_epi16(w, w);           // per half: those 8 as bytes, twice
-    const __m256i order = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(order));
+    for (int j = 0; j < kEncodeRun; j += 2) {
+      const __m256i ca = _mm256_and_si256(_mm256_i32gather_epi32(lut, bins[j], 1), _mm256_set1_epi32(0xff));
+      const __m256i cb = _mm256_and_si256(_mm256_i32gather_epi32(lut, bins[j + 1], 1), _mm256_set1_epi32(0xff));
+      const __m256i w = _mm256_packus_epi32(ca, cb);            // per 128-bit half: a's 4, b's 4 (16-bit)
+      const __m256i bytes = _mm256_packus_epi16(w, w);           // per half: those 8 as bytes, twice
+      const __m256i order = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * j), _mm256_castsi256_si128(order));
+    }
   }
 
  private:

@@ -54,16 +54,19 @@ inline Vec vsign(Vec a) { return a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : 0.0f; }
 
 // ---- 8-bit codes (adam8bit_body.h) ---------------------------------------------------------
 // VecI: int32 lanes (bins).  Codes: one state's map (256 fp32 codes) and bin -> code table
-// (LUT): decode(q) = map[q[0 .. kWidth)]; encode2(out, a, b) writes the codes of two vectors
-// of bins to out[0 .. 2 kWidth).  vec_avx512.h's Codes holds the map in registers and
+// (LUT): decode_block(q, out) writes map[q[j]] to out[j], j < kDecodeBlock; encode(out, bins) writes the codes of kEncodeRun
+// vectors of bins to out[0 .. kEncodeRun * kWidth).  vec_avx512.h's Codes holds the map in registers and
 // searches `tree` (adam8bit.h's CodeSearch) instead of reading the LUT; the codes are the same.
 using VecI = int32_t;
+constexpr int kEncodeRun = 8;
+constexpr size_t kDecodeBlock = 256;  // rp::kQuantBlock
 struct Codes {
   Codes(const float* map, const uint8_t* lut, const uint16_t* /*tree*/, uint16_t /*top*/) : map_(map), lut_(lut) {}
-  Vec decode(const uint8_t* q) const { return map_[*q]; }
-  void encode2(uint8_t* out, VecI a, VecI b) const {
-    out[0] = lut_[a];
-    out[1] = lut_[b];
+  void decode_block(const uint8_t* q, float* out) const {
+    for (size_t j = 0; j < kDecodeBlock; ++j) out[j] = map_[q[j]];
+  }
+  void encode(uint8_t* out, const VecI* bins) const {
+    for (int j = 0; j < kEncodeRun; ++j) out[j] = lut_[bins[j]];
   }
 
  private:
