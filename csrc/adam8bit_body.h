@@ -3,16 +3,18 @@
 // anonymous namespace, adam8bit_dispatch<BF16Out>(tensor, coeffs, begin, end).
 //
 // Per block of kQuantBlock elements (adam8bit.h has the arithmetic):
-//   1. per vector: decode m, v; update them, the weight and the shadow; keep the
-//      new m, v in a block buffer (fp32, on the stack) and their running max |.|
-//   2. absmax = that max (NaN ignored, as std::max in bitsandbytes)
-//   3. per run of kEncodeRun vectors: code = LUT[int((clamp(x * (1 / absmax), -1, 1) + 1) * 0.5 * 65535 + 0.5)]
+//   1. decode the block's m and v codes to their map values, into two block buffers
+//      (fp32, on the stack)
+//   2. per vector: update m, v (map value * old absmax), the weight and the shadow;
+//      the new m, v go back to the buffers; keep their running max |.|
+//   3. absmax = that max (NaN ignored, as std::max in bitsandbytes)
+//   4. per run of kEncodeRun vectors: code = LUT[int((clamp(x * (1 / absmax), -1, 1) + 1) * 0.5 * 65535 + 0.5)]
 //      (NaN -> -1: vmax/vmin return their second operand for a NaN first one);
 //      a block whose absmax is 0 gets all codes 0
-// The level's Codes (vec_<level>.h) decode and encode: map and LUT reads, or at
-// AVX-512 permutes and adam8bit.h's search, with the same results.
+// The level's Codes (vec_<level>.h) decode and encode: map and LUT reads (gathers at
+// AVX2), or at AVX-512 permutes and adam8bit.h's search, with the same results.
 // kQuantBlock is a multiple of every kEncodeRun * kWidth, so only a tensor's last, shorter
-// block has a tail: it runs through the vector code on a zero-padded copy.
+// block has a tail: it runs through the vector code on zero-padded copies.
 #pragma once
 
 #include <cstring>
