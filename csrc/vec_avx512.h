@@ -123,8 +123,8 @@ inline Vec vsign(Vec a) {
 
 // ---- 8-bit codes (adam8bit_body.h; see vec_scalar.h): permutes, no gathers -------------------
 // On this AMD EPYC (2 cores; 10M-parameter AdamW8bit step, bf16 gradient and copy, one thread)
-// the four gathers per vector (two from the maps, two from the 64 KB LUTs) took ~85% of the
-// step: 28 ms, 4.8 ms with them replaced by conversions.  Here the map is held in registers as
+// the four gathers per vector (two from the maps, two from the 64 KB LUTs) were ~90% of the
+// step: 51 ms, 4.8 ms with them replaced by conversions (wrong codes; timing only; one run).  Here the map is held in registers as
 // 16-bit halves and decoded by word permutes; encoding runs adam8bit.h's binary search on 32
 // bins of 16 bits at once (vpermw / vpermt2w over the tree's levels), one lookup per step.
 // 1M parameters, one thread: 2.2 ns/parameter with gathers, 0.72 without.
