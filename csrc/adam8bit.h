@@ -43,14 +43,36 @@ namespace rp {
 constexpr size_t kQuantBlock = 256;
 constexpr size_t kQuantBins = 65536;
 
+// A bin -> code table (LUT) as the bins where its codes start, in the order a
+// binary search reads them, so that the AVX-512 level codes by searching in
+// registers instead of gathering from the 64 KB LUT (a gather is the slowest
+// instruction of the step on AMD Zen: vec_avx512.h).  The LUT is
+// non-decreasing, so LUT[bin] = #{j in 1..255 : first(j) <= bin}, first(j) =
+// the first bin whose code is >= j; the search finds that count in 8 steps.
+// Step t (0..7) compares with tree[2^t - 1 + k] = first(k * 2^(8-t) + 2^(7-t)),
+// k being the t bits found so far.  first(j) beyond the last bin is stored as
+// the last bin, and `top` = LUT[last bin] caps the count, so the search equals
+// the LUT for every bin.
+struct CodeSearch {
+  alignas(64) uint16_t tree[256] = {};
+  uint16_t top = 0;
+};
+
+// The search of a LUT of kQuantBins entries; throws std::invalid_argument
+// naming `name` if the LUT is not non-decreasing.
+CodeSearch code_search(const uint8_t* lut, const char* name);
+
 // The maps (256 fp32 codes each) and their bin -> code tables (kQuantBins
 // bytes each, followed by 3 readable bytes: the vector levels load 4 bytes per
-// lookup): 1 for m (signed), 2 for v (unsigned).
+// lookup), with the tables' searches: 1 for m (signed), 2 for v (unsigned).
+// adam8bit_step fills search1 and search2 from lut1 and lut2.
 struct Adam8bitTables {
   const float* code1 = nullptr;
   const uint8_t* lut1 = nullptr;
   const float* code2 = nullptr;
   const uint8_t* lut2 = nullptr;
+  const CodeSearch* search1 = nullptr;
+  const CodeSearch* search2 = nullptr;
 };
 
 // One tensor of a group: n elements, ceil(n / kQuantBlock) absmax entries per
@@ -75,7 +97,8 @@ struct Adam8bitCoeffs {
 Adam8bitCoeffs adam8bit_coeffs(const AdamOptions& opt, double step, const Adam8bitTables& tables);
 
 // Updates every tensor of the group in one OpenMP region; each thread's ranges
-// are whole blocks (multi_tensor.h).  opt.amsgrad must be false.
+// are whole blocks (multi_tensor.h).  opt.amsgrad must be false; tables' searches
+// are filled here (throws std::invalid_argument for a LUT that is not non-decreasing).
 void adam8bit_step(const Adam8bitTensor* tensors, size_t count, const AdamOptions& opt, const Adam8bitTables& tables);
 
 // Per-level kernels: elements [begin, end) of one tensor, begin a multiple of

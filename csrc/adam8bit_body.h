@@ -3,14 +3,18 @@
 // anonymous namespace, adam8bit_dispatch<BF16Out>(tensor, coeffs, begin, end).
 //
 // Per block of kQuantBlock elements (adam8bit.h has the arithmetic):
-//   1. per vector: decode m, v; update them, the weight and the shadow; keep the
-//      new m, v in a block buffer (fp32, on the stack) and their running max |.|
-//   2. absmax = that max (NaN ignored, as std::max in bitsandbytes)
-//   3. per vector: code = LUT[int((clamp(x * (1 / absmax), -1, 1) + 1) * 0.5 * 65535 + 0.5)]
+//   1. decode the block's m and v codes to their map values, into two block buffers
+//      (fp32, on the stack)
+//   2. per vector: update m, v (map value * old absmax), the weight and the shadow;
+//      the new m, v go back to the buffers; keep their running max |.|
+//   3. absmax = that max (NaN ignored, as std::max in bitsandbytes)
+//   4. per run of kEncodeRun vectors: code = LUT[int((clamp(x * (1 / absmax), -1, 1) + 1) * 0.5 * 65535 + 0.5)]
 //      (NaN -> -1: vmax/vmin return their second operand for a NaN first one);
 //      a block whose absmax is 0 gets all codes 0
-// kQuantBlock is a multiple of every kWidth, so only a tensor's last, shorter
-// block has a tail: it runs through the vector code on a zero-padded copy.
+// The level's Codes (vec_<level>.h) decode and encode: map and LUT reads (gathers at
+// AVX2), or at AVX-512 permutes and adam8bit.h's search, with the same results.
+// kQuantBlock is a multiple of every kEncodeRun * kWidth, so only a tensor's last, shorter
+// block has a tail: it runs through the vector code on zero-padded copies.
 #pragma once
 
 #include <cstring>
@@ -29,54 +33,62 @@ struct Adam8bitVecs {
         bc2_sqrt(vset(c.bc2_sqrt)), neg_step(vset(c.neg_step)), eps(vset(c.eps)), predict(vset(c.predict)),
         minus_one(vset(-1.0f)), one(vset(1.0f)), half(vset(0.5f)),
         last_bin(vset(static_cast<float>(rp::kQuantBins - 1))), maximize(c.maximize), l2(c.l2),
-        decay_weight(c.decay_weight), predicting(c.predicting), t(c8.tables) {}
+        decay_weight(c.decay_weight), predicting(c.predicting),
+        codes1(c8.tables.code1, c8.tables.lut1, c8.tables.search1->tree, c8.tables.search1->top),
+        codes2(c8.tables.code2, c8.tables.lut2, c8.tables.search2->tree, c8.tables.search2->top) {}
   Vec grad_mul, l2_decay, weight_scale, beta1, lerp_w, beta2, sq_w, bc2_sqrt, neg_step, eps, predict;
   Vec minus_one, one, half, last_bin;
   bool maximize, l2, decay_weight, predicting;
-  rp::Adam8bitTables t;
+  Codes codes1, codes2;
 };
 
-// One vector: the weight and shadow updated in place, the new m and v stored to m_out / v_out.
+// One vector: the weight and shadow updated in place; m and v hold the old codes' map values
+// (decoded) and get the new m and v.
 template <class MK, class GK, class SK>
 inline void update_vector(const Adam8bitVecs& k, uint64_t key, size_t i, Vec absmax1, Vec absmax2,
-                          typename MK::T* p, const typename GK::T* g,
-                          const uint8_t* q1, const uint8_t* q2, float* m_out, float* v_out, typename SK::T* s) {
+                          typename MK::T* p, const typename GK::T* g, float* m, float* v, typename SK::T* s) {
   Vec grad = vmul(GK::load(g), k.grad_mul);
   if (k.maximize) grad = vmul(grad, k.minus_one);
   const Vec before = MK::load(p);
   Vec param = before;
   if (k.l2) grad = vfma(param, k.l2_decay, grad);
-  const Vec m_old = vmul(vgather(k.t.code1, vload_u8(q1)), absmax1);
-  const Vec v_old = vmul(vgather(k.t.code2, vload_u8(q2)), absmax2);
-  const Vec m = vfma(grad, k.lerp_w, vmul(m_old, k.beta1));
-  const Vec v = vfma(vmul(k.sq_w, grad), grad, vmul(v_old, k.beta2));
-  const Vec denom = vadd(vdiv(vsqrt(v), k.bc2_sqrt), k.eps);
+  const Vec m_old = vmul(F32K::load(m), absmax1);
+  const Vec v_old = vmul(F32K::load(v), absmax2);
+  const Vec m_new = vfma(grad, k.lerp_w, vmul(m_old, k.beta1));
+  const Vec v_new = vfma(vmul(k.sq_w, grad), grad, vmul(v_old, k.beta2));
+  const Vec denom = vadd(vdiv(vsqrt(v_new), k.bc2_sqrt), k.eps);
   if (k.decay_weight) param = vmul(param, k.weight_scale);
-  param = MK::store(p, vadd(param, vdiv(vmul(k.neg_step, m), denom)), key, i);
+  param = MK::store(p, vadd(param, vdiv(vmul(k.neg_step, m_new), denom)), key, i);
   SK::store(s, k.predicting ? vfma(vsub(param, before), k.predict, param) : param);
-  F32K::store(m_out, m);
-  F32K::store(v_out, v);
+  F32K::store(m, m_new);
+  F32K::store(v, v_new);
 }
 
-inline VecI code_of(const Adam8bitVecs& k, Vec x, Vec inv_absmax, const uint8_t* lut) {
+inline VecI bin_of(const Adam8bitVecs& k, Vec x, Vec inv_absmax) {
   const Vec y = vmin(vmax(vmul(x, inv_absmax), k.minus_one), k.one);
-  return vgather_u8(lut, vtrunc(vadd(vmul(vmul(vadd(y, k.one), k.half), k.last_bin), k.half)));
+  return vtrunc(vadd(vmul(vmul(vadd(y, k.one), k.half), k.last_bin), k.half));
 }
 
-// Codes of values[0, len) (whole vectors readable, zero past len) into out[0, len).
-inline void encode_block(const Adam8bitVecs& k, const float* values, size_t len, float absmax, const uint8_t* lut,
+// Codes of values[0, len) (whole runs of kEncodeRun vectors readable, zero past len) into out[0, len).
+inline void encode_block(const Adam8bitVecs& k, const float* values, size_t len, float absmax, const Codes& codes,
                          uint8_t* out) {
   if (absmax == 0.0f) {
     std::memset(out, 0, len);
     return;
   }
+  constexpr size_t kRun = kEncodeRun * kWidth;
   const Vec inv = vset(1.0f / absmax);
-  size_t i = 0;
-  for (; i + kWidth <= len; i += kWidth) vstore_u8(out + i, code_of(k, F32K::load(values + i), inv, lut));
-  if (i == len) return;
-  alignas(64) uint8_t codes[kWidth];
-  vstore_u8(codes, code_of(k, F32K::load(values + i), inv, lut));
-  std::memcpy(out + i, codes, len - i);
+  VecI bins[kEncodeRun];
+  for (size_t i = 0; i < len; i += kRun) {
+    for (int j = 0; j < kEncodeRun; ++j) bins[j] = bin_of(k, F32K::load(values + i + j * kWidth), inv);
+    if (i + kRun <= len) {
+      codes.encode(out + i, bins);
+    } else {
+      alignas(64) uint8_t tail[kRun];
+      codes.encode(tail, bins);
+      std::memcpy(out + i, tail, len - i);
+    }
+  }
 }
 
 template <class MK, class GK, class SK>
@@ -96,12 +108,23 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
     uint8_t* q2 = t.state2 + b0;
     S* s = shadow ? shadow + b0 : nullptr;
     const Vec absmax1 = vset(t.absmax1[block]), absmax2 = vset(t.absmax2[block]);
+    // The block's map values, decoded in one go (a short block's codes from a zero-padded copy).
     alignas(64) float m[rp::kQuantBlock], v[rp::kQuantBlock];
+    if (len == rp::kQuantBlock) {
+      k.codes1.decode_block(q1, m);
+      k.codes2.decode_block(q2, v);
+    } else {
+      alignas(64) uint8_t c1[rp::kQuantBlock] = {}, c2[rp::kQuantBlock] = {};
+      std::memcpy(c1, q1, len);
+      std::memcpy(c2, q2, len);
+      k.codes1.decode_block(c1, m);
+      k.codes2.decode_block(c2, v);
+    }
     Vec max1 = vset(0.0f), max2 = vset(0.0f);
     size_t i = 0;
     for (; i + kWidth <= len; i += kWidth) {
-      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, p + i, g + i, q1 + i, q2 + i, m + i,
-                                v + i, s ? s + i : nullptr);
+      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, p + i, g + i, m + i, v + i,
+                                s ? s + i : nullptr);
       max1 = vmax(vabs(F32K::load(m + i)), max1);
       max2 = vmax(vabs(F32K::load(v + i)), max2);
     }
@@ -111,13 +134,10 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
       const size_t r = len - i;
       alignas(64) P tp[kWidth] = {};
       alignas(64) G tg[kWidth] = {};
-      alignas(64) uint8_t t1[kWidth] = {}, t2[kWidth] = {};
       alignas(64) S ts[kWidth] = {};
       std::memcpy(tp, p + i, r * sizeof(P));
       std::memcpy(tg, g + i, r * sizeof(G));
-      std::memcpy(t1, q1 + i, r);
-      std::memcpy(t2, q2 + i, r);
-      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, tp, tg, t1, t2, m + i, v + i, ts);
+      update_vector<MK, GK, SK>(k, t.round_key, b0 + i, absmax1, absmax2, tp, tg, m + i, v + i, ts);
       std::memset(m + len, 0, (kWidth - r) * sizeof(float));
       std::memset(v + len, 0, (kWidth - r) * sizeof(float));
       std::memcpy(p + i, tp, r * sizeof(P));
@@ -125,11 +145,16 @@ void adam8bit_typed(const rp::Adam8bitTensor& t, const rp::Adam8bitCoeffs& c, si
       max1 = vmax(vabs(F32K::load(m + i)), max1);
       max2 = vmax(vabs(F32K::load(v + i)), max2);
     }
+    // Zero past len to the end of the last run of vectors (encode_block reads whole runs).
+    constexpr size_t kRun = kEncodeRun * kWidth;
+    const size_t padded = (len + kRun - 1) / kRun * kRun;
+    std::memset(m + len, 0, (padded - len) * sizeof(float));
+    std::memset(v + len, 0, (padded - len) * sizeof(float));
     const float new_absmax1 = vreduce_max(max1), new_absmax2 = vreduce_max(max2);
     t.absmax1[block] = new_absmax1;
     t.absmax2[block] = new_absmax2;
-    encode_block(k, m, len, new_absmax1, k.t.lut1, q1);
-    encode_block(k, v, len, new_absmax2, k.t.lut2, q2);
+    encode_block(k, m, len, new_absmax1, k.codes1, q1);
+    encode_block(k, v, len, new_absmax2, k.codes2, q2);
   }
 }
 

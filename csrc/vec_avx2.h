@@ -66,22 +66,34 @@ inline Vec vsign(Vec a) {
                        _mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_LT_OQ), one));
 }
 
-// ---- 8-bit code tables (adam8bit_body.h; see vec_scalar.h) ------------------------------------
+// ---- 8-bit codes (adam8bit_body.h; see vec_scalar.h): gathers from the map and the LUT ----------
 using VecI = __m256i;
-inline VecI vload_u8(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-inline void vstore_u8(uint8_t* p, VecI v) {
-  const __m256i w = _mm256_packus_epi32(v, v);
-  const __m256i b = _mm256_packus_epi16(w, w);  // bytes 0-3 of each 128-bit half: its 4 codes
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(p),
-                   _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-}
-inline Vec vgather(const float* table, VecI idx) { return _mm256_i32gather_ps(table, idx, 4); }
-inline VecI vgather_u8(const uint8_t* table, VecI idx) {
-  const __m256i w = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), idx, 1);
-  return _mm256_and_si256(w, _mm256_set1_epi32(0xff));
-}
+constexpr int kEncodeRun = 8;
+constexpr size_t kDecodeBlock = 256;  // rp::kQuantBlock
+struct Codes {
+  Codes(const float* map, const uint8_t* lut, const uint16_t* /*tree*/, uint16_t /*top*/) : map_(map), lut_(lut) {}
+  void decode_block(const uint8_t* q, float* out) const {
+    for (size_t j = 0; j < kDecodeBlock; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_i32gather_ps(map_, _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                                              reinterpret_cast<const __m128i*>(q + j))), 4));
+  }
+  void encode(uint8_t* out, const VecI* bins) const {
+    // The LUT has 3 bytes of slack after its last bin: each lookup reads 4 bytes, the low one is the code.
+    const int* lut = reinterpret_cast<const int*>(lut_);
+    for (int j = 0; j < kEncodeRun; j += 2) {
+      const __m256i ca = _mm256_and_si256(_mm256_i32gather_epi32(lut, bins[j], 1), _mm256_set1_epi32(0xff));
+      const __m256i cb = _mm256_and_si256(_mm256_i32gather_epi32(lut, bins[j + 1], 1), _mm256_set1_epi32(0xff));
+      const __m256i w = _mm256_packus_epi32(ca, cb);            // per 128-bit half: a's 4, b's 4 (16-bit)
+      const __m256i bytes = _mm256_packus_epi16(w, w);           // per half: those 8 as bytes, twice
+      const __m256i order = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * j), _mm256_castsi256_si128(order));
+    }
+  }
+
+ private:
+  const float* map_;
+  const uint8_t* lut_;
+};
 inline VecI vtrunc(Vec a) { return _mm256_cvttps_epi32(a); }
 inline Vec vabs(Vec a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
 inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }

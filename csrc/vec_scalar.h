@@ -52,15 +52,27 @@ inline Vec vmax_nan(Vec a, Vec b) {
 // sign(a): 1, -1 or +0 (also for -0 and NaN), as torch.sign on CPU.
 inline Vec vsign(Vec a) { return a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : 0.0f; }
 
-// ---- 8-bit code tables (adam8bit_body.h) ----------------------------------------------------
-// VecI: int32 lanes.  Code bytes load zero-extended and store as their low byte;
-// vgather reads table[idx] (fp32), vgather_u8 the byte at table + idx (the
-// vector levels read 4 bytes there: tables carry 3 bytes of slack).
+// ---- 8-bit codes (adam8bit_body.h) ---------------------------------------------------------
+// VecI: int32 lanes (bins).  Codes: one state's map (256 fp32 codes) and bin -> code table
+// (LUT): decode_block(q, out) writes map[q[j]] to out[j], j < kDecodeBlock; encode(out, bins) writes the codes of kEncodeRun
+// vectors of bins to out[0 .. kEncodeRun * kWidth).  vec_avx512.h's Codes holds the map in registers and
+// searches `tree` (adam8bit.h's CodeSearch) instead of reading the LUT; the codes are the same.
 using VecI = int32_t;
-inline VecI vload_u8(const uint8_t* p) { return *p; }
-inline void vstore_u8(uint8_t* p, VecI v) { *p = static_cast<uint8_t>(v); }
-inline Vec vgather(const float* table, VecI idx) { return table[idx]; }
-inline VecI vgather_u8(const uint8_t* table, VecI idx) { return table[idx]; }
+constexpr int kEncodeRun = 8;
+constexpr size_t kDecodeBlock = 256;  // rp::kQuantBlock
+struct Codes {
+  Codes(const float* map, const uint8_t* lut, const uint16_t* /*tree*/, uint16_t /*top*/) : map_(map), lut_(lut) {}
+  void decode_block(const uint8_t* q, float* out) const {
+    for (size_t j = 0; j < kDecodeBlock; ++j) out[j] = map_[q[j]];
+  }
+  void encode(uint8_t* out, const VecI* bins) const {
+    for (int j = 0; j < kEncodeRun; ++j) out[j] = lut_[bins[j]];
+  }
+
+ private:
+  const float* map_;
+  const uint8_t* lut_;
+};
 inline VecI vtrunc(Vec a) { return static_cast<int32_t>(a); }  // toward zero; callers keep a in int range
 inline Vec vabs(Vec a) { return std::fabs(a); }
 // maxps / minps semantics: a unless it is not greater (smaller) than b, so a NaN `a` gives b.

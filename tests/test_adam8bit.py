@@ -279,8 +279,30 @@ def test_bad_arguments_name_themselves(make, match):
 
 
 @native
+def test_every_bin_gets_its_lut_code_at_every_level(restore_level):
+    """With betas 0 the new m is the gradient and v its square: gradients at every bin centre of the
+    coder (one 1.0 per block sets absmax) get exactly blockwise.quantize_ref's codes at every SIMD level,
+    so the AVX-512 search over the LUT's code starts equals the LUT for all 65,536 bins."""
+    t = blockwise.tables()
+    centres = -1.0 + (2.0 * torch.arange(blockwise.LUT_BINS, dtype=torch.float32)) / float(blockwise.LUT_BINS - 1)
+    rows = -(-centres.numel() // 255)
+    body = torch.cat([centres, centres[: rows * 255 - centres.numel()]]).view(rows, 255)
+    grad = torch.cat([torch.ones(rows, 1), body], dim=1).reshape(-1)
+    want1, _ = blockwise.quantize_ref(grad, t.code1, t.lut1)
+    want2, _ = blockwise.quantize_ref(grad * grad, t.code2, t.lut2)
+    for level in LEVELS:
+        _native.set_simd_level(level)
+        param = torch.nn.Parameter(torch.zeros_like(grad))
+        opt = rpo.AdamW8bit([param], lr=1e-3, betas=(0.0, 0.0), min_8bit_size=0)
+        opt.fused_step([grad])
+        assert torch.equal(opt.state[param]["state1"], want1), level
+        assert torch.equal(opt.state[param]["state2"], want2), level
+
+
+@native
 def test_native_entry_checks_its_tables():
-    """The binding refuses a wrong table list and overlapping state buffers, naming them."""
+    """The binding refuses a wrong table list, a LUT that is not non-decreasing and overlapping state buffers,
+    naming them."""
     p, g = torch.zeros(300), torch.zeros(300)
     q1, q2 = torch.zeros(300, dtype=torch.uint8), torch.zeros(300, dtype=torch.uint8)
     a1, a2 = torch.zeros(2), torch.zeros(2)
@@ -294,3 +316,7 @@ def test_native_entry_checks_its_tables():
     tables = [t.code1.data_ptr(), t.lut1.data_ptr(), t.code2.data_ptr(), t.lut2.data_ptr()]
     with pytest.raises(ValueError, match=r"state2s\[0\] overlaps state1s\[0\]"):
         _native._C.adam8bit_step(tables=tables, **{**kw, "state2s": [q1.data_ptr()]})
+    falling = t.lut2.clone()
+    falling[40000] = 255   # then 40001's code is below it
+    with pytest.raises(ValueError, match="lut2 must be non-decreasing.*bin 40001"):
+        _native._C.adam8bit_step(tables=[*tables[:3], falling.data_ptr()], **kw)
