@@ -26,8 +26,8 @@ def _ranks(tmp_path, asynchronous: bool, shard: bool) -> list[dict]:
 def test_sharding_lowers_each_rank_by_the_optimizer_share(tmp_path, asynchronous):
     """Per rank: the accounted host bytes (masters, optimizer state, the arena's reserve) drop by at least the
     optimizer state sharding removes; the arena never reserves more than unsharded (the asynchronous sharded
-    step once read the next call's landings, its fp32 gradient sums and the gather's buffers at once: the arena
-    grew by 2.3 bytes per parameter, 13.0 against 8.3-10.7); and the host peak (RSS - the workers' live ledger
+    step once held its fp32 gradient sums through the gather, beside the next call's landings: the arena grew
+    by 2.3 bytes per parameter, 13.0 against 8.3-10.7); and the host peak (RSS - the workers' live ledger
     bytes, code pages left out) drops by at least half the share (the gather's all_gather made gloo allocate
     buffers the glibc heaps kept: 37.0 bytes per parameter sharded against 29.8 unsharded, synchronous).
     Measured 2026-11-26 on a 2-core EPYC: host peak 28.3-28.8 -> 24.2 sync, 28.7-29.4 -> 23.5-25.0 async."""
