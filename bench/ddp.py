@@ -42,10 +42,11 @@ does not model.
 Memory (`--memory`, table ddp_shard_memory): 2 ranks of the tiny decoder (hidden 768 x 4 layers, 28.7M
 parameters, bf16 compute, rp AdamW), each rank's host peak and accounted bytes per parameter with and
 without `shard_optimizer=True`, synchronous and asynchronous steps, beside the expected saving (the
-optimizer state sharding removes from the rank: 4 of AdamW's 8 bytes with 2 ranks).
+optimizer state sharding removes from the rank: 4 of AdamW's 8 bytes with 2 ranks); the host peak is
+the median of `--rounds` runs.
 
     python bench/ddp.py [--quick] [--no-save] [--ranks 1,2,4] [--rounds 2]
-    python bench/ddp.py --memory [--no-save]
+    python bench/ddp.py --memory [--rounds 3] [--no-save]
 """
 from __future__ import annotations
 
@@ -194,31 +195,39 @@ def launch(cfg: dict, world: int, timeout: float = 600, script: str | None = Non
         return [torch.load(o) for o in outs] if script else json.loads(Path(cfg["out"]).read_text())
 
 
-def shard_memory(hidden: int = 768, layers: int = 4, steps: int = 3) -> tuple[list[dict], str]:
+def shard_memory(hidden: int = 768, layers: int = 4, steps: int = 3, rounds: int = 3) -> tuple[list[dict], str]:
     """Rows of per-rank host memory with and without shard_optimizer (2 ranks, synchronous and asynchronous
-    steps): the host peak and the accounted bytes per parameter, the optimizer share sharding removes (the
-    expected saving) and the measured one."""
+    steps): the host peak (the median of `rounds` runs, interleaved) and the accounted bytes per parameter,
+    the optimizer share sharding removes (the expected saving) and the measured one."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds!r} must be >= 1")
     script = str(Path(__file__).resolve().parents[1] / "roundpipe" / "bench" / "shard_memory.py")
     rows = []
     for asynchronous in (False, True):
         cfg = dict(hidden=hidden, layers=layers, steps=steps, asynchronous=asynchronous)
-        full, shard = (launch(dict(cfg, shard=s), 2, script=script) for s in (False, True))
-        for f, s in zip(full, shard):
+        runs = [[launch(dict(cfg, shard=s), 2, script=script) for s in (False, True)] for _ in range(rounds)]
+        for rank in range(2):
+            f, s = runs[0][0][rank], runs[0][1][rank]
             n = f["params"]
-            rows.append({"step": "async" if asynchronous else "sync", "rank": f["rank"], "params": n,
-                         "peak B/param": f["host_peak"] / n, "sharded peak B/param": s["host_peak"] / n,
+            peak = [statistics.median(r[k][rank]["host_peak"] for r in runs) / n for k in (0, 1)]
+            rows.append({"step": "async" if asynchronous else "sync", "rank": rank, "params": n,
+                         "peak B/param": peak[0], "sharded peak B/param": peak[1],
+                         "peak range": " / ".join(f"{min(r[k][rank]['host_peak'] for r in runs) / n:.1f}-"
+                                                  f"{max(r[k][rank]['host_peak'] for r in runs) / n:.1f}"
+                                                  for k in (0, 1)),
                          "accounted B/param": f["accounted"] / n, "sharded accounted B/param": s["accounted"] / n,
-                         "arena peak B/param": f["arena_peak_reserved"] / n,
-                         "sharded arena peak B/param": s["arena_peak_reserved"] / n,
+                         "arena peak B/param": max(r[0][rank]["arena_peak_reserved"] for r in runs) / n,
+                         "sharded arena peak B/param": max(r[1][rank]["arena_peak_reserved"] for r in runs) / n,
                          "expected saving B/param": (f["optimizer_state"] - s["optimizer_state"]) / n,
-                         "measured saving B/param": (f["host_peak"] - s["host_peak"]) / n})
+                         "measured saving B/param": peak[0] - peak[1]})
     note = (f"2 gloo ranks on loopback, the tiny decoder at hidden {hidden} x {layers} layers, bf16 compute, "
             f"roundpipe.optim.AdamW, {steps} steps, 2 CPU workers per rank, glibc's default malloc settings; peak: "
             "the largest RSS - the workers' live ledger bytes sampled together (roundpipe/bench/rss.py HostPeak) - "
-            "code pages, over the process before the model was built (its fp32 weights are the masters); "
-            "accounted: memory_stats()['host'] when the last call's gradients landed (masters, optimizer state, "
-            "the host arena's reserve); arena peak: the arena's largest reserve; expected saving: the optimizer "
-            "state sharding removes from the rank")
+            f"code pages, over the process before the model was built (its fp32 weights are the masters), the "
+            f"median of {rounds} runs (range: unsharded / sharded); accounted: memory_stats()['host'] when the last "
+            "call's gradients landed (masters, optimizer state, the host arena's reserve), of the first run; arena "
+            "peak: the arena's largest reserve over the runs; expected saving: the optimizer state sharding "
+            "removes from the rank; measured saving: the difference of the median peaks")
     return rows, note
 
 
@@ -304,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(json.loads(args.rank_config))
         return 0
     if args.memory:
-        rows, note = shard_memory()
+        rows, note = shard_memory(rounds=1 if args.quick else args.rounds)
         report = Report("ddp_shard_memory")
         for row in rows:
             report.add(**row)
