@@ -31,7 +31,7 @@ def test_sharding_lowers_each_rank_by_the_optimizer_share(tmp_path, asynchronous
     (the arena reserved 13.0 bytes per parameter sharded against 8.3-10.7), and the gather's all_gather made
     gloo allocate buffers the glibc heaps kept (host peak 37.0 sharded against 29.8 unsharded, synchronous).
     Measured 2026-11-26 on a 2-core EPYC (bench/ddp.py --memory): accounted 20.0 -> 16.0 sync, 22.0 -> 18.0
-    async; host peak savings 1.1-5.9 bytes per parameter from rank to rank and run to run (glibc heap
+    async; host peak savings 1.1-6.0 bytes per parameter from rank to rank and run to run (glibc heap
     memory the CPU workers freed, kept or not)."""
     full, shard = _ranks(tmp_path, asynchronous, False), _ranks(tmp_path, asynchronous, True)
     for f, s in zip(full, shard):
