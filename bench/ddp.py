@@ -39,7 +39,14 @@ with the other ranks' bookkeeping (the sleeps emulate device compute only, they
 use no core).  The optimizer step (rp.optim.Adam) is real CPU work the simulator
 does not model.
 
+Memory (`--memory`, table ddp_shard_memory): 2 ranks of the tiny decoder (hidden 768 x 4 layers, 28.7M
+parameters, bf16 compute, rp AdamW), each rank's host peak and accounted bytes per parameter with and
+without `shard_optimizer=True`, synchronous and asynchronous steps, beside the expected saving (the
+optimizer state sharding removes from the rank: 4 of AdamW's 8 bytes with 2 ranks); the host peak is
+the median of `--rounds` runs.
+
     python bench/ddp.py [--quick] [--no-save] [--ranks 1,2,4] [--rounds 2]
+    python bench/ddp.py --memory [--rounds 3] [--no-save]
 """
 from __future__ import annotations
 
@@ -162,12 +169,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg: dict, world: int, timeout: float = 600) -> dict:
-    """Runs `world` ranks of this file on loopback; returns rank 0's result."""
+def launch(cfg: dict, world: int, timeout: float = 600, script: str | None = None) -> dict | list[dict]:
+    """Runs `world` ranks of this file on loopback and returns rank 0's result; with `script` (a rank program
+    that torch.saves its result at cfg["out"] + ".<rank>", as roundpipe/bench/shard_memory.py) every rank's."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = dict(cfg, out=os.path.join(tmp, "rank0.json"))
+        cfg = dict(cfg, out=os.path.join(tmp, "rank" if script else "rank0.json"))
         port = free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank-config", json.dumps(cfg)],
+        argv = [script, json.dumps(cfg)] if script else [__file__, "--rank-config", json.dumps(cfg)]
+        procs = [subprocess.Popen([sys.executable, *argv],
                                   env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                            MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -179,10 +188,47 @@ def launch(cfg: dict, world: int, timeout: float = 600) -> dict:
         finally:
             for p in procs:
                 p.kill()
-        if any(p.returncode for p in procs) or not os.path.exists(cfg["out"]):
+        outs = [f"{cfg['out']}.{r}" for r in range(world)] if script else [cfg["out"]]
+        if any(p.returncode for p in procs) or not all(os.path.exists(o) for o in outs):
             bad = next((r for r, p in enumerate(procs) if p.returncode), 0)
             raise RuntimeError(f"{world} ranks: rank {bad} exited with {procs[bad].returncode}:\n{errs[bad][-3000:]}")
-        return json.loads(Path(cfg["out"]).read_text())
+        return [torch.load(o) for o in outs] if script else json.loads(Path(cfg["out"]).read_text())
+
+
+def shard_memory(hidden: int = 768, layers: int = 4, steps: int = 3, rounds: int = 3) -> tuple[list[dict], str]:
+    """Rows of per-rank host memory with and without shard_optimizer (2 ranks, synchronous and asynchronous
+    steps): the host peak (the median of `rounds` runs, interleaved) and the accounted bytes per parameter,
+    the optimizer share sharding removes (the expected saving) and the measured one."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds!r} must be >= 1")
+    script = str(Path(__file__).resolve().parents[1] / "roundpipe" / "bench" / "shard_memory.py")
+    rows = []
+    for asynchronous in (False, True):
+        cfg = dict(hidden=hidden, layers=layers, steps=steps, asynchronous=asynchronous)
+        runs = [[launch(dict(cfg, shard=s), 2, script=script) for s in (False, True)] for _ in range(rounds)]
+        for rank in range(2):
+            f, s = runs[0][0][rank], runs[0][1][rank]
+            n = f["params"]
+            peak = [statistics.median(r[k][rank]["host_peak"] for r in runs) / n for k in (0, 1)]
+            rows.append({"step": "async" if asynchronous else "sync", "rank": rank, "params": n,
+                         "peak B/param": peak[0], "sharded peak B/param": peak[1],
+                         "peak range": " / ".join(f"{min(r[k][rank]['host_peak'] for r in runs) / n:.1f}-"
+                                                  f"{max(r[k][rank]['host_peak'] for r in runs) / n:.1f}"
+                                                  for k in (0, 1)),
+                         "accounted B/param": f["accounted"] / n, "sharded accounted B/param": s["accounted"] / n,
+                         "arena peak B/param": max(r[0][rank]["arena_peak_reserved"] for r in runs) / n,
+                         "sharded arena peak B/param": max(r[1][rank]["arena_peak_reserved"] for r in runs) / n,
+                         "expected saving B/param": (f["optimizer_state"] - s["optimizer_state"]) / n,
+                         "measured saving B/param": peak[0] - peak[1]})
+    note = (f"2 gloo ranks on loopback, the tiny decoder at hidden {hidden} x {layers} layers, bf16 compute, "
+            f"roundpipe.optim.AdamW, {steps} steps, 2 CPU workers per rank, glibc's default malloc settings; peak: "
+            "the largest RSS - the workers' live ledger bytes sampled together (roundpipe/bench/rss.py HostPeak) - "
+            f"code pages, over the process before the model was built (its fp32 weights are the masters), the "
+            f"median of {rounds} runs (range: unsharded / sharded); accounted: memory_stats()['host'] when the last "
+            "call's gradients landed (masters, optimizer state, the host arena's reserve), of the first run; arena "
+            "peak: the arena's largest reserve over the runs; expected saving: the optimizer state sharding "
+            "removes from the rank; measured saving: the difference of the median peaks")
+    return rows, note
 
 
 def link(world: int, nbytes: int, small: float, big: float) -> tuple[float, float]:
@@ -258,10 +304,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bwd-ms", type=float, default=16.0)
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2, help="runs of every rank count, interleaved; the fastest counts")
+    p.add_argument("--memory", action="store_true",
+                   help="only the optimizer-sharding memory rows (ddp_shard_memory): 2 ranks, per-rank host peak "
+                        "with and without shard_optimizer, synchronous and asynchronous")
     p.add_argument("--rank-config", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_config:
         rank_main(json.loads(args.rank_config))
+        return 0
+    if args.memory:
+        rows, note = shard_memory(rounds=1 if args.quick else args.rounds)
+        report = Report("ddp_shard_memory")
+        for row in rows:
+            report.add(**row)
+        report.note(note)
+        report.finish(args.out, save=not args.no_save)
         return 0
     ranks = args.ranks or ("1,2" if args.quick else "1,2,4")
     rows, note = measure([int(w) for w in ranks.split(",")], layers=args.layers, width=args.width,

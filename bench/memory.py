@@ -40,7 +40,13 @@ predicted peak and the cap, for Linear stacks of depth 12-96 and the tiny decode
 
 The slope table (`memory_slope`, `--providers ...`) gives host bytes per added parameter by
 optimizer and master dtype (AdamW / AdamW8bit, fp32 / bf16 masters, fp32 compute whose
-masters are their own upload copies) beside plain PyTorch, from two decoder depths.
+masters are their own upload copies) beside plain PyTorch: the least-squares slope of the host
+peak over decoder depths 2, 4 and 6 (width 1024, 12.6M parameters a layer).  The runs set
+MALLOC_PERTURB_ (roundpipe.bench.rss.SLOPE_ENV), so that the host arena's reserve is resident
+as a page-locked one would be: without it the arena's last 64 MiB chunk, reserved but rarely
+reached, was paged in at 4-8 layers and not at 2-3, a fixed 61 MiB step that the two-depth
+slope of 2026-11-26 (2 -> 6) read as 1.4 bytes per added parameter (AdamW8bit: 11.47 measured
+against 10.03 accounted; the same runs with MALLOC_PERTURB_: 10.33).
 
     python bench/memory.py [--quick] [--device-only] [--out DIR_OR_FILE] [--no-save]
     python bench/memory.py --providers torch adamw adamw8bit "adamw8bit bf16-master" --out bench/results
@@ -53,6 +59,7 @@ import os
 import subprocess
 import sys
 
+from roundpipe.bench.rss import SLOPE_ENV, accounted_host_bytes
 from roundpipe.bench.runner import Report, add_common_args
 
 DEEPSPEED_DOCUMENTED = (16, 18)   # ZeRO-Offload paper / docs: fp32 master + Adam states + fp16 params/grads
@@ -130,17 +137,6 @@ def run_child(size: str, provider: str, steps: int, batch: int, seq: int) -> dic
     raise RuntimeError(f"{provider} on {size} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
-def accounted_bytes(host: dict) -> int:
-    """The engine's count: masters, optimizer state, buffers, the arena's whole reserve, and any upload copy or
-    gradient outside the arena (without one); a master that is its own upload copy is an arena block, counted once."""
-    state = sum(host.get(k, 0) for k in ("masters", "optimizer_state", "buffers"))
-    copies = sum(host.get(k, 0) for k in ("upload_copies", "grad_landing", "grads_held", "grads"))
-    if "arena_reserved" not in host:
-        return state + copies
-    inside = host.get("masters_in_arena", 0)
-    return state - inside + host["arena_reserved"] + max(0, copies + inside - host["arena_in_use"])
-
-
 # Host bytes per added parameter (the slope between two decoder depths, fixed costs left out), per optimizer and
 # master dtype: provider -> (optimizer, master dtype, compute dtype); "torch" is plain PyTorch in the same run.
 SLOPE_PROVIDERS = {
@@ -193,7 +189,7 @@ print("RESULT " + json.dumps(out))
 
 def slope_run(provider: str, depth: int) -> dict:
     optim, master, compute = SLOPE_PROVIDERS[provider]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}   # released worker buffers returned at once
+    env = {**os.environ, **SLOPE_ENV}   # released worker buffers returned at once, reserved memory resident
     proc = subprocess.run([sys.executable, "-c", _SLOPE_CHILD, optim, master, compute, str(depth)],
                           capture_output=True, text=True, timeout=3000, env=env)
     for line in proc.stdout.splitlines():
@@ -202,34 +198,43 @@ def slope_run(provider: str, depth: int) -> dict:
     raise RuntimeError(f"{provider} at depth {depth} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
-def slope_rows(providers: list[str], depths: tuple[int, int]) -> Report:
-    """Host bytes per added parameter: (host(large) - host(small)) / (params(large) - params(small)) for decoders of
-    width 1024 at two depths, synchronous steps on 2 CPU workers, host = the peak over time of RSS - the workers'
-    live ledger bytes (HostPeak) - code pages; beside it the older peak RSS - the sum of the workers' ledger peaks
-    - code pages, and the engine's accounted bytes (memory_stats) the same way."""
+def least_squares_slope(points: list[tuple[float, float]]) -> float:
+    """The slope of the least-squares line through (x, y) points (two or more distinct x)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def slope_rows(providers: list[str], depths: tuple[int, ...]) -> Report:
+    """Host bytes per added parameter: the least-squares slope of host bytes against parameters over decoders of
+    width 1024 at `depths`, synchronous steps on 2 CPU workers, host = the peak over time of RSS - the workers'
+    live ledger bytes (HostPeak) - code pages, with the arena's reserve resident (SLOPE_ENV); beside it the older
+    peak RSS - the sum of the workers' ledger peaks - code pages, and the engine's accounted bytes (memory_stats)
+    the same way."""
     report = Report("memory_slope", columns=["provider", "optimizer", "master", "compute", "params",
                                              "host peak B/added param", "RSS B/added param",
                                              "accounted B/added param", "host vs torch"], device="cpu")
     runs = {p: [slope_run(p, d) for d in depths] for p in providers}
     host = lambda r: r["rss"] - r["held"] - r["code"]   # noqa: E731
     sampled = lambda r: r["host_peak"] - r["code"]   # noqa: E731
-    slope = lambda a, b, f: (f(b) - f(a)) / (b["params"] - a["params"])   # noqa: E731
-    ref = slope(*runs["torch"], sampled) if "torch" in runs else None
-    for p, (small, large) in runs.items():
+    slope = lambda rs, f: least_squares_slope([(r["params"], f(r)) for r in rs])   # noqa: E731
+    ref = slope(runs["torch"], sampled) if "torch" in runs else None
+    for p, rs in runs.items():
         optim, master, compute = SLOPE_PROVIDERS[p]
-        peak = slope(small, large, sampled)
-        acc = slope(small, large, lambda r: accounted_bytes(r["host"])) if small["host"] else None
-        report.add(provider=p, optimizer=optim, master=master, compute=compute, params=f"{small['params']}-{large['params']}",
-                   **{"host peak B/added param": peak, "RSS B/added param": slope(small, large, host),
+        peak = slope(rs, sampled)
+        acc = slope(rs, lambda r: accounted_host_bytes(r["host"])) if rs[0]["host"] else None
+        report.add(provider=p, optimizer=optim, master=master, compute=compute,
+                   params="-".join(str(r["params"]) for r in rs),
+                   **{"host peak B/added param": peak, "RSS B/added param": slope(rs, host),
                       "accounted B/added param": acc, "host vs torch": peak / ref if ref else None})
-    report.note(f"decoders hidden 1024, depths {depths[0]} and {depths[1]}, 3 synchronous steps, batch 2 x 64, 2 CPU "
-                "workers, MALLOC_MMAP_THRESHOLD_=1 MiB; host peak: the largest RSS - the workers' live ledger bytes "
-                "sampled together every 0.2 ms (roundpipe/bench/rss.py HostPeak) - code pages; RSS (as before "
-                "2026-11-26): peak RSS - the sum of the workers' ledger peaks - code pages, which subtracts bytes no "
-                "two workers held at once (one-stage plans: twice the stage) and so overstates the slope; "
-                "accounted: memory_stats()['host'] after the last call's gradients landed (masters counted once "
-                "where they are their own upload copies); goals (issue 29): AdamW8bit <= 10.5 with fp32 masters, "
-                "<= 6.5 with bf16 masters")
+    report.note(f"decoders hidden 1024, depths {', '.join(map(str, depths))} (least-squares slope), 3 synchronous "
+                "steps, batch 2 x 64, 2 CPU workers, MALLOC_MMAP_THRESHOLD_=1 MiB and MALLOC_PERTURB_ (reserved "
+                "memory resident, as page-locked memory is); host peak: the largest RSS - the workers' live ledger "
+                "bytes sampled together every 0.2 ms (roundpipe/bench/rss.py HostPeak) - code pages; RSS: peak RSS - "
+                "the sum of the workers' ledger peaks - code pages, which subtracts bytes no two workers held at "
+                "once and so overstates the slope; accounted: memory_stats()['host'] after the last call's gradients "
+                "landed (masters counted once where they are their own upload copies); goals (issue 29): AdamW8bit "
+                "<= 10.5 with fp32 masters, <= 6.5 with bf16 masters")
     return report
 
 
@@ -293,9 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--providers", nargs="+", choices=sorted(SLOPE_PROVIDERS), default=None,
                         help="only the per-added-parameter rows (memory_slope) of these optimizer / master-dtype "
                              "providers, e.g. torch adamw adamw8bit 'adamw8bit bf16-master'")
-    parser.add_argument("--depths", nargs=2, type=int, default=(2, 6), help="the two decoder depths of the slope")
+    parser.add_argument("--depths", nargs="+", type=int, default=(2, 4, 6),
+                        help="decoder depths of the slope rows (two or more distinct)")
     args = parser.parse_args(argv)
     if args.providers:
+        if len(set(args.depths)) < 2 or min(args.depths) < 1:
+            parser.error(f"--depths {args.depths}: expected two or more distinct depths >= 1")
         slope_rows(args.providers, tuple(args.depths)).finish(args.out, save=not args.no_save)
         return 0
     device_rows(args.quick).finish(args.out, save=not args.no_save)
@@ -320,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             host = rss - held
             report.add(model=size, provider=provider, params=n, **{
                 "RSS B/param": rss, "worker-held B/param": held if "workers" in r else None,
-                "host B/param": host, "accounted B/param": accounted_bytes(r["host"]) / n if "host" in r else None,
+                "host B/param": host, "accounted B/param": accounted_host_bytes(r["host"]) / n if "host" in r else None,
                 "malloc free B/param": r["malloc_free"] / n if r["malloc_free"] is not None else None,
                 "code pages B/param": r["code_pages"] / n, "host vs torch": host / ref,
                 f"host vs DS {ds_hi}": host / ds_hi})

@@ -3,6 +3,28 @@ from __future__ import annotations
 
 import resource
 
+# The environment of the host-bytes-per-parameter runs (bench/memory.py's slope rows, tests/test_memory_host.py):
+# glibc's mmap threshold fixed at 1 MiB, so the CPU workers' released "device" buffers go back to the system at
+# once instead of staying in their threads' malloc heaps; and MALLOC_PERTURB_, with which glibc fills every block
+# as it hands it out, so that memory reserved is memory resident.  Without it the host arena's chunks (64 MiB,
+# ordinary memory on a CPU) are paged in only where a block was ever placed: measured 2026-11-26 (AdamW8bit,
+# hidden 1024) the arena reserves one chunk more than it ever holds, mostly untouched at 2-3 layers (5 MiB of it
+# resident) and touched at 4-8 (63 MiB), a 61 MiB step that a two-depth slope (2 -> 6) reads as 1.4 bytes per
+# added parameter.  Page-locked arenas (a GPU machine) are resident as reserved; this measures them the same way.
+SLOPE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_PERTURB_": "165"}
+
+
+def accounted_host_bytes(host: dict) -> int:
+    """The engine's count from `RoundPipe.memory_stats(optimizer)["host"]`: masters, optimizer state, buffers,
+    the arena's whole reserve, and any upload copy or gradient outside the arena (without one); a master that
+    is its own upload copy is an arena block, counted once."""
+    state = sum(host.get(k, 0) for k in ("masters", "optimizer_state", "buffers"))
+    copies = sum(host.get(k, 0) for k in ("upload_copies", "grad_landing", "grads_held", "grads"))
+    if "arena_reserved" not in host:
+        return state + copies
+    inside = host.get("masters_in_arena", 0)
+    return state - inside + host["arena_reserved"] + max(0, copies + inside - host["arena_in_use"])
+
 
 def peak_rss() -> int:
     """Peak resident set size of this process so far, bytes."""

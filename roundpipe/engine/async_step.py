@@ -215,6 +215,12 @@ class LayerSync:
                         return l
                 self.cv.wait(0.05)
 
+    def wait_all_consumed(self, after_steps: int) -> None:
+        """Until every step issued before a G-copy has consumed the p.grad of every layer."""
+        with self.cv:
+            while not all(c >= after_steps for c in self.consumed):
+                self.cv.wait(0.05)
+
     def gcopy_done(self, layer: int) -> None:
         with self.cv:
             self.gcopied[layer] += 1
@@ -295,13 +301,18 @@ def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Calla
               reduce: Callable[[], None] | None = None) -> None:
     """G-copy thread job: once its calls ended, each layer's landed gradients into p.grad as soon
     as the steps issued before it consumed the layer's.  `reduce` (data parallelism) first
-    replaces every layer's landed sums by their average over the ranks.  If that or a layer's copy
-    fails, nothing more is moved, every layer is still counted (so no step waits forever) and the
-    error is raised (tests/test_async_step.py)."""
+    replaces every layer's landed sums by their average over the ranks, once those steps are done
+    with every layer's: it makes a new fp32 set (4 bytes per parameter), which beside the one an
+    earlier asynchronous step still reads would hold two at once, more than the arena reserves
+    (HostState.reserve_gradients; measured with rp AdamW on 2 ranks: 12.3 bytes per parameter of
+    arena instead of 10.0, bench/ddp.py --memory).  If that or a layer's copy fails, nothing more
+    is moved, every layer is still counted (so no step waits forever) and the error is raised
+    (tests/test_async_step.py)."""
     after_steps, calls = issued
     sync.wait_calls(calls)
     error: BaseException | None = None
     if reduce is not None:
+        sync.wait_all_consumed(after_steps)
         try:
             reduce()
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the protocol went on

@@ -297,7 +297,7 @@ class OptimizerShards:
         return params, grads
 
     def gather(self) -> None:
-        """Every rank's updated slices into every rank's masters (fp32 all_gather, bucketed)."""
+        """Every rank's updated slices into every rank's masters (fp32, bucketed, a broadcast per rank)."""
         if self.dp.world == 1:
             return
         for bucket in buckets(sorted(self.slices), lambda k: self.slices[k][2] * 4 * self.dp.world,
@@ -305,18 +305,25 @@ class OptimizerShards:
             self._gather_bucket(bucket)
 
     def _gather_bucket(self, keys: list[tuple[int, int]]) -> None:
+        """One bucket of the gather, as one broadcast per rank of that rank's slices, packed into one
+        arena block (reused bucket after bucket, step after step) and unpacked into the other ranks'
+        masters.  An all_gather made gloo gather into a buffer of its own and copy out of it: glibc heap
+        memory on the gloo threads that the heaps kept, 90 MiB more RSS a step at 28.7M parameters."""
         chunks = [self.slices[k][2] for k in keys]
-        mine = torch.zeros(sum(chunks), dtype=torch.float32)
-        for view, k in zip(mine.split(chunks), keys):
-            lo, hi, _ = self.slices[k]
-            st = self.host.layers[k[0]]
-            view[:hi - lo].copy_(st.params[k[1]].data.view(-1)[lo:hi])
-        out = [torch.empty_like(mine) for _ in range(self.dp.world)]
-        _dist().all_gather(out, mine, group=self.group)
-        for q, buf in enumerate(out):
-            for view, k, c in zip(buf.split(chunks), keys, chunks):
+        buf = self.host.alloc((sum(chunks),), torch.float32)
+        views = buf.split(chunks)
+
+        def ranges(q: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            """(bucket view, master range) of rank q's slices."""
+            for view, k, c in zip(views, keys, chunks):
                 flat = self.host.layers[k[0]].params[k[1]].data.view(-1)
-                lo = min(q * c, flat.numel())
-                hi = min(lo + c, flat.numel())
-                if q != self.dp.rank and hi > lo:
-                    flat[lo:hi].copy_(view[:hi - lo])
+                yield view, flat[min(q * c, flat.numel()):min(q * c + c, flat.numel())]
+        for q in range(self.dp.world):
+            if q == self.dp.rank:
+                for view, master in ranges(q):
+                    view[:master.numel()].copy_(master)
+                    view[master.numel():].zero_()
+            _dist().broadcast(buf, src=_dist().get_global_rank(self.group, q), group=self.group)
+            if q != self.dp.rank:
+                for view, master in ranges(q):
+                    master.copy_(view[:master.numel()])

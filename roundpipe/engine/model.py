@@ -374,7 +374,7 @@ class RoundPipe:
         self.predictions.check(sched, self.host, self.autoplan, (mb.args[0], mb.kwargs[0]), loss)   # before any work
         if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
             self._grads_reserved = True
-            self.host.reserve_gradients()
+            self.host.reserve_gradients(reduced=self.dp is not None)
         # Inputs and labels are staged into the (pinned) arena here, on the caller's thread, made
         # contiguous on the way: workers then copy from staging blocks only (Worker._staged).
         pin = self.host.staged
@@ -535,7 +535,7 @@ class RoundPipe:
 
     def _issue_step(self, fns, asynchronous: bool, window: int | None = None) -> None:
         if asynchronous and self._grads_reserved:   # the set a pending step holds while the next calls land theirs
-            self.host.reserve_gradients(2)
+            self.host.reserve_gradients(2, reduced=self.dp is not None)
         self._refresh_edited()   # calls in this step's stale window read the masters as they are now
         self._issue_gcopy()
         sync = self.sync   # a queued job must not keep the model alive
