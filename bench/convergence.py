@@ -54,7 +54,7 @@ class Variant(NamedTuple):
 
     asynchronous: bool = False
     predict: bool = False                         # staleness compensation with --alpha
-    optim: Literal["adamw", "adamw8bit"] = "adamw"
+    optim: Literal["adamw", "adamw8bit", "bnb-adamw8bit"] = "adamw"   # bnb-: bitsandbytes' own, the peer
     master_dtype: Literal["fp32", "bf16"] = "fp32"
     rounding: Literal["stochastic", "nearest"] = "stochastic"   # of bf16 masters
 
@@ -65,10 +65,29 @@ COMPARISONS = {
     "optim": {"adamw": Variant(), "adamw8bit": Variant(optim="adamw8bit"),
               "8bit+bf16sr": Variant(optim="adamw8bit", master_dtype="bf16", rounding="stochastic"),
               "8bit+bf16rn": Variant(optim="adamw8bit", master_dtype="bf16", rounding="nearest")},
+    # ours against bitsandbytes' CPU AdamW8bit (same groups, betas, eps, decay; a torch optimizer, so its
+    # step takes RoundPipe's routed path): is a gap to fp32 AdamW the 8-bit format's or our kernel's?
+    "peer": {"adamw": Variant(), "adamw8bit": Variant(optim="adamw8bit"),
+             "bnb-adamw8bit": Variant(optim="bnb-adamw8bit")},
 }
 
 
-def train_decoder(cfg: TrainConfig, rounding: str, corpus: ByteCorpus) -> tuple[list[float], float]:
+def optimizer_class(optim: str) -> type:
+    """rp.optim's AdamW / AdamW8bit, or bitsandbytes' AdamW8bit (a [dev] dependency) for the peer variant."""
+    if optim == "bnb-adamw8bit":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit
+    return OPTIMIZERS[optim]
+
+
+def build_optimizer(model, cfg: TrainConfig, optim: str) -> torch.optim.Optimizer:
+    """make_optimizer's groups (matrices decay, the rest not) and hyperparameters, in `optim`'s class."""
+    groups = make_optimizer(model.named_parameters(), cfg.lr, cfg.weight_decay).param_groups
+    return optimizer_class(optim)([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
+                                  lr=cfg.lr, betas=groups[0]["betas"], eps=groups[0]["eps"])
+
+
+def train_decoder(cfg: TrainConfig, rounding: str, corpus: ByteCorpus, optim: str) -> tuple[list[float], float]:
     """roundpipe.commands.train.train's run (its layers, optimizer, schedule, batches and held-out
     batches) on a RoundPipe built with master_rounding=, which TrainConfig does not carry."""
     cfg = cfg.resolved()
@@ -77,7 +96,7 @@ def train_decoder(cfg: TrainConfig, rounding: str, corpus: ByteCorpus) -> tuple[
     losses = []
     with rp.RoundPipe(layers, devices=cfg.devices, compensation=comp, master_dtype=DTYPES[cfg.master_dtype],
                       master_rounding=rounding) as model:
-        opt = make_optimizer(model.named_parameters(), cfg.lr, cfg.weight_decay, cfg.optim)
+        opt = build_optimizer(model, cfg, optim)
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, cfg) / cfg.lr)
         # train() evaluates before its first step; without it the losses differ in the 7th digit
         # (measured), with it they equal train()'s bit for bit
@@ -100,9 +119,10 @@ def run_all(variants: dict[str, Variant], steps: int, lrs: list[float], seeds: i
                 t0 = time.perf_counter()
                 cfg = TrainConfig(steps=steps, lr=lr, seed=seed, batch_size=batch, seq_len=seq, eval_batches=4,
                                   devices=["cpu"], progress=False, asynchronous=v.asynchronous,
-                                  compensation=alpha if v.predict else None, optim=v.optim,
+                                  compensation=alpha if v.predict else None,
+                                  optim="adamw" if v.optim.startswith("bnb") else v.optim,
                                   master_dtype=v.master_dtype)
-                out[(name, lr, seed)] = train_decoder(cfg, v.rounding, corpus)
+                out[(name, lr, seed)] = train_decoder(cfg, v.rounding, corpus, v.optim)
                 print(f"  {name:12s} lr {lr:g} seed {seed}: held-out {out[(name, lr, seed)][1]:.4f} "
                       f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     return out
@@ -126,7 +146,7 @@ def run_hf(variants: dict[str, Variant], steps: int, lr: float, seeds: int, alph
             losses = []
             with rp.hf.wrap(hf, devices=["cpu"], compensation=comp, master_dtype=DTYPES[v.master_dtype],
                             master_rounding=v.rounding) as model:
-                opt = OPTIMIZERS[v.optim](model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+                opt = optimizer_class(v.optim)(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
                 for x, _ in corpus.batches(batch, seq, seed=seed, steps=steps):
                     losses.append(float(model.forward_backward(x, labels=x)))
                     model.step(opt, asynchronous=v.asynchronous)
@@ -180,7 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--compare", choices=sorted(COMPARISONS), default="modes",
                    help="modes: sync / async / async+pred (default); optim: fp32 AdamW / AdamW8bit / AdamW8bit "
-                        "with bf16 masters rounded stochastically or to nearest, all synchronous")
+                        "with bf16 masters rounded stochastically or to nearest, all synchronous; peer: fp32 "
+                        "AdamW / AdamW8bit / bitsandbytes' AdamW8bit")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--lrs", default="3e-3,1e-2,3e-2")
     p.add_argument("--seeds", type=int, default=3)
