@@ -177,7 +177,10 @@ def exits(tmp_path_factory) -> dict[str, list[tuple[int, str]]]:
                        ("ctrl_c.py", CTRL_C)):
         (d / name).write_text(text)
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1",   # numpy's BLAS would start a thread before the fork
+    # OMP_NUM_THREADS=1: the two launchers' children train side by side on a small machine, and OpenMP
+    # teams that spin at full count in two processes at once (roundpipe/engine/omp.py) starve each
+    # other: the module took over 280 s instead of ~90 on the 2-core CI VM
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",   # numpy's BLAS would start a thread before the fork
                PYTHONPATH=os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     procs = {}
     for warm in ("optim", "plain"):

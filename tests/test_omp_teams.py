@@ -80,3 +80,15 @@ def test_a_call_gives_the_callers_team_back():
         assert seen["during"] <= with_team - (torch.get_num_threads() - 1)
     finally:
         model.close()
+
+
+def test_keep_teams_switch():
+    """ROUNDPIPE_KEEP_OMP_TEAMS=1 keeps every team (libgomp throttles as before): nothing is given back."""
+    import subprocess
+    import sys
+
+    code = "import torch; from roundpipe.engine import omp; print(omp.available(), omp.release_team())"
+    for value, expected in (("1", "False False"), ("0", "True True")):
+        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ROUNDPIPE_KEEP_OMP_TEAMS=value),
+                             capture_output=True, text=True, check=True).stdout.split("\n")[0]
+        assert out == expected, (value, out)

@@ -20,6 +20,12 @@ thread's next parallel region (a thread start, ~20-60 us), never while it is bus
 
 Other OpenMP runtimes (LLVM's libomp, Intel's libiomp5) spin without such a rule; where
 libgomp is not loaded, or too old for OpenMP 5.0's pause, `release_team` does nothing.
+
+Spinning at full count is what a plain PyTorch script does too, and like it, two processes
+that compute on the same cores at once then starve each other (a helper spins out its time
+slice while the thread that would start the next region waits for a core).  Processes that
+share a machine's cores should share its threads (OMP_NUM_THREADS, as torchrun sets it to 1);
+ROUNDPIPE_KEEP_OMP_TEAMS=1 keeps every team instead, so libgomp throttles as before.
 """
 from __future__ import annotations
 
@@ -44,6 +50,8 @@ def _pause_fn():
     with _lock:
         if not _looked_up:
             _looked_up = True
+            if os.environ.get("ROUNDPIPE_KEEP_OMP_TEAMS") == "1":
+                return None
             try:   # only a libgomp already loaded (by torch): never load an OpenMP runtime of our own
                 lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
                 fn = lib.omp_pause_resource_all
