@@ -54,9 +54,7 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +70,7 @@ from roundpipe.engine.plan import Plan  # noqa: E402
 from roundpipe.models.sleep import sleep_layers  # noqa: E402
 from roundpipe.planner.partition import plan as partition_plan  # noqa: E402
 from roundpipe.sim import AllReduce, Costs, data_parallel  # noqa: E402
+from roundpipe.testing import run_ranks  # noqa: E402
 
 from overlap import iteration_ends  # noqa: E402  (bench/overlap.py, beside this file)
 
@@ -163,31 +162,13 @@ def rank_main(cfg: dict) -> None:
 
 
 # ---- the driver
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: dict, world: int, timeout: float = 600, script: str | None = None) -> dict | list[dict]:
     """Runs `world` ranks of this file on loopback and returns rank 0's result; with `script` (a rank program
     that torch.saves its result at cfg["out"] + ".<rank>", as roundpipe/bench/shard_memory.py) every rank's."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = dict(cfg, out=os.path.join(tmp, "rank" if script else "rank0.json"))
-        port = free_port()
         argv = [script, json.dumps(cfg)] if script else [__file__, "--rank-config", json.dumps(cfg)]
-        procs = [subprocess.Popen([sys.executable, *argv],
-                                  env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                                           MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for r in range(world)]
-        errs = []
-        try:
-            for p in procs:
-                errs.append(p.communicate(timeout=timeout)[1])
-        finally:
-            for p in procs:
-                p.kill()
+        procs, errs = run_ranks(argv, world, timeout)
         outs = [f"{cfg['out']}.{r}" for r in range(world)] if script else [cfg["out"]]
         if any(p.returncode for p in procs) or not all(os.path.exists(o) for o in outs):
             bad = next((r for r, p in enumerate(procs) if p.returncode), 0)

@@ -71,3 +71,28 @@ def triton_interpreter_unless_cuda() -> bool:
     if not has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return has_cuda
+
+
+def run_ranks(argv: list[str], world: int, timeout: float) -> tuple[list, list[str]]:
+    """Runs `python *argv` as `world` ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, a
+    loopback rendezvous for gloo, OMP_NUM_THREADS=1 as torchrun sets it: ranks share the machine's
+    cores); waits at most `timeout` s for each, kills whatever is left.  Returns (processes, stderrs)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+             for r in range(world)]
+    errs = []
+    try:
+        for p in procs:
+            errs.append(p.communicate(timeout=timeout)[1])
+    finally:
+        for p in procs:
+            p.kill()
+    return procs, errs

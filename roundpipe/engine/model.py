@@ -37,7 +37,7 @@ from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.engine.executor import SerialExecutor, engine_thread, register_then_queue, stop_when_collected
 from roundpipe.engine.host_state import HostState
-from roundpipe.engine.microbatch import SplitFn, batch_size_of, merge, split, tensors, tree_map
+from roundpipe.engine.microbatch import SplitFn, batch_size_of, merge, split, tree_map
 from roundpipe.engine.plan import Plan
 from roundpipe.engine.precision import Precision, resolve as resolve_precision
 from roundpipe.engine.recompute import draw_base
@@ -47,7 +47,7 @@ from roundpipe.engine.staleness import StalenessCompensation
 from roundpipe.optim.rounding import check_master_dtype, check_rounding
 from roundpipe.trace import Trace
 from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
-from roundpipe.workers.base import Handoff, gpu_input_snapshots
+from roundpipe.workers.base import Handoff, gpu_input_events, gpu_input_snapshots
 
 TimingFn = Callable[[str, str, int, int, float, float], None]
 
@@ -78,15 +78,6 @@ def _state_tier(host: HostState, offload_dir: Any, host_memory: Any, compute_dty
         raise ValueError("offload_dir= and shard_optimizer=True are not supported together")
     from roundpipe.offload.state_tier import StateTier
     return StateTier(host, offload_dir, host_memory, compute_dtype)
-
-
-def _gpu_input_events(mb) -> dict | None:
-    """For call inputs already on a GPU: an event on the caller's current stream of each such device,
-    so that workers read them (a training call: its snapshots of them) only after the work the caller
-    queued to produce them."""
-    devices = {t.device for m in range(len(mb)) for t in tensors((mb.args[m], mb.kwargs[m], mb.labels[m]))
-               if t.device.type == "cuda"}
-    return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
 
 
 def _describe(error: BaseException) -> str:
@@ -390,7 +381,7 @@ class RoundPipe:
         # its last backward stages recompute from them after it returned (labels are read before it returns).
         own = gpu_input_snapshots(self.workers) if training else None
         inputs = [tree_map(lambda t: pin(t, own), (mb.args[m], mb.kwargs[m])) for m in range(len(mb))]
-        ctx.gpu_ready = _gpu_input_events(mb)   # recorded after the snapshots' copies
+        ctx.gpu_ready = gpu_input_events(mb)   # recorded after the snapshots' copies
         if training and self.scaler is not None:
             scaler, index = self.scaler, self._scale_index()
             ctx.loss_scale = lambda: scaler.scale_of(index, ctx.abort_requested)

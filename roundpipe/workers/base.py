@@ -38,7 +38,7 @@ import torch
 
 from roundpipe import testing
 from roundpipe.engine.executor import SerialExecutor
-from roundpipe.engine.microbatch import tree_leaves, tree_unflatten
+from roundpipe.engine.microbatch import tensors, tree_leaves, tree_unflatten
 from roundpipe.engine.recompute import WorkerRng
 from roundpipe.workers.ledger import DeviceLedger, WorkspaceTracker
 from roundpipe.workers.transfers import Bulk, Transfers
@@ -84,6 +84,15 @@ class Upload:
 
     params: list[list[torch.Tensor]]
     bulk: Bulk
+
+
+def gpu_input_events(mb) -> dict | None:
+    """For call inputs already on a GPU: an event on the caller's current stream of each such device,
+    so that workers read them (a training call: its snapshots of them) only after the work the caller
+    queued to produce them."""
+    devices = {t.device for m in range(len(mb)) for t in tensors((mb.args[m], mb.kwargs[m], mb.labels[m]))
+               if t.device.type == "cuda"}
+    return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
 
 
 def gpu_input_snapshots(workers: Sequence["Worker"]) -> Callable[[torch.Tensor], torch.Tensor]:
