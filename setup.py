@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 
-from pybind11.setup_helpers import Pybind11Extension
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
@@ -47,6 +47,9 @@ class BuildExt(build_ext):
         ext.extra_objects = list(ext.extra_objects or []) + extra_objects
         super().build_extension(ext)
 
+
+# One compiler process per CPU (ROUNDPIPE_BUILD_JOBS overrides): 28 sources build in ~1 min serially.
+ParallelCompile("ROUNDPIPE_BUILD_JOBS", default=0).install()
 
 sources = sorted(glob.glob("csrc/*.cpp"))
 ext = Pybind11Extension(
