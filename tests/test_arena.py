@@ -438,3 +438,26 @@ def test_cuda_arena_is_pinned_and_fence_ordered():
     arena.collect()
     assert arena.stats().num_pending == 0
     assert torch.equal(g.cpu(), torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_pinned_arena_initialises_torch_cuda_so_is_pinned_agrees(monkeypatch):
+    """torch answers is_pinned() False for every pointer until it has initialised CUDA itself
+    (at::Context::isPinnedPtr), and the arena page-locks through its own runtime handle: an arena
+    built before any torch CUDA call gave arena.pinned True and t.is_pinned() False on an H200.
+    The CPU analogue: a page-locking arena (fake runtime) must start torch's CUDA when torch has one."""
+    import roundpipe.offload.arena as arena_mod
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    native = C
+
+    class FakeNative:
+        def HostArena(self, *args, **kwargs):
+            return native.HostArena(*args, cuda=native.FakeCuda(1), **kwargs)
+
+    monkeypatch.setattr(arena_mod, "_c", lambda: FakeNative())
+    arena = HostArena(ArenaConfig(backend="cuda"))
+    assert arena.pinned and calls == ["init"]
+    monkeypatch.setattr(arena_mod, "_c", lambda: native)
+    assert not HostArena(ArenaConfig(backend="host")).pinned and calls == ["init"]   # host memory: no CUDA start

@@ -119,6 +119,11 @@ class HostArena:
         home = -1 if config.home_device is None else config.home_device
         self._arena = _c().HostArena(config.chunk_bytes, config.alignment, config.limit_bytes, config.backend,
                                      home_device=home)
+        if self._arena.pinned and torch.cuda.is_available():
+            # The blocks come from cudaHostAlloc through our own runtime handle, but torch answers
+            # is_pinned() (and skips re-pinning in pin_memory(), DataLoader) only once it has
+            # initialised CUDA itself: before, every arena tensor read as pageable.  Seen on an H200.
+            torch.cuda.init()
 
     @property
     def pinned(self) -> bool:
