@@ -209,3 +209,16 @@ def test_main_resume_prints_the_steps_it_ran(capsys, tmp_path):
     assert rt.main(base + ["--resume", str(tmp_path / "c3")]) == 0
     out = capsys.readouterr().out
     assert "1 steps (resumed after step 3), 64 tokens" in out and "mean of the last 1 steps" in out
+
+
+def test_default_lr_follows_the_model_width():
+    """The 0.8b preset at 3e-3 diverged under plain PyTorch too (H200, 2026-11-26): wide decoders
+    default to 3e-4, the tuned tiny and small ones keep 3e-3, and a given lr is kept as given."""
+    assert rt.TrainConfig(size="tiny", devices=["cpu"]).resolved().lr == 3e-3
+    assert rt.TrainConfig(size="small", devices=["cpu"]).resolved().lr == 3e-3
+    assert rt.TrainConfig(size="0.8b", devices=["cpu"]).resolved().lr == 3e-4
+    assert rt.TrainConfig(size="tiny", hidden=1024, devices=["cpu"]).resolved().lr == 3e-4
+    assert rt.TrainConfig(size="0.8b", lr=1e-3, devices=["cpu"]).resolved().lr == 1e-3
+    assert rt.config_from_args(rt.build_parser().parse_args(["--size", "base"])).resolved().lr == 3e-4
+    with pytest.raises(ValueError, match="lr=-1"):
+        rt.TrainConfig(lr=-1)

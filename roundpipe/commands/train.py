@@ -46,7 +46,7 @@ class TrainConfig:
     seq_len: int | None = None           # bytes per sequence; None: 128 on CPU, 1024 with GPUs
     microbatches: int | None = None      # None: the engine's default (workers + 1)
     devices: list[str] | None = None     # None: every GPU, else one CPU worker
-    lr: float = 3e-3
+    lr: float | None = None              # peak lr; None: 3e-3, or 3e-4 above hidden 512 (default_lr)
     weight_decay: float = 0.1
     optim: Literal["adamw", "adamw8bit"] = "adamw"   # adamw8bit: moments in 8-bit blocks (rp.optim.AdamW8bit)
     warmup: int | None = None            # linear warmup steps; None: 10% of steps, at most 50
@@ -102,8 +102,8 @@ class TrainConfig:
             raise ValueError(f"eval_batches={self.eval_batches!r} must be an int >= 0")
         if self.size is not None and self.size not in PRESETS:
             raise ValueError(f"size={self.size!r} is not a preset; choose one of {sorted(PRESETS)}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr={self.lr!r} must be a finite number > 0")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr!r} must be None or a finite number > 0")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay={self.weight_decay!r} must be a number >= 0")
         if self.optim not in OPTIMIZERS:
@@ -154,6 +154,7 @@ class TrainConfig:
         out.batch_size = self.batch_size or (32 if cuda else 16)
         out.seq_len = self.seq_len or (1024 if cuda else 128)
         out.warmup = self.warmup if self.warmup is not None else min(50, self.steps // 10)
+        out.lr = self.lr if self.lr is not None else default_lr(None if self.hf else self.model_config())
         # The asynchronous step pays off when the CPU optimizer overlaps GPU compute.  CPU
         # workers share the cores with the optimizer: bench/dispatch.py saw no consistent
         # gain (tiny decoder, one worker, 2-core Xeon, three runs: async 8,686-8,846 tokens/s,
@@ -194,6 +195,13 @@ class TrainResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def default_lr(model: DecoderConfig | None) -> float:
+    """3e-3, the rate the tiny and small decoders (and --hf fine-tuning) were tuned at; 3e-4 for the
+    decoder above hidden 512.  At 3e-3 the 0.8b preset diverges with plain PyTorch too (H200,
+    2026-11-26, bench/results/gpu-2026-11-26: 6.24 -> 16 nats/byte by step 4), at 3e-4 it learns."""
+    return 3e-3 if model is None or model.hidden <= 512 else 3e-4
 
 
 OPTIMIZERS = {"adamw": AdamW, "adamw8bit": AdamW8bit}
@@ -292,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=TrainConfig.steps, help=f"optimizer steps (default {TrainConfig.steps})")
     t.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16 on CPU, 32 with GPUs)")
     t.add_argument("--seq-len", type=int, default=None, help="bytes per sequence (default 128 on CPU, 1024 with GPUs)")
-    t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"peak AdamW learning rate; linear warmup, cosine decay to 10%% (default {TrainConfig.lr:g})")
+    t.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate; linear warmup, cosine decay to 10%% "
+                   "(default 3e-3; 3e-4 for models wider than 512)")
     t.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay,
                    help=f"AdamW weight decay of the matrices (default {TrainConfig.weight_decay:g})")
     t.add_argument("--optim", choices=sorted(OPTIMIZERS), default=TrainConfig.optim,
