@@ -179,7 +179,7 @@ def test_protocol_with_two_calls_in_flight():
     assert not waiter.is_alive()
     time.sleep(0.1)
     assert not landed.is_set()                               # and for the G-copy issued before t+1
-    sync.gcopy_done(0)
+    sync.gcopy_done([0])
     th.join(5)
     assert landed.is_set()
     sync.end_call(t1)
@@ -352,3 +352,73 @@ def test_gradient_copy_error_reaches_the_caller(monkeypatch):
         monkeypatch.setattr(HostState, "gcopy", real)
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)   # usable afterwards
         model.step(opt, asynchronous=False)
+
+
+class _CountingCondition(threading.Condition):
+    def __init__(self):
+        super().__init__()
+        self.notified = 0
+
+    def notify_all(self):
+        self.notified += 1
+        super().notify_all()
+
+
+def _wakeups_per_step(num_layers: int) -> int:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(num_layers)]
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=1) as model:
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
+        model.forward_backward(x, labels=y, loss_fn=torch.nn.functional.mse_loss)
+        model.step(opt, asynchronous=False)
+        model.sync.cv = cv = _CountingCondition()   # nothing waits between a synchronous step and the next call
+        model.forward_backward(x, labels=y, loss_fn=torch.nn.functional.mse_loss)
+        model.step(opt, asynchronous=False)
+        return cv.notified
+
+
+def test_a_stages_landings_and_a_gcopy_epoch_wake_the_waiters_once():
+    """Every notify_all of the one condition wakes every waiting engine thread (a thread switch each,
+    taken from compute on a small machine): a stage's gradient landings and a G-copy epoch's layers
+    now wake them once each, not once per layer.  Per added layer of a synchronous step, what is
+    left is its upload, its gradients consumed and its P-copy (before: also its landing and G-copy)."""
+    per_layer = (_wakeups_per_step(12) - _wakeups_per_step(4)) / 8
+    assert per_layer <= 3
+
+
+@pytest.mark.parametrize("master_dtype, clip", [(torch.float32, None), (torch.float32, 0.5), (torch.bfloat16, None)])
+def test_layers_ready_together_step_in_one_pass_bit_for_bit(monkeypatch, master_dtype, clip):
+    """A synchronous step finds every layer's gate open and gradients in: one step_layer pass updates
+    them all (one native call instead of one per layer), and the weights equal per-layer passes' bit
+    for bit, with clipping and with stochastically rounded bf16 masters (keys are per parameter)."""
+    import roundpipe.engine.optimizer_step as optimizer_step
+    from roundpipe.optim.base import FusedOptimizer
+
+    def train(batched: bool) -> tuple[list[torch.Tensor], int]:
+        calls = []
+        real = FusedOptimizer.step_layer
+        monkeypatch.setattr(FusedOptimizer, "step_layer", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+        make = optimizer_step.make_step
+        if not batched:
+            def per_layer(*a, **k):
+                fns = make(*a, **k)
+                fns.update_many = None
+                return fns
+            monkeypatch.setattr("roundpipe.engine.model.make_step", per_layer)
+        torch.manual_seed(0)
+        layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(5)]
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=1, master_dtype=master_dtype) as model:
+            opt = rp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            for _ in range(3):
+                model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                model.step(opt, asynchronous=False, max_grad_norm=clip)
+            weights = [p.detach().clone() for p in model.parameters()]
+        monkeypatch.undo()
+        return weights, len(calls)
+
+    per_layer, per_layer_calls = train(batched=False)
+    batched, batched_calls = train(batched=True)
+    assert all(torch.equal(a, b) for a, b in zip(per_layer, batched))
+    assert per_layer_calls == 3 * 5 and batched_calls < per_layer_calls

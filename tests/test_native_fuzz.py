@@ -181,7 +181,18 @@ def optim_tensors(draw, count):
 
 def gen_kernels(draw, _):
     op = draw(st.sampled_from(["convert", "accumulate", "grad_sumsq", "adam_step", "adam8bit_step", "sgd_step",
-                               "adagrad_step", "lion_step"]))
+                               "adagrad_step", "lion_step", "copy_many"]))
+    if op == "copy_many":
+        lists = {"dsts": [], "srcs": [], "nbytes": []}
+        for i in range(draw(st.integers(0, 3))):
+            kind, n = buffer_arg(draw, [1])
+            if kind == "pool" and isinstance(n, int) and 0 <= n < U64:
+                n = min(n, POOL_BYTES // 8)
+            lists["srcs"].append(address(draw, kind))
+            lists["dsts"].append(mostly(draw, st.just(address(draw, kind)), st.sampled_from([lists["srcs"][-1], 0]), 2))
+            lists["nbytes"].append(n)
+        lists = perturb(draw, lists)
+        return op, [lists["dsts"], lists["srcs"], lists["nbytes"]], {}
     if op == "convert":
         sd, dd = dtype_name(draw), dtype_name(draw)
         kind, n = buffer_arg(draw, [elem_of(sd), elem_of(dd)])
@@ -617,7 +628,7 @@ SURFACE = {
     "cpu": ["simd_level", "best_simd_level", "cpu_features", "num_threads", "openmp", "cuda_status", "cuda_flavor",
             "set_simd_level", "set_num_threads"],
     "kernels": ["convert", "accumulate", "grad_sumsq", "adam_step", "adam8bit_step", "sgd_step", "adagrad_step",
-                "lion_step"],
+                "lion_step", "copy_many"],
     "fences": ["Fence", "Fence.done", "Fence.wait", "Fence.state", "Fence.error", "Fence.kind", "Fence.cuda_event",
                "HostFence", "HostFence.set", "HostFence.fail", "HostFence.wait_for", "CudaEventFence",
                "CudaEventFence.borrow", "CudaEventFence.record", "CudaEventFence.make_stream_wait",

@@ -268,3 +268,78 @@ def test_next_input_upload_is_issued_before_the_current_compute(monkeypatch):
         model(torch.randn(6, 8))
     f = [(kind, m) for label, kind, m in order if label.startswith("F")]
     assert f[:2] == [("up", 0), ("up", 1)] and f.index(("up", 2)) < f.index(("compute", 1)), f
+
+
+def test_urgent_bulk_is_copied_on_the_issuing_thread():
+    """A bulk the issuer waits for next (urgent) is copied inline whatever its size on a host engine
+    that copies inline: a copy thread would only add two hand-offs.  Not under the delay hook, and
+    never on an engine without inline copies (CUDA: inline_bytes 0)."""
+    tr = Transfers(torch.device("cpu"), inline_bytes=64 << 10)
+    dsts, srcs = bulk_tensors([1 << 18, 1 << 17])                       # 1.5 MiB, far above inline_bytes
+    b = tr.bulk("param_up", dsts, srcs, 1, urgent=True)
+    assert b.fences == [None] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert tr.engine.history() == []
+    dsts, srcs = bulk_tensors([1 << 18], seed=1)
+    tr.wait(tr.bulk("param_up", dsts, srcs, 1))                          # not urgent: the copy thread
+    assert [q for q, _ in tr.engine.history()] == ["param_up"]
+    threaded = Transfers(torch.device("cpu"))                            # inline_bytes 0: never inline
+    dsts, srcs = bulk_tensors([1 << 10], seed=2)
+    b = threaded.bulk("grad_down", dsts, srcs, 1, urgent=True)
+    threaded.wait(b)
+    assert b.fences[0] is not None and [q for q, _ in threaded.engine.history()] == ["grad_down"]
+
+
+def test_one_cpu_worker_uploads_and_downloads_a_stage_inline():
+    """A CPU worker waits for a stage's weights right after issuing their upload (it prefetches none),
+    and its last stage's gradients end its part of the call: both are copied on the worker thread (two
+    thread hand-offs fewer each).  An earlier stage's gradients still leave through the copy thread,
+    overlapping the next stage's compute."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(128, 128) for _ in range(4)]             # 66 KiB each, above inline_copy_bytes
+    ref = torch.nn.Sequential(*copy.deepcopy(layers))
+    x, y = torch.randn(8, 128), torch.randn(8, 128)
+    with rp.RoundPipe(layers, devices=["cpu"], num_microbatches=1) as model:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        assert model.workers[0].copies.engine.history() == []
+        F.mse_loss(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    with rp.RoundPipe(copy.deepcopy(layers), devices=["cpu"], num_microbatches=2,
+                      plan=rp.Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])) as model:
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        assert [q for q, _ in model.workers[0].copies.engine.history()] == ["grad_down"] * 2   # stage 1's 2 windows
+
+
+def test_copy_many_copies_every_pair_in_one_pass():
+    """The native multi-copy behind inline bulk copies: every pair byte for byte, ranges split across
+    threads inside tensors, zero-byte entries, and clear errors for mismatched lists, null addresses
+    and overlapping buffers."""
+    C = _native._C
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(n, generator=g) for n in (1 << 18, 3, 0, 1 << 17, 70001)]
+    dsts = [torch.empty_like(s) for s in srcs]
+    C.copy_many([d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs], [s.nbytes for s in srcs])
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    with pytest.raises(ValueError, match="same length"):
+        C.copy_many([dsts[0].data_ptr()], [], [4])
+    with pytest.raises(ValueError, match="null pointer"):
+        C.copy_many([0], [srcs[0].data_ptr()], [4])
+    buf = torch.zeros(64)
+    with pytest.raises(ValueError, match="separate source and destination"):
+        C.copy_many([buf.data_ptr()], [buf.data_ptr() + 16], [128])
+    assert torch.equal(buf, torch.zeros(64))
+
+
+def test_inline_copies_of_mixed_pairs():
+    """An inline bulk with pairs copy_many cannot take (dtype change, a strided view) copies those with
+    torch and the rest natively, each right."""
+    tr = Transfers(torch.device("cpu"), inline_bytes=64 << 10)
+    base = torch.randn(64, 64)
+    srcs = [torch.randn(1000), torch.randn(500), base.t(), torch.randn(300, dtype=torch.float64)]
+    dsts = [torch.empty(1000), torch.empty(500), torch.empty(64, 64), torch.empty(300, dtype=torch.float32)]
+    b = tr.bulk("grad_down", dsts, srcs, 1, urgent=True)
+    assert b.fences == [None]
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s.to(d.dtype))

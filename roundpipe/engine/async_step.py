@@ -62,7 +62,7 @@ Time, N workers busy with call t+1 while the host thread steps after call t:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from roundpipe.testing import delay_point
@@ -94,6 +94,8 @@ class CallState:
     landed: list[int]                            # gradient rounds of each layer landed
     gcopies_before: int                          # G-copy epochs issued before it began
     ended: bool = False
+    # set with `ended`: the G-copy thread waits on it alone, not woken by every other layer's progress
+    ended_event: threading.Event = field(default_factory=threading.Event)
 
 
 class LayerSync:
@@ -146,6 +148,7 @@ class LayerSync:
             call.ended = True
             self.active.remove(call)
             self.cv.notify_all()
+        call.ended_event.set()
 
     def flush(self) -> None:
         """A sync point: the stale window closes, later calls read every issued step's weights."""
@@ -181,13 +184,24 @@ class LayerSync:
         """Waits for the calls begun earlier to end, the G-copies issued before this call, and
         this call's earlier rounds of the layer."""
         with self.cv:
-            self._wait(lambda: self.active[0] is call and self.gcopied[layer] >= call.gcopies_before
-                       and call.landed[layer] == round_index, abort)
+            ready = lambda: (self.active[0] is call and self.gcopied[layer] >= call.gcopies_before  # noqa: E731
+                             and call.landed[layer] == round_index)
+            if not ready():
+                self.cv.notify_all()   # landings written without a wake-up (grad_written) may be what others wait for
+            self._wait(ready, abort)
 
-    def grad_written(self, call: CallState, layer: int) -> None:
+    def notify(self) -> None:
+        """Wakes every waiter (after changes made with notify=False)."""
+        with self.cv:
+            self.cv.notify_all()
+
+    def grad_written(self, call: CallState, layer: int, notify: bool = True) -> None:
+        """notify=False: more of the stage's layers land right after; the last one wakes the waiters
+        (each wake-up is a thread switch taken from the compute on a small machine)."""
         with self.cv:
             call.landed[layer] += 1
-            self.cv.notify_all()
+            if notify:
+                self.cv.notify_all()
 
     # ---- G-copies (caller issues, G-copy thread completes)
     def issue_gcopy(self) -> tuple[int, list[CallState]]:
@@ -198,21 +212,23 @@ class LayerSync:
             return self.steps_issued, [c for c in self.active if c.training]
 
     def wait_calls(self, calls: list[CallState]) -> None:
-        with self.cv:
-            self._wait(lambda: all(c.ended for c in calls), None)
+        for c in calls:
+            c.ended_event.wait()
 
     def gcopy_free(self) -> bool:
         """Every issued step has consumed every layer's p.grad: a G-copy issued now waits for nothing."""
         with self.cv:
             return all(c >= self.steps_issued for c in self.consumed)
 
-    def wait_gcopy_ready(self, after_steps: int, pending: set[int]) -> int:
-        """A layer of `pending` whose p.grad every step issued before the G-copy has consumed."""
+    def wait_gcopy_ready(self, after_steps: int, pending: set[int]) -> list[int]:
+        """The layers of `pending` (at least one, tail first) whose p.grad every step issued before the
+        G-copy has consumed."""
         with self.cv:
             while True:
-                for l in sorted(pending, reverse=True):
-                    if all(self.consumed[k] >= after_steps for k in self.groups[l]):
-                        return l
+                ready = [l for l in sorted(pending, reverse=True)
+                         if all(self.consumed[k] >= after_steps for k in self.groups[l])]
+                if ready:
+                    return ready
                 self.cv.wait(0.05)
 
     def wait_all_consumed(self, after_steps: int) -> None:
@@ -221,9 +237,11 @@ class LayerSync:
             while not all(c >= after_steps for c in self.consumed):
                 self.cv.wait(0.05)
 
-    def gcopy_done(self, layer: int) -> None:
+    def gcopy_done(self, layers: list[int]) -> None:
+        """The G-copies of `layers` are done (one wake-up for all of them)."""
         with self.cv:
-            self.gcopied[layer] += 1
+            for layer in layers:
+                self.gcopied[layer] += 1
             self.cv.notify_all()
 
     # ---- steps (caller issues, host thread completes)
@@ -255,6 +273,25 @@ class LayerSync:
                         return l, [w for c in self.active if c.version < rec.index for k in self.groups[l]
                                    for w in c.upload_waits[k]]
                 self.cv.wait(0.05)
+
+    def open_gates(self, rec: StepRecord, candidates: set[int], with_grads: bool) -> list[tuple[int, list]]:
+        """The layers of `candidates` (tail first) whose gate is open now and, with_grads, whose p.grad
+        holds every gradient issued before the step; with the upload copies to wait for, as wait_gate."""
+        with self.cv:
+            return [(l, [w for c in self.active if c.version < rec.index for k in self.groups[l]
+                         for w in c.upload_waits[k]])
+                    for l in sorted(candidates, reverse=True)
+                    if self._gate(rec, l) and not (with_grads and any(self.gcopied[k] < rec.gcopies
+                                                                      for k in self.groups[l]))]
+
+    def layers_stepped(self, layers: list[int], consumed: bool) -> None:
+        """grads_consumed (when `consumed`) and pcopy_done of `layers`, with one wake-up."""
+        with self.cv:
+            for layer in layers:
+                if consumed:
+                    self.consumed[layer] += 1
+                self.pcopied[layer] += 1
+            self.cv.notify_all()
 
     def wait_grads(self, rec: StepRecord, layer: int) -> None:
         """Waits until p.grad of the layer holds every gradient issued before the step."""
@@ -319,15 +356,17 @@ def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Calla
             error = e
     pending = set(range(sync.L))
     while pending:
-        layer = sync.wait_gcopy_ready(after_steps, pending)
+        ready = sync.wait_gcopy_ready(after_steps, pending)
         try:
-            if error is None:
-                gcopy(layer)
-        except BaseException as e:  # noqa: BLE001 - every layer is still counted, then re-raised
-            error = e
+            for layer in ready:
+                if error is None:
+                    try:
+                        gcopy(layer)
+                    except BaseException as e:  # noqa: BLE001 - every layer is still counted, then re-raised
+                        error = e
         finally:
-            pending.discard(layer)
-            sync.gcopy_done(layer)
+            pending.difference_update(ready)
+            sync.gcopy_done(ready)
     if error is not None:
         raise error
 
@@ -340,6 +379,7 @@ class StepFns:
       whole       prepare() is the whole update and consumed every p.grad (torch optimizer)
       update(l)   updates layer l and writes its upload copy (fused per-layer path), or
                   only writes the upload copy (after a whole update)
+      update_many(ls)  update() of several layers at once (one optimizer pass), or None
       pcopy(l)    rewrites layer l's upload copy from the masters (after an error)
       clear(l)    clears layer l's p.grad
       after()     runs once the update succeeded on every layer (the lr scheduler), or None
@@ -350,10 +390,11 @@ class StepFns:
 
     def __init__(self, prepare: Callable[[], None] | None, whole: bool, update: Callable[[int], None],
                  pcopy: Callable[[int], None], clear: Callable[[int], None], after: Callable[[], None] | None,
-                 in_place: bool = False):
+                 in_place: bool = False, update_many: Callable[[list[int]], None] | None = None):
         self.prepare, self.whole, self.update, self.pcopy, self.clear, self.after = \
             prepare, whole, update, pcopy, clear, after
         self.in_place = whole and in_place
+        self.update_many = update_many
 
     @property
     def before_gates(self) -> bool:
@@ -402,24 +443,30 @@ def _run_step(sync: LayerSync, rec: StepRecord, fns: StepFns) -> None:
     pending = set(range(sync.L))
     while pending:
         layer, waits = sync.wait_gate(rec, pending)
+        batch, layers = [(layer, waits)], [layer]
         try:
-            for w in waits:
-                w()
             if not cleared:
                 sync.wait_grads(rec, layer)
+            if fns.update_many is not None and error is None:   # every other layer ready now: one optimizer pass
+                batch += sync.open_gates(rec, pending - {layer}, with_grads=not cleared)
+                layers = [l for l, _ in batch]
+            for _, ws in batch:
+                for w in ws:
+                    w()
             if error is None:
                 try:
-                    fns.update(layer)
+                    fns.update(layer) if len(batch) == 1 else fns.update_many(layers)
                 except BaseException as e:  # noqa: BLE001 - re-raised below
                     error = e
             if error is not None:
-                fns.pcopy(layer)
+                for l in layers:
+                    fns.pcopy(l)
         finally:
-            if not cleared:
-                fns.clear(layer)
-                sync.grads_consumed(layer)
-            pending.discard(layer)
-            sync.pcopy_done(layer)
+            for l in layers:
+                if not cleared:
+                    fns.clear(l)
+                pending.discard(l)
+            sync.layers_stepped(layers, consumed=not cleared)
     if error is not None:
         raise error
     if fns.after is not None:

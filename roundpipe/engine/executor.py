@@ -61,7 +61,11 @@ def engine_thread() -> str | None:
 
 
 class SerialExecutor:
-    def __init__(self, name: str):
+    def __init__(self, name: str, idle_release_s: float = omp.IDLE_RELEASE_S):
+        # idle_release_s: how long the thread waits for a next job before giving its OpenMP team back
+        # (roundpipe/engine/omp.py); 0 for threads whose jobs come once per call or step, whose
+        # helpers would otherwise spin on the cores the compute threads need.
+        self._idle_release_s = idle_release_s
         self._q: queue.Queue = queue.Queue()
         self._cv = threading.Condition()
         self._pending = 0
@@ -76,11 +80,15 @@ class SerialExecutor:
     def name(self) -> str:
         return self._thread.name
 
+    def set_idle_release(self, seconds: float) -> None:
+        """How long from now on the thread waits for a next job before giving its OpenMP team back."""
+        self._idle_release_s = seconds
+
     def _loop(self) -> None:
         _local.name = self._thread.name
         while True:
             try:   # idle a moment: the thread's OpenMP team goes back (roundpipe/engine/omp.py)
-                job = self._q.get(timeout=omp.IDLE_RELEASE_S)
+                job = self._q.get(timeout=self._idle_release_s) if self._idle_release_s > 0 else self._q.get_nowait()
             except queue.Empty:
                 omp.release_team()
                 job = self._q.get()

@@ -171,8 +171,8 @@ class RoundPipe:
                             f"{type(compensation).__name__}")
         self.compensation = compensation   # asynchronous-step staleness compensation (engine/staleness.py)
         self.sync = LayerSync(L, self.host.groups())
-        self.host_thread = SerialExecutor("roundpipe-step")      # optimizer steps and P-copies
-        self.gcopy_thread = SerialExecutor("roundpipe-gcopy")    # G-copies
+        self.host_thread = SerialExecutor("roundpipe-step", idle_release_s=0)      # optimizer steps and P-copies
+        self.gcopy_thread = SerialExecutor("roundpipe-gcopy", idle_release_s=0)    # G-copies
         self.workers = make_workers(self.devices, self.compute_dtype, self.host.alloc, self.host.owns)
         self.predictions = PeakPredictions(self.workers, self.device_memory)   # memory_stats()'s "predicted_peak"
         for w in self.workers:   # a capped CPU worker also counts compute workspace (ledger.py; ~12% slower)
@@ -537,11 +537,11 @@ class RoundPipe:
             self._drain()
 
     def _drain(self) -> None:
-        """A sync point: every call ended, every landed gradient in p.grad, every issued step applied;
-        raises their errors."""
+        """A sync point: every call ended, landed gradient in p.grad and issued step applied; raises their errors."""
         self._retire()
         self.sync.flush()
         self._issue_gcopy()
+        omp.release_team()   # the caller only waits now: its spinning helpers would slow the step's team
         for t in self._host_threads():
             t.wait_idle()
         for t in self._host_threads():

@@ -201,6 +201,27 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
             if not scaling.check(grads) and max_grad_norm is not None:
                 clip[0] = scaling.clip_coefficient(max_grad_norm)
 
+        def update_many(layers: list[int]) -> None:
+            """The layers' updates in one native pass per loss-scale divisor (fewer calls and thread
+            wake-ups than one per layer: a synchronous step finds every layer ready at once)."""
+            if scaling.skipped:
+                return
+            by_divisor: dict[float, list[int]] = {}
+            for l in layers:
+                by_divisor.setdefault(scaling.divisor(l), []).append(l)
+            for divisor, ls in by_divisor.items():
+                params, upload, grads = [], [], []
+                for l in ls:
+                    p, u = host.step_params(l)
+                    params += p
+                    upload += u
+                    grads += host.step_grads(l)
+                with torch.no_grad(), _scaled_lr(optimizer, lr_factor):
+                    optimizer.step_layer(params, upload, clip_coef=clip[0] / divisor, grads=grads, predict=predict,
+                                         **rounding)
+                for l in ls:
+                    host.stamp(l)
+
         def update(l: int) -> None:
             if scaling.skipped:
                 return
@@ -218,7 +239,8 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                     optimizer.step_layer(params, upload)
             host.stamp(l)
         prepare = measure if max_grad_norm is not None or scaler is not None else None
-        return StepFns(prepare, False, update, host.pcopy, host.clear_grads, finish)
+        return StepFns(prepare, False, update, host.pcopy, host.clear_grads, finish,
+                       update_many=update_many if native_clip else None)
     if isinstance(optimizer, torch.optim.Optimizer):
         check_optimizer_params(optimizer, named_params)
         fn: Callable[[], Any] = optimizer.step

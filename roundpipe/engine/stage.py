@@ -100,8 +100,9 @@ class CallContext:
 class StageRun:
     """The weights of one stage bound on one worker, and its per-microbatch steps."""
 
-    def __init__(self, ctx: CallContext, w: Worker, task: StageTask):
+    def __init__(self, ctx: CallContext, w: Worker, task: StageTask, last: bool = False):
         self.ctx, self.w, self.task = ctx, w, task
+        self.last = last   # the worker's last stage of the call: its gradient download overlaps nothing
         self.reps = [ctx.replicas[w.name][l] for l in task.layers]
         self.bound: list[list[torch.nn.Parameter]] = []
         self.acc: list[list[torch.Tensor | None]] = []
@@ -147,7 +148,7 @@ class StageRun:
                     w.before_wait()
                     with w.yielded():
                         ctx.sync.wait_upload(ctx.call, l, ctx.abort_requested)
-            prefetched = upload_stage(ctx, w, task.layers, windows=1)
+            prefetched = upload_stage(ctx, w, task.layers, windows=1, urgent=True)   # waited for right below
         stage_params = w.params_ready(prefetched)
         for l, rep, params in zip(task.layers, self.reps, stage_params):
             st = ctx.host.layers[l]
@@ -321,7 +322,8 @@ class StageRun:
                 per_layer.append(self._rounded(acc) if dt != torch.float32 else [bound[j].grad for j in st.trainable])
             # One LPT-windowed download for the whole stage, riding behind the next activation downloads.
             sizes = [len(g) for g in per_layer]
-            self.w.download_grads([g for gs in per_layer for g in gs], len(task.mbs), self._land_grads(sizes))
+            self.w.download_grads([g for gs in per_layer for g in gs], len(task.mbs), self._land_grads(sizes),
+                                  urgent=self.last)
 
     def _rounded(self, acc: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The layer's fp32 gradient accumulators in the compute dtype, each accumulator dropped as soon as
@@ -350,18 +352,21 @@ class StageRun:
     def _land_grads(self, sizes: list[int]) -> Callable[[list], None]:
         def land(host_grads: list) -> None:
             start = 0
-            for l, n in zip(self.task.layers, sizes):
-                with self.w.yielded():   # earlier rounds' writes may come from another worker
-                    self.ctx.sync.wait_grad_write(self.ctx.call, l, self.task.round, self.ctx.abort_requested)
-                self.ctx.host.land_grads(l, host_grads[start:start + n])
-                self.ctx.sync.grad_written(self.ctx.call, l)
-                start += n
+            try:   # one wake-up for the stage's layers (wait_grad_write wakes the waiters before it blocks)
+                for l, n in zip(self.task.layers, sizes):
+                    with self.w.yielded():   # earlier rounds' writes may come from another worker
+                        self.ctx.sync.wait_grad_write(self.ctx.call, l, self.task.round, self.ctx.abort_requested)
+                    self.ctx.host.land_grads(l, host_grads[start:start + n])
+                    self.ctx.sync.grad_written(self.ctx.call, l, notify=False)
+                    start += n
+            finally:
+                self.ctx.sync.notify()
         return land
 
 
-def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int) -> Upload:
+def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int, urgent: bool = False) -> Upload:
     """Issues the upload of a stage's weights (in `windows` LPT windows) and registers it per layer."""
-    up = w.upload_params([ctx.host.layers[l].upload + ctx.host.layers[l].constants for l in layers], windows)
+    up = w.upload_params([ctx.host.layers[l].upload + ctx.host.layers[l].constants for l in layers], windows, urgent)
     done = w.upload_done(up)
     for l in layers:
         ctx.sync.uploaded(ctx.call, l, done)
@@ -389,7 +394,7 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
     the allocation (CudaWorker._empty), so one made after m's compute was issued would wait for
     m's compute to finish instead of overlapping it.
     """
-    run = StageRun(ctx, w, task)
+    run = StageRun(ctx, w, task, last=next_task is None)
     step = {"F": run.forward, "fused": run.fused, "B": run.backward}[task.kind]
     nxt = None
     with w.compute(), w.turn():

@@ -305,6 +305,7 @@ class StateTier:
                     self._settle_writes()
                     self._prefetch({s.layer for s in self.slots if s.layer is not None})
         fns.update = update
+        fns.update_many = None   # one layer at a time: each offloaded layer's state is installed around its update
         return fns
 
     def _order(self, skip: set[int]) -> list[int]:

@@ -133,7 +133,7 @@ class Worker(ABC):
         self.copies = Transfers(device)
         self.ledger = DeviceLedger()   # device bytes this worker holds (roundpipe/workers/ledger.py)
         self._thread = SerialExecutor(f"roundpipe-{name}")
-        self._completer = SerialExecutor(f"roundpipe-{name}-completer")
+        self._completer = SerialExecutor(f"roundpipe-{name}-completer", idle_release_s=0)
         self._landings = 0     # download callbacks queued on the completion thread
         self._landings_lock = threading.Lock()
 
@@ -240,12 +240,13 @@ class Worker(ABC):
         report(start, time.perf_counter())
 
     # ---- parameters and buffers
-    def upload_params(self, host: list[list[torch.Tensor]], windows: int) -> Upload:
-        """Device copies of a stage's host upload copies (already in compute dtype), in LPT windows."""
+    def upload_params(self, host: list[list[torch.Tensor]], windows: int, urgent: bool = False) -> Upload:
+        """Device copies of a stage's host upload copies (already in compute dtype), in LPT windows;
+        urgent: the caller waits for them next (Transfers.bulk)."""
         dev = [[self._device_empty(u.shape, u.dtype, "param_up") for u in layer] for layer in host]
         flat_dev = [d for layer in dev for d in layer]
         flat_host = [u for layer in host for u in layer]
-        return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows, self._alloc_fences()))
+        return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows, self._alloc_fences(), urgent))
 
     def params_ready(self, up: Upload) -> list[list[torch.Tensor]]:
         """The uploaded weights, once compute has waited for them."""
@@ -380,14 +381,14 @@ class Worker(ABC):
         return arrival.value
 
     # ---- gradients and buffers back to the host
-    def _download(self, values: list, windows: int, then: Callable[[list], None]) -> None:
+    def _download(self, values: list, windows: int, then: Callable[[list], None], urgent: bool = False) -> None:
         values = [None if t is None else t.contiguous() for t in values]
         compute = self._compute_fence()
         host = [None if t is None else self._to_host(t) for t in values]
         pairs = [(h, t) for h, t in zip(host, values) if t is not None and t.device == self.device]
         srcs = [t for _, t in pairs]
         self._read_by_copy(srcs, "grad_down")
-        b = self.copies.bulk("grad_down", [h for h, _ in pairs], srcs, windows, [compute])
+        b = self.copies.bulk("grad_down", [h for h, _ in pairs], srcs, windows, [compute], urgent)
         # Inline only behind no queued landing: the completion thread keeps landings in issue
         # order, and a queued one may wait for windows this thread still holds back.
         if (self.lands_inline and not self._landings and b.sent.is_set()
@@ -408,12 +409,14 @@ class Worker(ABC):
             self._landings += 1
         self._completer.submit(land)
 
-    def download_grads(self, grads: list[torch.Tensor | None], windows: int, then: Callable[[list], None]) -> None:
-        """Moves a stage's gradients to the host in LPT windows; then(host_grads) runs once they landed."""
+    def download_grads(self, grads: list[torch.Tensor | None], windows: int, then: Callable[[list], None],
+                       urgent: bool = False) -> None:
+        """Moves a stage's gradients to the host in LPT windows; then(host_grads) runs once they landed.
+        urgent: nothing of this call is left to overlap it with (the worker's last stage)."""
         for g in grads:
             if g is not None and g.device == self.device:
                 self.ledger.track(g, "gradients")
-        self._download(grads, windows, then)
+        self._download(grads, windows, then, urgent)
 
     def download_buffers(self, device_bufs: list[torch.Tensor], then: Callable[[list], None]) -> None:
         """Moves buffers to the host at once and calls then(host_bufs) once they landed."""
@@ -429,6 +432,10 @@ class Worker(ABC):
         and the next upload window (one, not all: a window sent now is one more in front of the
         activation copy that ends the wait)."""
         self.copies.before_wait()
+
+    def set_idle_release(self, seconds: float) -> None:
+        """How long the compute thread keeps its OpenMP team while idle (roundpipe/engine/omp.py)."""
+        self._thread.set_idle_release(seconds)
 
     def drain(self) -> None:
         """Waits until every copy and callback issued ran; re-raises the first callback error."""

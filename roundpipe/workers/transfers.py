@@ -52,6 +52,24 @@ _ALL_SENT = threading.Event()   # shared by the bulks sent in full when made (mo
 _ALL_SENT.set()
 
 
+
+def _copy_inline(dsts: list, srcs: list) -> None:
+    """The pairs copied on this thread: same-dtype contiguous host pairs in one native pass (each
+    torch copy_ of a large tensor wakes the OpenMP team: ~28 us a tensor), the rest with copy_."""
+    flat = [(d, s) for d, s in zip(dsts, srcs)
+            if d.dtype == s.dtype and d.numel() == s.numel() and d.device.type == s.device.type == "cpu"
+            and d.is_contiguous() and s.is_contiguous()]
+    if len(flat) > 1:
+        _native._C.copy_many([d.data_ptr() for d, _ in flat], [s.data_ptr() for _, s in flat],
+                             [s.nbytes for _, s in flat])
+        done = {id(d) for d, _ in flat}
+        for d, s in zip(dsts, srcs):
+            if id(d) not in done:
+                d.copy_(s)
+        return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s)
+
 class Bulk:
     """A stage's parameter upload or gradient download: windows, and the fences of those sent."""
 
@@ -100,9 +118,9 @@ class Transfers:
         self.engine = CopyEngine(device, streams=list(streams))
 
     # ---- submission
-    def _submit(self, queue: str, dsts: list, srcs: list, after: list) -> Any:
+    def _submit(self, queue: str, dsts: list, srcs: list, after: list, urgent: bool = False) -> Any:
         issued = time.perf_counter()
-        fence = self._issue(queue, dsts, srcs, after)
+        fence = self._issue(queue, dsts, srcs, after, urgent)
         if self.on_copy is not None:
             nbytes = sum(s.nbytes for s in srcs)
             if fence is None:   # done on this thread
@@ -114,18 +132,17 @@ class Transfers:
                 clock.add(fence, nbytes, issued)
         return fence
 
-    def _issue(self, queue: str, dsts: list, srcs: list, after: list) -> Any:
+    def _issue(self, queue: str, dsts: list, srcs: list, after: list, urgent: bool = False) -> Any:
         if not self.native:
             testing.delay_point(queue)
             for d, s in zip(dsts, srcs):
                 d.copy_(s)
             return None
         after = [f for f in after if f is not None]
-        if self._inline(srcs):
+        if self._inline(srcs, urgent):
             for f in after:
                 f.wait()
-            for d, s in zip(dsts, srcs):
-                d.copy_(s)
+            _copy_inline(dsts, srcs)
             return None
         if testing.delays_active():
             held = _native._C.HostFence()
@@ -139,10 +156,15 @@ class Transfers:
             after.append(held)
         return self.engine.copy_many(queue, dsts, srcs, after=after or None)
 
-    def _inline(self, srcs: list) -> bool:
+    def _inline(self, srcs: list, urgent: bool = False) -> bool:
+        """Whether a copy runs on the issuing thread: a host engine's small copies, and its urgent ones
+        (the issuer waits for them next, so a copy thread would only add two hand-offs, and the
+        issuer's torch threads copy faster than one memcpy thread)."""
         left = self.inline_bytes
         if left <= 0 or testing.delays_active():
             return False
+        if urgent:
+            return True
         for s in srcs:
             left -= s.nbytes
             if left < 0:
@@ -162,16 +184,20 @@ class Transfers:
                     self._released_down += 1
             return fence
 
-    def bulk(self, queue: str, dsts: list, srcs: list, windows: int, after: Sequence = ()) -> Bulk:
-        """A stage's bulk copy packed into `windows` windows, held back until activation copies release them."""
+    def bulk(self, queue: str, dsts: list, srcs: list, windows: int, after: Sequence = (),
+             urgent: bool = False) -> Bulk:
+        """A stage's bulk copy packed into `windows` windows, held back until activation copies release them.
+
+        urgent: the issuer has nothing to overlap it with (it waits for the copy next), so it goes at once,
+        on the issuing thread where the engine copies inline (`_inline`)."""
         after = list(after)
-        # One window, or small enough to be copied inline: nothing to hold back, sent at once.
-        now = not self.native or windows <= 1 or self._inline(srcs)
+        # One window, urgent, or small enough to be copied inline: nothing to hold back, sent at once.
+        now = not self.native or windows <= 1 or urgent or self._inline(srcs)
         if now or len(dsts) == 0:
             b = Bulk(queue, [], after)
             if dsts:
                 with self._lock:
-                    b.fences.append(self._submit(queue, dsts, srcs, after))
+                    b.fences.append(self._submit(queue, dsts, srcs, after, urgent))
                     if queue == "grad_down":
                         self._downs.append((self._stage, b))
             return b
