@@ -422,3 +422,39 @@ def test_layers_ready_together_step_in_one_pass_bit_for_bit(monkeypatch, master_
     batched, batched_calls = train(batched=True)
     assert all(torch.equal(a, b) for a, b in zip(per_layer, batched))
     assert per_layer_calls == 3 * 5 and batched_calls < per_layer_calls
+
+
+def test_a_sole_cpu_workers_synchronous_step_runs_on_its_thread(monkeypatch):
+    """A sole CPU worker's thread runs a synchronous step (its OpenMP team is warm; the step thread's
+    own would compete with it for the cores), handed over and waited for by the step thread, so steps
+    stay in order and an error still reaches step(); an asynchronous step stays on the step thread."""
+    from roundpipe.optim.base import FusedOptimizer
+    threads = []
+    real = FusedOptimizer.step_layer
+
+    def recording(self, *a, **k):
+        threads.append(threading.current_thread().name)
+        if getattr(self, "fail", False):
+            raise RuntimeError("step failed on purpose")
+        return real(self, *a, **k)
+    monkeypatch.setattr(FusedOptimizer, "step_layer", recording)
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with rp.RoundPipe([torch.nn.Linear(8, 8) for _ in range(3)], devices=["cpu"], num_microbatches=1) as model:
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
+        for asynchronous in (True, False, True, False):
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.step(opt, asynchronous=asynchronous)
+        model.synchronize()
+        runs = [t for i, t in enumerate(threads) if i == 0 or threads[i - 1] != t]   # consecutive runs, in order
+        assert runs == ["roundpipe-step", "roundpipe-cpu:0"] * 2
+        opt.fail = True
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        with pytest.raises(RuntimeError, match="on purpose"):
+            model.step(opt, asynchronous=False)
+    with rp.RoundPipe([torch.nn.Linear(8, 8) for _ in range(2)], devices=["cpu", "cpu"]) as model:
+        threads.clear()
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.step(opt, asynchronous=False)
+        assert set(threads) == {"roundpipe-step"}

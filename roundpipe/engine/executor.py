@@ -60,6 +60,25 @@ def engine_thread() -> str | None:
     return getattr(_local, "name", None)
 
 
+def on_thread(submit: Callable[[Callable[[], None]], None], job: Callable[[], None]) -> Callable[[], None]:
+    """A job that runs `job` through `submit` (another thread's queue) and waits for it, re-raising its error."""
+    def run_there() -> None:
+        done, errors = threading.Event(), []
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the waiting thread
+                errors.append(e)
+            finally:
+                done.set()
+        submit(run)
+        done.wait()
+        if errors:
+            raise errors[0]
+    return run_there
+
+
 class SerialExecutor:
     def __init__(self, name: str, idle_release_s: float = omp.IDLE_RELEASE_S):
         # idle_release_s: how long the thread waits for a next job before giving its OpenMP team back

@@ -35,7 +35,7 @@ from roundpipe.engine.board import Board
 from roundpipe.engine.device_memory import PeakPredictions, resolve_caps
 from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
-from roundpipe.engine.executor import SerialExecutor, engine_thread, register_then_queue, stop_when_collected
+from roundpipe.engine.executor import SerialExecutor, engine_thread, on_thread, register_then_queue, stop_when_collected
 from roundpipe.engine.host_state import HostState
 from roundpipe.engine.microbatch import SplitFn, batch_size_of, merge, split, tree_map
 from roundpipe.engine.plan import Plan
@@ -199,8 +199,7 @@ class RoundPipe:
         # what the last step() was given: a checkpoint saved while it is pending records and re-issues it
         self._step_info: dict[str, Any] = {"optimizer": None, "lr_scheduler": None, "max_grad_norm": None}
         self._counted = (0, 0)   # calls and steps of the runs this one resumes (checkpoint.load)
-        # A model dropped without close() (a notebook cell re-run) still lets its threads exit, and
-        # none outlives the interpreter's exit (roundpipe/engine/executor.py); flush lets a pending step run.
+        # A model dropped unclosed still lets its threads exit (executor.py); flush lets a pending step run.
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
                                               + self._host_threads(), self.sync.flush)
 
@@ -529,9 +528,10 @@ class RoundPipe:
             self.host.reserve_gradients(2, reduced=self.dp is not None)
         self._refresh_edited()   # calls in this step's stale window read the masters as they are now
         self._issue_gcopy()
-        sync = self.sync   # a queued job must not keep the model alive
-        register_then_queue(lambda: sync.new_step(asynchronous, fns.before_gates, window),
-                             lambda rec: self.host_thread.submit(lambda: run_step(sync, rec, fns)))
+        sync, w, host = self.sync, self.workers[0], self.host_thread   # a queued job must not keep the model alive
+        warm = not asynchronous and len(self.workers) == 1 and w.device.type == "cpu" and not (self.dp or self.offload)
+        register_then_queue(lambda: sync.new_step(asynchronous, fns.before_gates, window), lambda rec: host.submit(
+            on_thread(w.submit, lambda: run_step(sync, rec, fns)) if warm else lambda: run_step(sync, rec, fns)))
         self._latest_async = asynchronous
         if not asynchronous:
             self._drain()
