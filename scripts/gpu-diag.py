@@ -34,8 +34,7 @@ def gradient_errors(size: str, device: str, workers: int, batch: int, seq_len: i
         errors = []
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             got, want = p.grad.float().cpu(), q.grad.float().cpu()
-            errors.append(((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
-            errors[-1] = (errors[-1], name)
+            errors.append((((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item(), name))
     return sorted(errors, reverse=True)
 
 

@@ -139,7 +139,7 @@ def test_protocol_orders_pcopy_after_next_calls_uploads():
     c3 = sync.begin_call(True, [1, 1])
     assert c3.version == 1                                    # call 3 must see step 1's weights
     assert not sync.upload_ready(c3, 0)
-    sync.pcopy_done(0)
+    sync.layers_done([0], consumed=False, pcopied=True)
     assert sync.upload_ready(c3, 0) and not sync.upload_ready(c3, 1)
 
 

@@ -182,15 +182,13 @@ def optim_tensors(draw, count):
 def gen_kernels(draw, _):
     op = draw(st.sampled_from(["convert", "accumulate", "grad_sumsq", "adam_step", "adam8bit_step", "sgd_step",
                                "adagrad_step", "lion_step", "copy_many"]))
-    if op == "copy_many":
+    if op == "copy_many":   # pool pairs that fit, may overlap (a source as destination) or be null
         lists = {"dsts": [], "srcs": [], "nbytes": []}
-        for i in range(draw(st.integers(0, 3))):
-            kind, n = buffer_arg(draw, [1])
-            if kind == "pool" and isinstance(n, int) and 0 <= n < U64:
-                n = min(n, POOL_BYTES // 8)
+        for kind, n in (buffer_arg(draw, [1]) for _ in range(draw(st.integers(0, 3)))):
             lists["srcs"].append(address(draw, kind))
             lists["dsts"].append(mostly(draw, st.just(address(draw, kind)), st.sampled_from([lists["srcs"][-1], 0]), 2))
-            lists["nbytes"].append(n)
+            fits = kind == "pool" and isinstance(n, int) and 0 <= n < U64
+            lists["nbytes"].append(min(n, POOL_BYTES // 8) if fits else n)
         lists = perturb(draw, lists)
         return op, [lists["dsts"], lists["srcs"], lists["nbytes"]], {}
     if op == "convert":

@@ -117,11 +117,8 @@ def test_a_thread_with_sparse_jobs_gives_its_team_back_at_once(monkeypatch):
 
 def test_the_engines_sparse_threads_release_at_once():
     """Step, G-copy and landing threads give their teams back at once; compute threads keep theirs
-    between stages, and a sole worker's between calls (a rebuilt team cost ~1 ms a call)."""
-    with RoundPipe([nn.Linear(8, 8)], devices=["cpu"]) as model:
-        worker = model.workers[0]
-        assert model.host_thread._idle_release_s == 0 and model.gcopy_thread._idle_release_s == 0
-        assert worker._completer._idle_release_s == 0
-        assert worker._thread._idle_release_s == omp.SOLE_WORKER_IDLE_RELEASE_S
+    between stages."""
     with RoundPipe([nn.Linear(8, 8), nn.Linear(8, 8)], devices=["cpu", "cpu"]) as model:
+        assert model.host_thread._idle_release_s == 0 and model.gcopy_thread._idle_release_s == 0
+        assert all(w._completer._idle_release_s == 0 for w in model.workers)
         assert all(w._thread._idle_release_s == omp.IDLE_RELEASE_S for w in model.workers)

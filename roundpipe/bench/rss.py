@@ -31,22 +31,23 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rss_file() -> int:
-    """File-backed resident bytes (library code paged in), bytes; 0 where /proc does not say."""
+def _status_bytes(key: str) -> int:
+    """A kB line of /proc/self/status, in bytes; 0 where /proc does not say."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssFile:"):
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_file() -> int:
+    """File-backed resident bytes (library code paged in), bytes; 0 where /proc does not say."""
+    return _status_bytes("RssFile:")
 
 
 def rss() -> int:
     """Resident set size of this process now, bytes (VmRSS); 0 where /proc does not say."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmRSS:")
 
 
 class HostPeak:

@@ -195,13 +195,11 @@ class LayerSync:
         with self.cv:
             self.cv.notify_all()
 
-    def grad_written(self, call: CallState, layer: int, notify: bool = True) -> None:
-        """notify=False: more of the stage's layers land right after; the last one wakes the waiters
+    def grad_written(self, call: CallState, layer: int) -> None:
+        """Counts a landing without waking anyone: the lander calls notify() once for its stage's layers
         (each wake-up is a thread switch taken from the compute on a small machine)."""
         with self.cv:
             call.landed[layer] += 1
-            if notify:
-                self.cv.notify_all()
 
     # ---- G-copies (caller issues, G-copy thread completes)
     def issue_gcopy(self) -> tuple[int, list[CallState]]:
@@ -284,29 +282,19 @@ class LayerSync:
                     if self._gate(rec, l) and not (with_grads and any(self.gcopied[k] < rec.gcopies
                                                                       for k in self.groups[l]))]
 
-    def layers_stepped(self, layers: list[int], consumed: bool) -> None:
-        """grads_consumed (when `consumed`) and pcopy_done of `layers`, with one wake-up."""
+    def layers_done(self, layers: list[int], consumed: bool, pcopied: bool) -> None:
+        """The step read and cleared the layers' p.grad (`consumed`) and/or wrote their upload copies
+        (`pcopied`); one wake-up for all of them."""
         with self.cv:
             for layer in layers:
-                if consumed:
-                    self.consumed[layer] += 1
-                self.pcopied[layer] += 1
+                self.consumed[layer] += consumed
+                self.pcopied[layer] += pcopied
             self.cv.notify_all()
 
     def wait_grads(self, rec: StepRecord, layer: int) -> None:
         """Waits until p.grad of the layer holds every gradient issued before the step."""
         with self.cv:
             self._wait(lambda: all(self.gcopied[k] >= rec.gcopies for k in self.groups[layer]), None)
-
-    def grads_consumed(self, layer: int) -> None:
-        with self.cv:
-            self.consumed[layer] += 1
-            self.cv.notify_all()
-
-    def pcopy_done(self, layer: int) -> None:
-        with self.cv:
-            self.pcopied[layer] += 1
-            self.cv.notify_all()
 
     def step_finished(self) -> None:
         with self.cv:
@@ -436,7 +424,7 @@ def _run_step(sync: LayerSync, rec: StepRecord, fns: StepFns) -> None:
                 if fns.whole:   # p.grad was read; later G-copies may refill it
                     for l in range(sync.L):
                         fns.clear(l)
-                        sync.grads_consumed(l)
+                    sync.layers_done(list(range(sync.L)), consumed=True, pcopied=False)
                     cleared = True
     except BaseException as e:  # noqa: BLE001 - re-raised below, after the protocol went on
         error = e
@@ -466,7 +454,7 @@ def _run_step(sync: LayerSync, rec: StepRecord, fns: StepFns) -> None:
                 if not cleared:
                     fns.clear(l)
                 pending.discard(l)
-            sync.layers_stepped(layers, consumed=not cleared)
+            sync.layers_done(layers, consumed=not cleared, pcopied=True)
     if error is not None:
         raise error
     if fns.after is not None:

@@ -99,10 +99,6 @@ class SerialExecutor:
     def name(self) -> str:
         return self._thread.name
 
-    def set_idle_release(self, seconds: float) -> None:
-        """How long from now on the thread waits for a next job before giving its OpenMP team back."""
-        self._idle_release_s = seconds
-
     def _loop(self) -> None:
         _local.name = self._thread.name
         while True:

@@ -13,9 +13,9 @@ OMP_WAIT_POLICY=passive, i.e. the whole gap is the lost spin).
 
 So a thread that has nothing to do gives its team back (`release_team`, libgomp's
 `omp_pause_resource_all`, which joins the calling thread's helpers): a compute thread once
-it has been idle for `IDLE_RELEASE_S` (a sole worker's for `SOLE_WORKER_IDLE_RELEASE_S`), the
-step, G-copy and landing threads as soon as their queue is empty (SerialExecutor's
-idle_release_s=0), the caller's thread when a call starts and when a synchronous step waits.  Only the threads working now keep teams, and one thread computing
+it has been idle for `IDLE_RELEASE_S`, the step, G-copy and landing threads as soon as their
+queue is empty (SerialExecutor's idle_release_s=0), the caller's thread when a call starts and
+when a synchronous step waits.  Only the threads working now keep teams, and one thread computing
 on a machine of N CPUs spins as in a plain script.  A team given back is rebuilt by the
 thread's next parallel region (a thread start, ~20-60 us), never while it is busy.
 
@@ -38,12 +38,6 @@ import threading
 # libgomp's own ~3 ms of spinning its helpers sleep anyway, and a job within the window (the
 # next stage of a pipelined call) finds the team as it left it.
 IDLE_RELEASE_S = 0.002
-# The compute thread of a RoundPipe's only worker keeps its team across the gap between two calls
-# (a host step, the training loop's own code): no other compute thread needs the cores then, and
-# rebuilding the team at every call start cost ~1 ms a step (one CPU worker, tiny decoder, 2-core
-# EPYC: 5.3 -> 4.2 ms of engine time outside the compute a step, 0.93x -> 0.95x plain PyTorch).  A
-# new helper thread can start on the CPU where its creator already spins waiting for it.
-SOLE_WORKER_IDLE_RELEASE_S = 0.02
 
 _OMP_PAUSE_SOFT = 1   # omp_pause_resource_t: libgomp frees the caller's team for soft and hard alike
 

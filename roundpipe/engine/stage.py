@@ -357,7 +357,7 @@ class StageRun:
                     with self.w.yielded():   # earlier rounds' writes may come from another worker
                         self.ctx.sync.wait_grad_write(self.ctx.call, l, self.task.round, self.ctx.abort_requested)
                     self.ctx.host.land_grads(l, host_grads[start:start + n])
-                    self.ctx.sync.grad_written(self.ctx.call, l, notify=False)
+                    self.ctx.sync.grad_written(self.ctx.call, l)
                     start += n
             finally:
                 self.ctx.sync.notify()

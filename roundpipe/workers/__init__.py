@@ -75,9 +75,6 @@ def make_workers(devices: list[torch.device], compute_dtype: torch.dtype, alloc:
         reason = mixed_models(devices)
         for w in workers:
             w.rng.refuse = reason
-    if len(workers) == 1:   # a sole worker's team outlives the gaps between calls (roundpipe/engine/omp.py)
-        from roundpipe.engine.omp import SOLE_WORKER_IDLE_RELEASE_S
-        workers[0].set_idle_release(SOLE_WORKER_IDLE_RELEASE_S)
     return workers
 
 

@@ -433,10 +433,6 @@ class Worker(ABC):
         activation copy that ends the wait)."""
         self.copies.before_wait()
 
-    def set_idle_release(self, seconds: float) -> None:
-        """How long the compute thread keeps its OpenMP team while idle (roundpipe/engine/omp.py)."""
-        self._thread.set_idle_release(seconds)
-
     def drain(self) -> None:
         """Waits until every copy and callback issued ran; re-raises the first callback error."""
         self.copies.synchronize()

@@ -52,23 +52,24 @@ _ALL_SENT = threading.Event()   # shared by the bulks sent in full when made (mo
 _ALL_SENT.set()
 
 
-
 def _copy_inline(dsts: list, srcs: list) -> None:
     """The pairs copied on this thread: same-dtype contiguous host pairs in one native pass (each
     torch copy_ of a large tensor wakes the OpenMP team: ~28 us a tensor), the rest with copy_."""
-    flat = [(d, s) for d, s in zip(dsts, srcs)
-            if d.dtype == s.dtype and d.numel() == s.numel() and d.device.type == s.device.type == "cpu"
-            and d.is_contiguous() and s.is_contiguous()]
-    if len(flat) > 1:
-        _native._C.copy_many([d.data_ptr() for d, _ in flat], [s.data_ptr() for _, s in flat],
-                             [s.nbytes for _, s in flat])
-        done = {id(d) for d, _ in flat}
-        for d, s in zip(dsts, srcs):
-            if id(d) not in done:
-                d.copy_(s)
+    if len(dsts) == 1:   # an activation copy: the per-microbatch path
+        dsts[0].copy_(srcs[0])
         return
+    raw, rest = [], []
     for d, s in zip(dsts, srcs):
+        plain = (d.dtype == s.dtype and d.numel() == s.numel() and d.device.type == s.device.type == "cpu"
+                 and d.is_contiguous() and s.is_contiguous())
+        (raw if plain else rest).append((d, s))
+    if len(raw) > 1:
+        _native._C.copy_many([d.data_ptr() for d, _ in raw], [s.data_ptr() for _, s in raw], [s.nbytes for _, s in raw])
+    else:
+        rest += raw
+    for d, s in rest:
         d.copy_(s)
+
 
 class Bulk:
     """A stage's parameter upload or gradient download: windows, and the fences of those sent."""
