@@ -1,15 +1,16 @@
 # `make demo`: set up and run the main job.  `make test`: set up and run the test suite.
 # The setups differ (scripts/setup-venv.sh): the demo's installs only what `roundpipe train`
-# runs; the test setup adds Triton (interpreter-mode kernel tests) and the [dev] extra.
+# runs; the test setup adds Triton (interpreter-mode kernel tests) and the [dev] extra, pinned by
+# requirements/test-constraints.txt (`make lock` re-resolves it on purpose).
 # A venv already set up for the tests serves the demo as it is.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.roundpipe-demo
 TEST_STAMP := $(VENV)/.roundpipe-installed
-SETUP_INPUTS := pyproject.toml setup.py scripts/setup-venv.sh $(wildcard csrc/*.cpp csrc/*.h)
+SETUP_INPUTS := pyproject.toml setup.py scripts/setup-venv.sh requirements/test-constraints.txt $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup lock versions clean
 
 demo: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(DEMO_STAMP))
 	$(BIN)/roundpipe train
@@ -18,6 +19,14 @@ test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
 setup: $(TEST_STAMP)
+
+# The test environment's exact versions, re-resolved on purpose (then run the suite, commit the file).
+lock:
+	PYTHON=$(PYTHON) bash scripts/lock.sh
+
+# What the test venv holds, for logs: the versions that decide a test run.
+versions: $(TEST_STAMP)
+	@$(BIN)/python -m pip --disable-pip-version-check list 2>/dev/null | grep -i -E '^(torch|triton|transformers|peft|accelerate|trl|bitsandbytes|tokenizers|safetensors|numpy|pytest|pytest-timeout|hypothesis|ruff) '
 
 $(DEMO_STAMP): $(SETUP_INPUTS)
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-venv.sh demo

@@ -13,6 +13,11 @@
 # is reused and never replaced.  Only when no torch imports at all is the CPU build
 # torch==2.13.0 installed, before anything that depends on torch, so pip never picks
 # a torch of its own.  `test` installs Triton only when none imports.
+#
+# `test` installs with requirements/test-constraints.txt as pip constraints: the exact versions
+# of transformers, peft, trl, pytest, ... that the suite was last run with (`make lock` upgrades
+# them on purpose).  Its torch and Triton pins apply only when this script installs them: a
+# torch already importable (a CUDA build on a GPU machine) is kept, with the Triton beside it.
 set -euo pipefail
 profile=${1:-test}
 case "$profile" in demo|test) ;; *) echo "usage: $0 {demo|test}" >&2; exit 2;; esac
@@ -35,7 +40,11 @@ if [ "$profile" = demo ]; then
   "${pip[@]}" install -e .
   exit 0
 fi
+lock=requirements/test-constraints.txt
+pinned() { sed -n "s/^$1==\([^ ;]*\).*/\1/p" "$lock"; }
 if ! "$VENV/bin/python" -c 'import triton' 2>/dev/null; then
-  "${pip[@]}" install 'triton>=3.0' || echo "setup: triton unavailable; kernels will use their PyTorch fallback"
+  "${pip[@]}" install "triton==$(pinned triton)" || echo "setup: triton unavailable; kernels will use their PyTorch fallback"
 fi
-"${pip[@]}" install -e ".[dev]"
+constraints="$VENV/test-constraints.txt"
+grep -v -i -E '^(torch|triton|nvidia-[a-z0-9-]*|cuda-[a-z0-9-]*)==' "$lock" > "$constraints"
+"${pip[@]}" install -c "$constraints" -e ".[dev]"
