@@ -42,7 +42,8 @@ import torch
 
 import roundpipe as rp
 from roundpipe.commands.data import ByteCorpus
-from roundpipe.commands.train import OPTIMIZERS, TrainConfig, evaluate, lr_at, make_optimizer
+from roundpipe.commands.train import TrainConfig, evaluate
+from roundpipe.commands.train_loops import OPTIMIZERS, lr_at, make_optimizer
 from roundpipe.commands.train_loops import DTYPES
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
 

@@ -66,7 +66,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from roundpipe.bench.runner import Report, add_common_args, median_time  # noqa: E402
-from roundpipe.engine.plan import Plan  # noqa: E402
+from roundpipe.planner.plan import Plan  # noqa: E402
 from roundpipe.models.sleep import sleep_layers  # noqa: E402
 from roundpipe.planner.partition import plan as partition_plan  # noqa: E402
 from roundpipe.sim import AllReduce, Costs, data_parallel  # noqa: E402

@@ -48,9 +48,10 @@ from torch import nn
 from roundpipe.bench.runner import Report, add_common_args, median_time
 from roundpipe.commands.data import ByteCorpus
 from roundpipe.engine.model import RoundPipe
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
-from roundpipe.commands.train import TrainConfig, lr_at, make_optimizer
+from roundpipe.commands.train import TrainConfig
+from roundpipe.commands.train_loops import lr_at, make_optimizer
 from roundpipe.commands.train_loops import RoundPipeEngine, TorchReference
 
 

@@ -24,7 +24,7 @@ mean of the two runs' Mparam/s:
 - fused:  "(c) roundpipe bf16 [avx512]": fp32 master + m + v, bf16 gradients in, the
           bf16 upload copy out, one pass (28 bytes a parameter)
 - torch:  "(a) torch seq bf16": bf16 gradient -> float, unscale, AdamW(fused=True),
-          weight.to(bf16): what the old path does (roundpipe.engine.optimizer_step,
+          weight.to(bf16): what the old path does (roundpipe.engine.step.optimizer_step,
           "torch optimizer": one optimizer.step() over the fp32 p.grad, then the upload
           copies); "(b') torch fused fp32" (AdamW(fused=True) alone, no casts) is printed
           as the old path's lower bound

@@ -12,7 +12,7 @@ import torch
 
 import dispatch
 from roundpipe.engine.model import RoundPipe
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 
 LAYERS, M = 16, 4
 

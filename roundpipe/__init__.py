@@ -18,7 +18,7 @@ from roundpipe._version import __version__
 # public name -> module that defines it
 _LAZY = {
     "RoundPipe": "roundpipe.engine.model",
-    "Plan": "roundpipe.engine.plan",
+    "Plan": "roundpipe.planner.plan",
     "optim": "roundpipe.optim",
     "sim": "roundpipe.sim",
     "kernels": "roundpipe.kernels",
@@ -26,9 +26,9 @@ _LAZY = {
     "planner": "roundpipe.planner",
     "offload": "roundpipe.offload",
     "PlanningConfig": "roundpipe.engine.autoplan",
-    "Precision": "roundpipe.engine.precision",
-    "LossScale": "roundpipe.engine.loss_scale",
-    "StalenessCompensation": "roundpipe.engine.staleness",
+    "Precision": "roundpipe.engine.calls.precision",
+    "LossScale": "roundpipe.engine.step.loss_scale",
+    "StalenessCompensation": "roundpipe.engine.step.staleness",
     "hf": "roundpipe.hf",
 }
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import roundpipe as rp
 from rp_models import MODELS, Slow, max_rel_err, reference, sync_steps_match
-from roundpipe.engine.async_step import LayerSync
+from roundpipe.engine.step.async_step import LayerSync
 from roundpipe.testing import inject_delays, random_sleeps
 
 
@@ -333,7 +333,7 @@ def test_gradient_copy_error_reaches_the_caller(monkeypatch):
     """An exception while a layer's landed gradients are copied into p.grad (the G-copy thread) reaches the caller,
     once, and the thread still counts every layer, so nothing waits forever (before: the remaining layers were
     never counted and the next step hung)."""
-    from roundpipe.engine.host_state import HostState
+    from roundpipe.engine.step.host_state import HostState
     layers = MODELS["mlp"](4)
     x, y = batches(1)[0]
     real = HostState.gcopy
@@ -392,7 +392,7 @@ def test_layers_ready_together_step_in_one_pass_bit_for_bit(monkeypatch, master_
     """A synchronous step finds every layer's gate open and gradients in: one step_layer pass updates
     them all (one native call instead of one per layer), and the weights equal per-layer passes' bit
     for bit, with clipping and with stochastically rounded bf16 masters (keys are per parameter)."""
-    import roundpipe.engine.optimizer_step as optimizer_step
+    import roundpipe.engine.step.optimizer_step as optimizer_step
     from roundpipe.optim.base import FusedOptimizer
 
     def train(batched: bool) -> tuple[list[torch.Tensor], int]:

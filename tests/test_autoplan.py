@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import roundpipe as rp
 from roundpipe import planner
 from roundpipe.engine.autoplan import PlanningConfig, _FlopCount, size_costs, stage_seconds
-from roundpipe.engine.dispatcher import default_plan
+from roundpipe.engine.calls.dispatcher import default_plan
 from roundpipe.models.tiny_decoder import DecoderConfig, build_layers
 from roundpipe.planner import objective
 from roundpipe.sim import bubbles

@@ -1,5 +1,5 @@
 """BatchNorm running statistics: per microbatch (default) or once per call from the whole batch
-(RoundPipe(batchnorm="whole-batch"), roundpipe/engine/batchnorm.py)."""
+(RoundPipe(batchnorm="whole-batch"), roundpipe/engine/calls/batchnorm.py)."""
 import copy
 
 import pytest

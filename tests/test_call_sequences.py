@@ -4,7 +4,7 @@ Each case drives a random mix of forward_backward (gradient accumulation), forwa
 calls, step (asynchronous and synchronous), synchronize, state_dict, load_state_dict and
 in-place edits of the masters, on 1-3 CPU workers, with roundpipe's AdamW (fused per-layer
 path), torch's AdamW or a callable, against `StaleReference`, which spells out the
-documented semantics (roundpipe/engine/async_step.py): step s opens a window of k training
+documented semantics (roundpipe/engine/step/async_step.py): step s opens a window of k training
 calls (k = training calls since the previous step) that still read the weights before
 step s; the next step or any sync point closes it.
 

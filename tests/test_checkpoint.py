@@ -1,4 +1,4 @@
-"""Checkpoints: resume bit for bit in both step modes, atomic files, clear errors (roundpipe/engine/checkpoint.py)."""
+"""Checkpoints: resume bit for bit in both step modes, atomic files, clear errors (roundpipe/engine/state/checkpoint.py)."""
 import json
 import os
 import subprocess
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import roundpipe as rp
-from roundpipe.engine import tensor_file
+from roundpipe.engine.state import tensor_file
 
 sys.path.insert(0, os.path.dirname(__file__))
 import checkpoint_run as run  # noqa: E402
@@ -190,7 +190,7 @@ def test_saving_is_atomic_and_replaces_an_older_checkpoint(tmp_path, monkeypatch
     before = (path / "checkpoint.json").read_text()
     with small_model() as model:
         opt = rp.optim.AdamW(model.parameters())
-        from roundpipe.engine import checkpoint
+        from roundpipe.engine.state import checkpoint
 
         def boom(*a, **k):
             raise OSError("disk full")

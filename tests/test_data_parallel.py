@@ -149,7 +149,7 @@ def test_reduced_buckets_live_in_the_models_host_memory(monkeypatch):
     from the GPU are DMA) and the reduced gradients are views of it, with the missing ones left out."""
     from roundpipe import _native
     from roundpipe.engine import data_parallel
-    from roundpipe.engine.host_state import HostState
+    from roundpipe.engine.step.host_state import HostState
     if not _native.available():
         pytest.skip("needs the native core (the arena)")
     calls = []

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import roundpipe as rp
 from rp_models import max_rel_err, mlp, reference
-from roundpipe.engine.dispatcher import Schedule, default_plan, saved_points
+from roundpipe.engine.calls.dispatcher import Schedule, default_plan, saved_points
 
 
 class FakeWorker:

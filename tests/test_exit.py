@@ -3,7 +3,7 @@
 Before the fix a script ending with an asynchronous step pending aborted with "terminate
 called without an active exception" (status 134) in about half of its runs: an engine thread
 still inside torch when the interpreter finalized was killed while it reacquired the GIL
-(roundpipe/engine/executor.py).  Each scenario's script runs 20 times, in children forked from a
+(roundpipe/core/executor.py).  Each scenario's script runs 20 times, in children forked from a
 launcher that has already imported torch (and, for torch optimizers, torch._dynamo): a fresh
 interpreter spends ~2-6 s there, so 66 fresh runs would take minutes.  Each child runs its
 script as `__main__` and leaves through the ordinary interpreter exit (atexit, finalization),
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import roundpipe as rp
-from roundpipe.engine.executor import SerialExecutor
+from roundpipe.core.executor import SerialExecutor
 
 LINUX = sys.platform.startswith("linux") and os.path.isdir("/proc/self/task")
 
@@ -178,7 +178,7 @@ def exits(tmp_path_factory) -> dict[str, list[tuple[int, str]]]:
         (d / name).write_text(text)
     root = Path(__file__).resolve().parents[1]
     # OMP_NUM_THREADS=1: the two launchers' children train side by side on a small machine, and OpenMP
-    # teams that spin at full count in two processes at once (roundpipe/engine/omp.py) starve each
+    # teams that spin at full count in two processes at once (roundpipe/core/omp.py) starve each
     # other: the module took over 280 s instead of ~90 on the 2-core CI VM
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",   # numpy's BLAS would start a thread before the fork
                PYTHONPATH=os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))

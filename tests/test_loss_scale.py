@@ -1,4 +1,4 @@
-"""fp16 dynamic loss scaling in the engine (roundpipe/engine/loss_scale.py)."""
+"""fp16 dynamic loss scaling in the engine (roundpipe/engine/step/loss_scale.py)."""
 import json
 
 import pytest
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import roundpipe as rp
-from roundpipe.engine.loss_scale import LossScaler
+from roundpipe.engine.step.loss_scale import LossScaler
 
 
 class _InfGrad(torch.autograd.Function):

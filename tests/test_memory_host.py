@@ -124,7 +124,7 @@ def test_host_bytes_per_param_by_host_peak(mode):
 
 _NORM_CHILD = r'''
 import json, torch
-from roundpipe.engine.optimizer_step import NORM_CHUNK, clip_coefficient
+from roundpipe.engine.step.optimizer_step import NORM_CHUNK, clip_coefficient
 def hwm():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 torch.manual_seed(0)

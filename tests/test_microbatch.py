@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from roundpipe.engine.microbatch import even_sizes, merge, split
+from roundpipe.engine.calls.microbatch import even_sizes, merge, split
 
 
 def test_uneven_sizes_put_the_remainder_first():

@@ -389,7 +389,7 @@ def test_dropped_model_stops_its_threads():
 
 def test_stage_backward_entry_matches_torch_and_keeps_its_errors():
     """The stages' backward call gives torch.autograd.backward's gradients, and its error on a mismatch."""
-    from roundpipe.engine.compute import autograd_backward
+    from roundpipe.engine.calls.compute import autograd_backward
     torch.manual_seed(0)
     w = torch.randn(3, 5, requires_grad=True)
     x = torch.randn(4, 3)

@@ -1,4 +1,4 @@
-"""Idle threads give their OpenMP teams back (roundpipe/engine/omp.py).
+"""Idle threads give their OpenMP teams back (roundpipe/core/omp.py).
 
 libgomp throttles every team's spinning once all teams' helper threads outnumber the
 CPUs; the engine keeps teams only on the threads working now.  Teams are counted as the
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from roundpipe import RoundPipe
-from roundpipe.engine import omp
-from roundpipe.engine.executor import SerialExecutor
+from roundpipe.core import omp
+from roundpipe.core.executor import SerialExecutor
 
 pytestmark = pytest.mark.skipif(not omp.available() or torch.get_num_threads() < 2,
                                 reason="needs libgomp with omp_pause_resource_all and 2+ OpenMP threads")
@@ -87,7 +87,7 @@ def test_keep_teams_switch():
     import subprocess
     import sys
 
-    code = "import torch; from roundpipe.engine import omp; print(omp.available(), omp.release_team())"
+    code = "import torch; from roundpipe.core import omp; print(omp.available(), omp.release_team())"
     for value, expected in (("1", "False False"), ("0", "True True")):
         out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ROUNDPIPE_KEEP_OMP_TEAMS=value),
                              capture_output=True, text=True, check=True).stdout.split("\n")[0]

@@ -146,7 +146,7 @@ def test_max_grad_norm_equals_clip_grad_norm(opt_class):
 
 def test_clip_coefficient_is_torchs():
     """The factor the fused path folds in is the one clip_grad_norm_ multiplies by."""
-    from roundpipe.engine.optimizer_step import clip_coefficient
+    from roundpipe.engine.step.optimizer_step import clip_coefficient
     grads = [torch.randn(5, 3), torch.randn(7)]
     copies = [g.clone() for g in grads]
     torch.nn.utils.clip_grad_norm_([torch.nn.Parameter(torch.zeros_like(g)) for g in grads], 1.0)   # no grads: 0

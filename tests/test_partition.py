@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 from roundpipe.planner import LayerCost, balanced_split, objective, partition, plan, stage_times
 from roundpipe.planner.costs import backward_memory, forward_memory
 from roundpipe.planner.exact import exact_partition

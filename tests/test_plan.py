@@ -1,7 +1,7 @@
 """Plan: validation of forward/backward partitions and the size-based default."""
 import pytest
 
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 
 
 def test_valid_plan_properties():

@@ -1,4 +1,4 @@
-"""The precision policy (roundpipe/engine/precision.py): autocast, inputs keep their dtype, no casts at stage
+"""The precision policy (roundpipe/engine/calls/precision.py): autocast, inputs keep their dtype, no casts at stage
 boundaries."""
 import pytest
 import torch

@@ -208,7 +208,7 @@ def test_dequantized_weights_are_kept_as_weights_for_the_stage_and_die():
 
 def _stage_runs(monkeypatch):
     """[(stage layers, dequantizations its keep made)] of every stage run, and a count of every dequantization."""
-    from roundpipe.engine import stage
+    from roundpipe.engine.calls import stage
     from roundpipe.quant import experts, linear
 
     runs, calls = [], [0]
@@ -486,7 +486,7 @@ def test_quant_state_is_cached_without_holding_the_buffers():
 
 def test_constant_fingerprint_sees_dtype_shape_and_sampled_bytes():
     """The fingerprint of a constant buffer changes with its dtype, its shape and a byte it samples."""
-    from roundpipe.engine.checkpoint import fingerprint
+    from roundpipe.engine.state.checkpoint import fingerprint
 
     t = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     base = fingerprint(t)

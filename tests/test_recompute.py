@@ -6,7 +6,7 @@ from torch import nn
 
 import roundpipe as rp
 from rp_models import Mlp
-from roundpipe.engine.recompute import layer_seed
+from roundpipe.workers.rng import layer_seed
 from roundpipe.testing import inject_delays, random_sleeps
 
 
@@ -192,7 +192,7 @@ def test_a_pool_of_mixed_gpu_models_refuses_random_draws(monkeypatch):
     """Two GPU models in one pool (their random kernels' grids differ with the SM count): the reason names the
     devices and the fix, and a layer drawing dropout on such a worker raises it as a ValueError, while eval-mode
     dropout and layers without randomness run; one model, or CPUs only, refuse nothing."""
-    from roundpipe.engine import recompute
+    from roundpipe.workers import rng as recompute
     props = {0: ("NVIDIA H100 80GB HBM3", 132, 2048), 1: ("NVIDIA A100-SXM4-40GB", 108, 2048),
              2: ("NVIDIA H100 80GB HBM3", 132, 2048)}
     monkeypatch.setattr(recompute, "device_model", lambda d: props[d.index])

@@ -1,4 +1,4 @@
-"""Staleness compensation (roundpipe/engine/staleness.py): prediction in the fused pass, PipeMare's rescheduling."""
+"""Staleness compensation (roundpipe/engine/step/staleness.py): prediction in the fused pass, PipeMare's rescheduling."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,7 +6,7 @@ from torch import nn
 
 import roundpipe as rp
 from roundpipe import _native
-from roundpipe.engine.staleness import StalenessCompensation, predicted
+from roundpipe.engine.step.staleness import StalenessCompensation, predicted
 
 OPTIMIZERS = {
     "adamw": lambda ps: rp.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),

@@ -245,7 +245,7 @@ def test_next_input_upload_is_issued_before_the_current_compute(monkeypatch):
     """With prefetching on, microbatch m+1's input upload is issued before m's compute (CUDA: its buffer's
     allocation fence then covers compute up to m-1 only, so the copy overlaps m's compute; issued after,
     it would wait for m's compute to finish), and m's own first."""
-    from roundpipe.engine import stage
+    from roundpipe.engine.calls import stage
 
     order = []
     real_early, real_forward = stage.StageRun.upload_input_early, stage.StageRun.forward

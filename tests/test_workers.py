@@ -311,7 +311,7 @@ def test_long_backward_compute_of_cpu_workers_overlaps():
     """Two CPU workers computing long backwards run them at the same time (outside their turns).
 
     Forward and recompute compute of CPU workers is serialised anyway: they share the CPU
-    generator, whose lock makes reseeding and running a stage atomic (roundpipe/engine/recompute.py)."""
+    generator, whose lock makes reseeding and running a stage atomic (roundpipe/workers/rng.py)."""
     Sleeper.meeting = Meeting()
     plan = rp.Plan(forward=[range(0, 1), range(1, 2)], backward=[range(2, 3), range(1, 2), range(0, 1)])
     with rp.RoundPipe([Sleeper() for _ in range(3)], devices=["cpu", "cpu"], num_microbatches=4,

@@ -26,8 +26,7 @@ import torch
 
 from roundpipe.commands.data import ByteCorpus
 from roundpipe.models.tiny_decoder import PRESETS, DecoderConfig, build_layers, loss_fn
-from roundpipe.optim import AdamW, AdamW8bit
-from roundpipe.commands.train_loops import DTYPES, make_engine
+from roundpipe.commands.train_loops import DTYPES, OPTIMIZERS, lr_at, make_engine, make_optimizer
 from roundpipe.workers import parse_devices
 
 ENGINES = ("roundpipe", "torch")
@@ -204,29 +203,7 @@ def default_lr(model: DecoderConfig | None) -> float:
     return 3e-3 if model is None or model.hidden <= 512 else 3e-4
 
 
-OPTIMIZERS = {"adamw": AdamW, "adamw8bit": AdamW8bit}
 MASTER_DTYPES = ("fp32", "bf16")
-
-
-def make_optimizer(named_params, lr: float, weight_decay: float, optim: str = "adamw") -> torch.optim.Optimizer:
-    """roundpipe.optim.AdamW (or AdamW8bit) over the fp32 master weights; matrices decay, norms and biases do not.
-
-    The native fused step (torch.optim.AdamW's arithmetic; AdamW8bit: bitsandbytes'); through
-    RoundPipe it runs per layer and writes each layer's upload copy in the same pass.
-    """
-    named = list(named_params)
-    decay = [p for _, p in named if p.dim() >= 2]
-    no_decay = [p for _, p in named if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return OPTIMIZERS[optim]([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over cfg.warmup steps, then cosine decay to 10% of cfg.lr at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def evaluate(model, corpus: ByteCorpus, cfg: TrainConfig) -> float | None:

@@ -133,9 +133,8 @@ def train_hf(cfg, save: str | None = None) -> dict:
     from transformers import AutoTokenizer
 
     import roundpipe as rp
-    from roundpipe.commands.train import lr_at, make_optimizer
-    from roundpipe.commands.train_loops import DTYPES
-    from roundpipe.engine.staleness import StalenessCompensation
+    from roundpipe.commands.train_loops import DTYPES, lr_at, make_optimizer
+    from roundpipe.engine.step.staleness import StalenessCompensation
 
     check_hf_flags(cfg)
     try:

@@ -17,11 +17,13 @@ iteration t+1 computes, and a scheduler stepped from the loop would race with it
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
 from torch import nn
 
+from roundpipe.optim import AdamW, AdamW8bit
 from roundpipe.trace import Trace
 
 # --dtype names -> compute dtypes
@@ -117,7 +119,7 @@ class RoundPipeEngine:
                  dtype: torch.dtype | None, trace: bool = False, compensation: float | None = None,
                  master_dtype: torch.dtype = torch.float32):
         from roundpipe.engine.model import RoundPipe
-        from roundpipe.engine.staleness import StalenessCompensation
+        from roundpipe.engine.step.staleness import StalenessCompensation
 
         self.model = RoundPipe(layers, devices=devices, num_microbatches=microbatches, compute_dtype=dtype,
                                compensation=None if compensation is None else StalenessCompensation(compensation),
@@ -177,3 +179,27 @@ def make_engine(layers: list[nn.Module], cfg) -> TorchReference | RoundPipeEngin
         return TorchReference(layers, device, dtype, trace=cfg.trace is not None)
     return RoundPipeEngine(layers, cfg.devices, cfg.microbatches, dtype, trace=cfg.trace is not None,
                            compensation=cfg.compensation, master_dtype=DTYPES[cfg.master_dtype])
+
+
+OPTIMIZERS = {"adamw": AdamW, "adamw8bit": AdamW8bit}
+
+
+def make_optimizer(named_params, lr: float, weight_decay: float, optim: str = "adamw") -> torch.optim.Optimizer:
+    """roundpipe.optim.AdamW (or AdamW8bit) over the fp32 master weights; matrices decay, norms and biases do not.
+
+    The native fused step (torch.optim.AdamW's arithmetic; AdamW8bit: bitsandbytes'); through
+    RoundPipe it runs per layer and writes each layer's upload copy in the same pass.
+    """
+    named = list(named_params)
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return OPTIMIZERS[optim]([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup over cfg.warmup steps, then cosine decay to 10% of cfg.lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))

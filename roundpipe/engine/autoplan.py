@@ -17,7 +17,7 @@ docs/planner.md) and follows the measured costs:
 A new plan takes effect only at the start of a call (`before_call`), under the
 model's API lock with no iteration in flight.  That is a safe point even with an
 asynchronous step pending: every piece of the per-layer protocol
-(roundpipe.engine.async_step.LayerSync) counts per layer and per call (uploads expected,
+(roundpipe.engine.step.async_step.LayerSync) counts per layer and per call (uploads expected,
 gradient writes per round, stale windows in calls), the replicas are one per layer
 and worker, and the schedule, saved points and board are rebuilt for every call, so
 no state depends on which layers the previous call grouped together.
@@ -27,7 +27,7 @@ removes it: a forward (or fused) stage-microbatch cannot start before the stage
 that produced its input finished, and a backward one recomputes first, then waits
 for the output gradient; the waiting part is not charged to the stage's layers.
 Workers that share a random generator (CPU workers; one GPU listed twice) take
-turns running forward segments (roundpipe/engine/recompute.py), a wait the seam cannot
+turns running forward segments (roundpipe/workers/rng.py), a wait the seam cannot
 see that also fakes input waits (B2 holds the generator, so B3 finishes late, so
 B2 seems to have waited for B3's gradient); there the raw times are used.  Either
 way a call contributes each stage's fastest microbatch: every microbatch does the
@@ -51,8 +51,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.engine.memory_probe import measure_layer, measure_loss
-from roundpipe.engine.microbatch import tree_leaves, tree_map
-from roundpipe.engine.plan import Plan
+from roundpipe.core.tree import tree_leaves, tree_map
+from roundpipe.planner.plan import Plan
 from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective
 from roundpipe.planner.costs import BWD_PER_FWD
 from roundpipe.planner.memory import LayerMemory, backward_bytes, layer_memory

@@ -23,7 +23,7 @@ batch.  What the ranks share, and when:
     randomness  each call's dropout seed mixed with the rank: ranks draw different
                 masks, reproducibly for a given seed and rank
     checkpoints one directory: rank 0 writes the shared state, each rank its own
-                engine state (roundpipe/engine/checkpoint.py)
+                engine state (roundpipe/engine/state/checkpoint.py)
 
 Collectives are issued in the same order on every rank only if every rank makes
 the same engine calls in the same order: forward_backward, step, synchronize,
@@ -50,11 +50,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
-from roundpipe.engine.plan import Plan
-from roundpipe.engine.recompute import layer_seed
+from roundpipe.planner.plan import Plan
+from roundpipe.workers.rng import layer_seed
 
 if TYPE_CHECKING:
-    from roundpipe.engine.host_state import HostState
+    from roundpipe.engine.step.host_state import HostState
 
 BUCKET_BYTES = 25 << 20
 

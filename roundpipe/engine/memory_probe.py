@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from roundpipe.engine.microbatch import tree_leaves, tree_map
+from roundpipe.core.tree import tree_leaves, tree_map
 from roundpipe.planner.memory import LayerMemory
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

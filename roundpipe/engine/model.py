@@ -9,7 +9,7 @@
 The wrapped module (an nn.Sequential of the layers) holds the fp32 master
 weights; `parameters()`, `state_dict()` etc. are its.  `forward_backward`
 splits the batch into microbatches, runs the round-robin schedule over the
-worker pool (roundpipe/engine/dispatcher.py) and returns the batch loss: the
+worker pool (roundpipe/engine/calls/dispatcher.py) and returns the batch loss: the
 microbatch losses weighted by microbatch size, so with a `loss_fn` that is a
 mean over samples the loss and the gradients equal the whole batch's.
 Gradients accumulate into `p.grad` across calls until `step()`, which runs the
@@ -26,24 +26,28 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from roundpipe.engine.async_step import LayerSync, run_gcopy, run_step
-from roundpipe.engine.optimizer_step import check_step_args, copy_step, make_step
+from roundpipe.engine.step.async_step import LayerSync, run_gcopy, run_step
+from roundpipe.engine.step.optimizer_step import check_step_args, copy_step, make_step
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
-from roundpipe.engine import batchnorm as batchnorm_stats
-from roundpipe.engine import checkpoint, loss_scale, omp
-from roundpipe.engine.board import Board
+from roundpipe.core import omp
+from roundpipe.engine.calls import batchnorm as batchnorm_stats
+from roundpipe.engine.state import checkpoint
+from roundpipe.engine.state.run_state import RunState
+from roundpipe.engine.step import loss_scale
+from roundpipe.engine.calls.board import Board
 from roundpipe.engine.device_memory import PeakPredictions, resolve_caps
 from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
-from roundpipe.engine.dispatcher import CallRun, Dispatcher, default_plan
-from roundpipe.engine.executor import SerialExecutor, engine_thread, on_thread, register_then_queue, stop_when_collected
-from roundpipe.engine.host_state import HostState
-from roundpipe.engine.microbatch import SplitFn, batch_size_of, merge, split, tree_map
-from roundpipe.engine.plan import Plan
-from roundpipe.engine.precision import Precision, resolve as resolve_precision
-from roundpipe.engine.recompute import draw_base
-from roundpipe.engine.replica import Replica
-from roundpipe.engine.stage import CallContext
-from roundpipe.engine.staleness import StalenessCompensation
+from roundpipe.engine.calls.dispatcher import CallRun, Dispatcher, default_plan
+from roundpipe.core.executor import SerialExecutor, engine_thread, on_thread, register_then_queue, stop_when_collected
+from roundpipe.engine.step.host_state import HostState
+from roundpipe.core.tree import tree_map
+from roundpipe.engine.calls.microbatch import SplitFn, batch_size_of, merge, split
+from roundpipe.planner.plan import Plan
+from roundpipe.engine.calls.precision import Precision, resolve as resolve_precision
+from roundpipe.workers.rng import draw_base
+from roundpipe.engine.calls.replica import Replica
+from roundpipe.engine.calls.context import CallContext
+from roundpipe.engine.step.staleness import StalenessCompensation
 from roundpipe.optim.rounding import check_master_dtype, check_rounding
 from roundpipe.trace import Trace
 from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
@@ -135,7 +139,7 @@ class RoundPipe:
         self.compute_dtype = self.precision.compute_dtype
         scaling = loss_scale.resolve(self.precision.loss_scale, self.compute_dtype)
         self.scaler = loss_scale.LossScaler(scaling) if scaling is not None else None
-        self._latest_async = False   # the last step was asynchronous (which scale calls use: loss_scale.py)
+        self.run_state = RunState()   # flags and counts beyond the tensors; checkpoints save it
         # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/engine/autoplan.py).
         self.planning = planning or PlanningConfig()
         self.device_memory = resolve_caps(device_memory, self.devices)   # worker name -> bytes or None
@@ -179,7 +183,7 @@ class RoundPipe:
             w.records_workspace = self.device_memory[w.name] is not None
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
                                   for layer, st in zip(layers, self.host.layers)] for w in self.workers}
-        # Whole-batch BatchNorm statistics (roundpipe/engine/batchnorm.py): masters updated at call ends.
+        # Whole-batch BatchNorm statistics (roundpipe/engine/calls/batchnorm.py): masters updated at call ends.
         self._bn = batchnorm_stats.tracked(layers) if batchnorm == "whole-batch" else {}
         self._bn_skip = {l: batchnorm_stats.stats_buffer_indices(layer, st.buffer_names)
                          for l, (layer, st) in enumerate(zip(layers, self.host.layers))} if self._bn else {}
@@ -193,12 +197,8 @@ class RoundPipe:
         self._compute_s: dict[tuple[str, int, int], float] = {}   # last compute times (Worker.compute_span)
         self._api = threading.RLock()
         self._closed = False
-        self._grads_pending = False   # a training call landed gradients that no G-copy has been issued for
         self._inflight: list[_InFlight] = []   # training calls that returned and may still be running
         self._grads_reserved = False   # the arena has grown for gradients (the first training call)
-        # what the last step() was given: a checkpoint saved while it is pending records and re-issues it
-        self._step_info: dict[str, Any] = {"optimizer": None, "lr_scheduler": None, "max_grad_norm": None}
-        self._counted = (0, 0)   # calls and steps of the runs this one resumes (checkpoint.load)
         # A model dropped unclosed still lets its threads exit (executor.py); flush lets a pending step run.
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
                                               + self._host_threads(), self.sync.flush)
@@ -242,7 +242,7 @@ class RoundPipe:
                     sd[name] = self.offload.master(sd[name])
             return sd
 
-    def _named_state(self) -> dict[str, torch.Tensor]:
+    def named_state(self) -> dict[str, torch.Tensor]:
         """Every master and buffer under the names a checkpoint stores them by: the owner's state_dict
         names, plus any tensor of the layers that state dict does not hold, under its layer name."""
         named = dict(self._owner.state_dict(keep_vars=True))
@@ -431,7 +431,7 @@ class RoundPipe:
         else:
             self.autoplan.after_call(key, plan, training, run.ok)
         if training:
-            self._grads_pending = True
+            self.run_state.grads_pending = True
             # waits for nothing but the call: gradients fill while the caller goes on (with data
             # parallelism only at step and sync points, the same on every rank)
             if self.dp is None and self.sync.gcopy_free():
@@ -473,9 +473,9 @@ class RoundPipe:
 
     def _issue_gcopy(self) -> None:
         """Moves the gradients landed since the last G-copy into p.grad (after earlier steps read it)."""
-        if not self._grads_pending:
+        if not self.run_state.grads_pending:
             return
-        self._grads_pending = False
+        self.run_state.grads_pending = False
         sync, host, dp = self.sync, self.host, self.dp   # a queued job must not keep the model alive
         reduce = dp.reducer(host) if dp is not None else None
         register_then_queue(sync.issue_gcopy, lambda after: self.gcopy_thread.submit(
@@ -490,7 +490,7 @@ class RoundPipe:
         with `step_layer(params, upload)`, e.g. roundpipe.optim.AdamW: updates one layer's fp32
         masters from their `.grad` and writes their upload copies, layer by layer as the next
         call frees them).  asynchronous=True overlaps the update with the next call (one step
-        stale, see roundpipe/engine/async_step.py); False returns with the update applied.
+        stale, see roundpipe/engine/step/async_step.py); False returns with the update applied.
         lr_scheduler: stepped right after this update, as `opt.step(); sched.step()` would.
         max_grad_norm: clip like torch.nn.utils.clip_grad_norm_ over every gradient first.
         Errors inside the update are raised here (synchronous), else by the engine call during
@@ -502,13 +502,13 @@ class RoundPipe:
             comp = self.compensation
             fns = self._make_step(optimizer, lr_scheduler, max_norm, self._scale_index(),
                                   comp.predict if comp is not None and asynchronous else 0.0,
-                                  comp.lr_factor(self._counted[1] + self.sync.steps_issued) if comp else 1.0)
+                                  comp.lr_factor(self.run_state.counted[1] + self.sync.steps_issued) if comp else 1.0)
             self._issue_step(fns, asynchronous)
 
     def _make_step(self, optimizer, lr_scheduler, max_norm: float | None, scale_used: int, predict: float,
                    lr_factor: float):
         """The next step's StepFns; what it was given is kept for a checkpoint saved while it is pending."""
-        self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
+        self.run_state.step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
                            "scale_used": scale_used, "predict": predict, "lr_factor": lr_factor}
         fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
                         self.scaler, self.sync.steps_issued + 1, scale_used, self.shards, predict, lr_factor)
@@ -516,7 +516,7 @@ class RoundPipe:
 
     def _scale_index(self) -> int:
         """The loss-scale history entry of the calls issued now and of the step after them."""
-        return loss_scale.LossScaler.group_index(self.sync.steps_issued, self._latest_async)
+        return loss_scale.LossScaler.group_index(self.sync.steps_issued, self.run_state.latest_asynchronous)
 
     @property
     def loss_scale(self) -> float | None:
@@ -532,7 +532,7 @@ class RoundPipe:
         warm = not asynchronous and len(self.workers) == 1 and w.device.type == "cpu" and not (self.dp or self.offload)
         register_then_queue(lambda: sync.new_step(asynchronous, fns.before_gates, window), lambda rec: host.submit(
             on_thread(w.submit, lambda: run_step(sync, rec, fns)) if warm else lambda: run_step(sync, rec, fns)))
-        self._latest_async = asynchronous
+        self.run_state.latest_asynchronous = asynchronous
         if not asynchronous:
             self._drain()
 
@@ -561,7 +561,7 @@ class RoundPipe:
             for l in range(len(self.host)):   # fp32 p.grad, unscaled by the scale its calls used (loss_scale.py)
                 self.host.materialize(l, inv)
 
-    # ---- checkpoints (roundpipe/engine/checkpoint.py)
+    # ---- checkpoints (roundpipe/engine/state/checkpoint.py)
     def save_checkpoint(self, path, optimizer=None, lr_scheduler=None, *, extra: dict | None = None) -> None:
         """Writes a checkpoint directory that `load_checkpoint` resumes from bit for bit.
 
@@ -588,14 +588,14 @@ class RoundPipe:
             self._drain()
             return checkpoint.load(self, path, optimizer, lr_scheduler)
 
-    def _reissue_step(self, step: dict, optimizer, lr_scheduler) -> None:
-        """A checkpoint's pending step, issued again with its stale window (checkpoint.load)."""
+    def reissue_step(self, step: dict, optimizer, lr_scheduler) -> None:
+        """A checkpoint's pending step, issued again with its stale window (used by load_checkpoint)."""
         used = step["scale_used"] + self.sync.steps_issued + 1   # saved relative to the step's own index
         if step["kind"] == "update":
             fns = self._make_step(optimizer, lr_scheduler, step["max_grad_norm"], used, step["predict"],
                                   step["lr_factor"])
         else:
-            self._step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": None,
+            self.run_state.step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": None,
                                "scale_used": used, "predict": 0.0, "lr_factor": 1.0}
             fns = copy_step(optimizer, self.host, lr_scheduler, step["skipped"])
         self._issue_step(fns, True, window=step["window"])

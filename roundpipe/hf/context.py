@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 
 GiB = 1 << 30
 

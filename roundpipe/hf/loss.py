@@ -5,7 +5,7 @@ predicts nothing), -100 is ignored, and the loss is the sum of the per-token cro
 divided by the number of counted tokens of the whole batch, or by `num_items_in_batch`
 when given (HF's Trainer passes the count over a gradient-accumulation group).
 
-The engine runs with `loss_reduction="sum"` (roundpipe/engine/microbatch.py): each
+The engine runs with `loss_reduction="sum"` (roundpipe/engine/calls/microbatch.py): each
 microbatch's loss_fn returns its sum over tokens divided by the batch's count N, and the
 engine adds them up, so the loss and every gradient are the whole batch's whatever the
 microbatches' token counts (a per-microbatch mean weighted by sample count is not: padded

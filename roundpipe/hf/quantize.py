@@ -4,7 +4,7 @@ Three ways in, one result: the decoder layers' frozen Linear weights become
 roundpipe.quant.QuantLinear (bitsandbytes' 4-bit format; roundpipe/quant/),
 whose packed bytes and statistics are constant buffers of the engine: one arena
 block each, uploaded packed with the stage's parameters, dequantized on the
-worker just before each product, never downloaded back (roundpipe/engine/host_state.py).
+worker just before each product, never downloaded back (roundpipe/engine/step/host_state.py).
 
     quantize="nf4"|"fp4"   every frozen nn.Linear of the decoder layers is quantized here
                            (a PEFT model's base layers; never the adapters, the LM head or

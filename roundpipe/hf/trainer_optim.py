@@ -2,7 +2,7 @@
 its lr scheduler stepped by the engine.
 
 A roundpipe.optim optimizer runs the engine's per-layer fused step (each layer updated, and its
-upload copy written, in one pass as soon as its gradients are in; roundpipe/engine/optimizer_step.py).
+upload copy written, in one pass as soon as its gradients are in; roundpipe/engine/step/optimizer_step.py).
 Any other optimizer is one whole-model torch step after every layer's gradients arrived, with the
 workers idle meanwhile in the synchronous step; it still works, with one warning.
 

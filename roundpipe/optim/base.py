@@ -345,7 +345,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         read as they are), else each parameter's `.grad`.
 
         predict > 0: upload[i] receives the predicted next weights w + predict * (w - w_before)
-        instead of w, computed in the same pass (staleness compensation, roundpipe/engine/staleness.py).
+        instead of w, computed in the same pass (staleness compensation, roundpipe/engine/step/staleness.py).
 
         rounding: how bf16 masters round ('stochastic' or 'nearest'; None: `master_rounding`).  A bf16
         master that is its own upload copy takes upload[i] None.

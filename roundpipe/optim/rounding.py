@@ -26,7 +26,7 @@ same bits.  `round_bf16_` is the torch-ops twin of the native rounding, used by 
 optimizers' fallback path; the tests hold the two to identical bits.
 
 Bytes: a bf16 master is 2 bytes instead of 4, and with a bf16 compute dtype it is
-its own upload copy (roundpipe/engine/host_state.py), so AdamW8bit's host state
+its own upload copy (roundpipe/engine/step/host_state.py), so AdamW8bit's host state
 falls from ~10 to ~6 bytes per parameter.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 from roundpipe.planner.costs import LayerCost, backward_memory, backward_time, check_costs, forward_memory, forward_time
 from roundpipe.planner.partition import Partition, check_args, objective, stage_times
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 from roundpipe.planner.costs import (LayerCost, backward_memory, backward_time, check_costs,
                                      forward_time)
 from roundpipe.planner.memory import BackwardFootprint, ForwardFootprint, beside_bytes, layer_memory

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 from roundpipe.planner.costs import LayerCost
 from roundpipe.planner.partition import check_args, plan as closed_form_plan
 from roundpipe.planner.profiler import Profiler

@@ -1,6 +1,6 @@
 """Dequantize once per stage run: the dequantized weights a worker keeps while one stage runs.
 
-A stage run (roundpipe/engine/stage.py) runs all of its microbatches on one
+A stage run (roundpipe/engine/calls/stage.py) runs all of its microbatches on one
 worker, and each microbatch needs every 4-bit weight of the stage once or
 more: the forward, a backward stage's recompute and the input-gradient product
 of the backward.  Dequantizing before each product costs the whole stage's

@@ -13,7 +13,7 @@ Gradients flow to the input (and to a bias that requires grad), never to the wei
 
 `quant_state` is cached without holding the tensors: the engine binds each stage
 run's uploaded buffers into a worker's replica and unbinds them after it
-(roundpipe/engine/replica.py), so a strong cache would keep a layer's packed
+(roundpipe/engine/calls/replica.py), so a strong cache would keep a layer's packed
 bytes on the GPU past its release.  The cache keeps weak references to the state
 and to the buffers it was validated for: while the buffers are the same objects the
 state is reused (or rebuilt without re-validation), and a new binding validates
@@ -89,7 +89,7 @@ class QuantLinear(nn.Module):
     """
 
     # The packed state never changes: the engine keeps it once in its arena, uploads it with the parameters
-    # and never downloads it back (roundpipe/engine/host_state.py, "Constant buffers").
+    # and never downloads it back (roundpipe/engine/step/host_state.py, "Constant buffers").
     constant_buffers = frozenset({"weight", *_STATE_BUFFERS})
     # The stage run's DequantKeep while the engine has one attached (roundpipe/quant/keep.py); None: per product.
     dequant_keep: DequantKeep | None = None

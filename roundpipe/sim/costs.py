@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 from roundpipe.planner.costs import LayerCost
 
 

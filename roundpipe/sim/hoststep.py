@@ -8,7 +8,7 @@ takes p / `rate` seconds.  Two shapes of step:
 
     "whole"      one step over every parameter once every task of the iteration has
                  ended: a torch optimizer's `optimizer.step()` (the Trainer's old path,
-                 roundpipe.engine.optimizer_step "torch optimizer")
+                 roundpipe.engine.step.optimizer_step "torch optimizer")
     "per-layer"  one step per layer (the LM head first, then layers last to first),
                  starting when its backward stage's gradients have landed (the stage's
                  last microbatch), while the GPUs run the rest of the backward: the
@@ -40,12 +40,12 @@ Not modelled: the G-copy of downloaded gradients into the optimizer's (their
 download is not modelled either), the wait of an asynchronous P-copy for the
 previous iteration's uploads of the layer (the fused step writes the upload copy in
 its pass), gradient clipping (which holds every layer's step until all gradients are
-in: roundpipe.engine.optimizer_step), and a step slowed by the host memory the copy
+in: roundpipe.engine.step.optimizer_step), and a step slowed by the host memory the copy
 streams share.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from roundpipe.sim.allreduce import _check
@@ -101,45 +101,3 @@ class HostStep:
     def time(self) -> float:
         """Seconds of one iteration's step, all layers."""
         return sum(self.params) / self.rate
-
-
-@dataclass
-class HostStepResult:
-    iteration: float     # seconds per iteration with the step
-    baseline: float      # seconds per iteration with the same schedule and an instantaneous step
-    step: float          # seconds of step work per iteration (HostStep.time)
-    result: object       # the simulate() Result with the step (result.trace() draws it)
-
-    @property
-    def exposed(self) -> float:
-        """Seconds per iteration the step adds: iteration - baseline."""
-        return self.iteration - self.baseline
-
-    def summary(self) -> dict:
-        """JSON-ready numbers, times in ms."""
-        return {"iteration_ms": 1e3 * self.iteration, "baseline_ms": 1e3 * self.baseline,
-                "step_ms": 1e3 * self.step, "exposed_ms": 1e3 * self.exposed, "disk_ms": 1e3 * self.disk}
-
-    @property
-    def disk(self) -> float:
-        """Seconds per iteration the drive works for the step (0 without a disk)."""
-        d = self.result.run.schedule.meta.get("disk")
-        return d.time() if d is not None else 0.0
-
-
-def host_step(schedule: str, costs, workers: int, microbatches: int, step: HostStep, **kwargs) -> HostStepResult:
-    """Simulates `schedule` ("roundpipe" or "roundpipe-async") with `step` and with an instantaneous one
-    (no disk either).
-
-    `kwargs` go to `simulate` (partition, iterations, uploads, ...)."""
-    from roundpipe.sim.simulate import simulate
-
-    if not isinstance(step, HostStep):
-        raise TypeError(f"step={step!r} must be a roundpipe.sim.HostStep")
-    timed = simulate(schedule, costs, workers, microbatches, host_step=step, **kwargs)
-    free = simulate(schedule, costs, workers, microbatches,
-                    host_step=replace(step, params=(0.0,) * len(step.params), disk=None), **kwargs)
-    t, base = timed.makespan, free.makespan
-    if abs(t - base) <= 1e-9 * base:   # the same steady state, measured through other task ends
-        t = base
-    return HostStepResult(t, base, step.time(), timed)

@@ -75,7 +75,7 @@ from roundpipe.sim.uploads import Uploads
 
 
 def default_round_size(workers: int) -> int:
-    """Microbatches per round when none is given: N + 1, as the engine (roundpipe.engine.dispatcher)."""
+    """Microbatches per round when none is given: N + 1, as the engine (roundpipe.engine.calls.dispatcher)."""
     return workers + 1
 
 

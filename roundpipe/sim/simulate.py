@@ -30,14 +30,14 @@ previous slot's compute; `Result.upload_bytes` is what crosses PCIe per iteratio
 the host, whole or per layer; "roundpipe" then also runs `iterations` iterations
 (each waiting for the previous one's updates) and reports the steady-state time
 per iteration like "roundpipe-async" (one step stale).  `Result.host_step` is the
-step's seconds per iteration; roundpipe.sim.hoststep.host_step gives the exposed part.
+step's seconds per iteration; host_step (below) gives the exposed part.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs, sizes_from_plan
 from roundpipe.sim.events import Run, simulate as run_schedule
@@ -163,3 +163,43 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
     per_it = (window[1] - window[0]) / (n_it - 3)
     exposed = sum(x for i, x in enumerate(run.exposed) if window[0] <= run.start[i] < window[1]) / (n_it - 3)
     return Result(schedule, run, per_it, b, exposed, (fwd, bwd), reduction, uploaded, stepped)
+
+
+@dataclass
+class HostStepResult:
+    iteration: float     # seconds per iteration with the step
+    baseline: float      # seconds per iteration with the same schedule and an instantaneous step
+    step: float          # seconds of step work per iteration (HostStep.time)
+    result: object       # the simulate() Result with the step (result.trace() draws it)
+
+    @property
+    def exposed(self) -> float:
+        """Seconds per iteration the step adds: iteration - baseline."""
+        return self.iteration - self.baseline
+
+    def summary(self) -> dict:
+        """JSON-ready numbers, times in ms."""
+        return {"iteration_ms": 1e3 * self.iteration, "baseline_ms": 1e3 * self.baseline,
+                "step_ms": 1e3 * self.step, "exposed_ms": 1e3 * self.exposed, "disk_ms": 1e3 * self.disk}
+
+    @property
+    def disk(self) -> float:
+        """Seconds per iteration the drive works for the step (0 without a disk)."""
+        d = self.result.run.schedule.meta.get("disk")
+        return d.time() if d is not None else 0.0
+
+
+def host_step(schedule: str, costs, workers: int, microbatches: int, step: HostStep, **kwargs) -> HostStepResult:
+    """Simulates `schedule` ("roundpipe" or "roundpipe-async") with `step` and with an instantaneous one
+    (no disk either).
+
+    `kwargs` go to `simulate` (partition, iterations, uploads, ...)."""
+    if not isinstance(step, HostStep):
+        raise TypeError(f"step={step!r} must be a roundpipe.sim.HostStep")
+    timed = simulate(schedule, costs, workers, microbatches, host_step=step, **kwargs)
+    free = simulate(schedule, costs, workers, microbatches,
+                    host_step=replace(step, params=(0.0,) * len(step.params), disk=None), **kwargs)
+    t, base = timed.makespan, free.makespan
+    if abs(t - base) <= 1e-9 * base:   # the same steady state, measured through other task ends
+        t = base
+    return HostStepResult(t, base, step.time(), timed)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from roundpipe.engine.plan import Plan
+from roundpipe.planner.plan import Plan
 from roundpipe.planner.costs import LayerCost, check_costs
 from roundpipe.planner.partition import candidates, check_args, greedy
 from roundpipe.sim.costs import Costs, sizes_from_plan

@@ -71,7 +71,7 @@ def make_workers(devices: list[torch.device], compute_dtype: torch.dtype, alloc:
             workers.append(CudaWorker(dev, name, compute_dtype, alloc, owns))
     if any(d.type == "cuda" for d in devices):
         # dropout masks are not reproducible across GPU models: such a pool refuses random draws
-        from roundpipe.engine.recompute import mixed_models
+        from roundpipe.workers.rng import mixed_models
         reason = mixed_models(devices)
         for w in workers:
             w.rng.refuse = reason

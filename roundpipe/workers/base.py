@@ -3,7 +3,7 @@
 A worker is stateless between stages.  The dispatcher hands it a list of
 closures per call; it runs them in order on its own thread.  Everything that
 moves data goes through the copy queues of roundpipe/workers/transfers.py, so
-the stage code in roundpipe/engine/stage.py is the same for a CPU and a CUDA worker:
+the stage code in roundpipe/engine/calls/stage.py is the same for a CPU and a CUDA worker:
 
     upload_params    host upload copies -> device weights, LPT windows  (param_up)
     upload_buffers   host buffers -> device                             (param_up)
@@ -37,9 +37,9 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 
 from roundpipe import testing
-from roundpipe.engine.executor import SerialExecutor
-from roundpipe.engine.microbatch import tensors, tree_leaves, tree_unflatten
-from roundpipe.engine.recompute import WorkerRng
+from roundpipe.core.executor import SerialExecutor
+from roundpipe.core.tree import tensors, tree_leaves, tree_unflatten
+from roundpipe.workers.rng import WorkerRng
 from roundpipe.workers.ledger import DeviceLedger, WorkspaceTracker
 from roundpipe.workers.transfers import Bulk, Transfers
 

@@ -8,7 +8,7 @@ uploaded tensors into it and unbinds them afterwards, so a replica holds device
 memory only while its stage runs.
 
 `keeping` lists the replica's 4-bit modules (roundpipe.quant: QuantLinear, QuantExperts):
-a stage run attaches its DequantKeep to them while it runs (roundpipe/engine/stage.py),
+a stage run attaches its DequantKeep to them while it runs (roundpipe/engine/calls/stage.py),
 so they dequantize once per stage run, not once per product.
 """
 from __future__ import annotations

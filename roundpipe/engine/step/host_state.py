@@ -26,7 +26,7 @@ and rp AdamW a gradient costs 2 bytes per parameter, 4 while an asynchronous
 step reads one call's gradients and the next call lands its own; `p.grad` costs
 nothing until it is read.
 
-Loss scaling (roundpipe/engine/loss_scale.py).  Landed gradients carry the loss
+Loss scaling (roundpipe/engine/step/loss_scale.py).  Landed gradients carry the loss
 scale of their calls, and the step divides by it in its one pass.  But `p.grad`
 shown to the user (synchronize()) must be the true gradient, so `materialize`
 given the scale's fp32 reciprocal multiplies the layer's gradients by it, as
@@ -51,7 +51,7 @@ gradient, and the alias's G-copy adds its sum into the owner's gradient
 (`p.grad` or held), so the step reads the total and updates the master once,
 with the owner's layer; an alias is never updated, copied or cleared itself.
 The layers sharing a parameter form a group (`groups()`): the per-layer
-protocol (roundpipe/engine/async_step.py) orders each layer's uploads, G-copies
+protocol (roundpipe/engine/step/async_step.py) orders each layer's uploads, G-copies
 and step against its whole group.
 
 Buffers (BatchNorm running stats, ...) have no extra copy: forward stages

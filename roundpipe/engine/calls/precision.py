@@ -3,7 +3,7 @@
     model = rp.RoundPipe(layers, precision=rp.Precision(torch.bfloat16))
 
     masters, optimizer state     fp32 on the host, always
-    uploaded parameters          compute_dtype (the upload copies, roundpipe/engine/host_state.py)
+    uploaded parameters          compute_dtype (the upload copies, roundpipe/engine/step/host_state.py)
     layers and loss_fn           under torch.autocast(device type, compute_dtype) when compute_dtype
                                  is not fp32 (`autocast=True`): matmuls in compute_dtype, the ops
                                  autocast keeps in fp32 (losses, softmax on CUDA, ...) in fp32,
@@ -17,7 +17,7 @@
                                  results do not depend on where the plan cuts the model
     parameter gradients          summed over microbatches in fp32 on the worker, sent home in
                                  compute_dtype, summed over calls in fp32
-    fp16                         dynamic loss scaling (roundpipe/engine/loss_scale.py, `loss_scale`)
+    fp16                         dynamic loss scaling (roundpipe/engine/step/loss_scale.py, `loss_scale`)
 
 On CPU workers, autocast does not upcast a layer norm's low-precision weight for an
 fp32 input as it does on CUDA: a model whose first layer is a LayerNorm fed fp32 data
@@ -31,7 +31,7 @@ from typing import Any, ContextManager
 
 import torch
 
-from roundpipe.engine.microbatch import tree_map
+from roundpipe.core.tree import tree_map
 from roundpipe.workers import COMPUTE_DTYPES
 
 

@@ -105,7 +105,7 @@ class LossScaler:
         with self._cv:
             while index not in self.history:
                 if abort is not None and abort():
-                    from roundpipe.engine.async_step import Aborted
+                    from roundpipe.core.errors import Aborted
                     raise Aborted()
                 self._cv.wait(0.05)
             return self.history[index][0]

@@ -17,8 +17,8 @@ Every dependency points to a lower slot (the previous stage's output of the
 same microbatch, the previous round's buffers and gradient writes of the same
 layer, the previous call's optimizer protocol), and each worker runs its slots
 in increasing order, so the schedule cannot deadlock.  The fences between
-stages are waits on the board (roundpipe/engine/board.py) and on the per-layer
-protocol (roundpipe/engine/async_step.py).
+stages are waits on the board (roundpipe/engine/calls/board.py) and on the per-layer
+protocol (roundpipe/engine/step/async_step.py).
 
 `default_plan` is the fixed rule used when planning is switched off
 (`PlanningConfig(enabled=False)`); by default the plan comes from the
@@ -29,9 +29,10 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from roundpipe.engine.async_step import Aborted
-from roundpipe.engine.plan import Plan
-from roundpipe.engine.stage import CallContext, Consumer, StageTask, run_stage
+from roundpipe.core.errors import Aborted
+from roundpipe.planner.plan import Plan
+from roundpipe.engine.calls.context import CallContext
+from roundpipe.engine.calls.stage import Consumer, StageTask, run_stage
 from roundpipe.workers.base import Worker
 
 

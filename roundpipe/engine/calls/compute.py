@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from roundpipe.engine.async_step import Aborted
-from roundpipe.engine.microbatch import tree_leaves
-from roundpipe.engine.precision import dtype_mismatch_note
-from roundpipe.engine.recompute import layer_seed
+from roundpipe.core.errors import Aborted
+from roundpipe.core.tree import tree_leaves
+from roundpipe.engine.calls.precision import dtype_mismatch_note
+from roundpipe.workers.rng import layer_seed
 from roundpipe.workers.base import Worker
 
 if TYPE_CHECKING:
-    from roundpipe.engine.stage import CallContext
+    from roundpipe.engine.calls.context import CallContext
 
 
 def tag(exc: BaseException, where: str) -> BaseException:

@@ -43,7 +43,7 @@ have happened: the masters and optimizer state are then after it, and the old
 weights the window's calls read are saved beside them (upload.safetensors).
 
 The RNG: each call draws its dropout seed from the caller's CPU generator
-(roundpipe/engine/recompute.py), and the workers' generators are reseeded per
+(roundpipe/workers/rng.py), and the workers' generators are reseeded per
 layer from it, so the caller's generator state is the only random state the
 engine depends on; it is saved and restored (loading sets it).
 
@@ -70,13 +70,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.engine import tensor_file
+from roundpipe.engine.state import tensor_file
 from roundpipe.offload import state_tier
-from roundpipe.engine.tensor_file import TensorFile
+from roundpipe.engine.state.tensor_file import TensorFile
 
 if TYPE_CHECKING:
-    from roundpipe.engine.async_step import StepRecord
-    from roundpipe.engine.model import RoundPipe
+    from roundpipe.engine.step.async_step import StepRecord
+
+# The model as a checkpoint sees it (roundpipe.engine.model.RoundPipe; not imported: the model imports
+# this module): .host, .sync, .devices, .offload, .run_state (engine/state/run_state.py), named_state(),
+# reissue_step(), state_dict() and load_state_dict().
+RoundPipe = Any
 
 FORMAT = "roundpipe-checkpoint"
 VERSION = 1
@@ -86,7 +90,7 @@ MANIFEST = "checkpoint.json"
 def _saved_state(model: "RoundPipe") -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds: the model's named state but its constant buffers."""
     constants = {id(b) for st in model.host.layers for b in st.constants}
-    return {name: t for name, t in model._named_state().items() if id(t) not in constants}
+    return {name: t for name, t in model.named_state().items() if id(t) not in constants}
 
 
 def fingerprint(t: torch.Tensor) -> str:
@@ -107,7 +111,7 @@ def _constants(model: "RoundPipe") -> dict[str, dict]:
     """name -> {"layer", "fingerprint"} of every constant buffer a checkpoint leaves out."""
     layer_of = {id(b): l for l, st in enumerate(model.host.layers) for b in st.constants}
     return {name: {"layer": layer_of[id(t)], "fingerprint": fingerprint(t)}
-            for name, t in model._named_state().items() if id(t) in layer_of}
+            for name, t in model.named_state().items() if id(t) in layer_of}
 
 
 def _check_constants(model: "RoundPipe", saved: dict | None, mpath: str) -> None:
@@ -162,7 +166,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
         json.dumps(extra)
     except (TypeError, ValueError) as e:
         raise TypeError(f"save_checkpoint: extra must be JSON-serialisable ({e})") from None
-    info = model._step_info
+    info = model.run_state.step_info
     step = None
     if pending is not None:
         if optimizer is None:
@@ -218,12 +222,12 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
             manifest = {"format": FORMAT, "version": VERSION, "files": sizes, "world_size": world,
                         "num_layers": len(model.host), "compute_dtype": str(model.compute_dtype),
                         "master_dtype": str(model.host.master_dtype),
-                        "calls": model._counted[0] + model.sync.iteration,
-                        "steps": model._counted[1] + model.sync.steps_issued, "extra": extra or {},
-                        "calls_since_step": model.sync.calls_since_step, "grads_pending": model._grads_pending,
+                        "calls": model.run_state.counted[0] + model.sync.iteration,
+                        "steps": model.run_state.counted[1] + model.sync.steps_issued, "extra": extra or {},
+                        "calls_since_step": model.sync.calls_since_step, "grads_pending": model.run_state.grads_pending,
                         "pending_step": step, "loss_scale": _scaler_state(model, pending),
                         "grads_unscaled": [st.inv_scale for st in model.host.layers],
-                        "latest_asynchronous": model._latest_async, "constants": _constants(model),
+                        "latest_asynchronous": model.run_state.latest_asynchronous, "constants": _constants(model),
                         "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
                                  "backward": [[r.start, r.stop] for r in model.plan.backward]}}
             with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -304,7 +308,7 @@ def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any
     sizes = {}
     engine = _grad_entries(model)
     engine.append(("rng.cpu", torch.get_rng_state()))
-    if model._cuda and torch.cuda.is_available():
+    if model.devices[0].type == "cuda" and torch.cuda.is_available():
         engine += [(f"rng.cuda.{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
     name = engine_file(rank, world)
     sizes[name] = tensor_file.write(os.path.join(tmp, name), engine)
@@ -426,7 +430,7 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
                              f"loss-scaling state but this model {'scales' if model.scaler else 'does not scale'} its "
                              f"loss (compute_dtype={model.compute_dtype}); build it with the same precision policy")
         # ---- every check passed: restore
-        model._latest_async = manifest["latest_asynchronous"]
+        model.run_state.latest_asynchronous = manifest["latest_asynchronous"]
         if model.scaler is not None:   # indices relative to the last issued step, a pending one re-issued below
             model.scaler.load(manifest["loss_scale"], 1 if step is not None else 0)
         on_disk = model.offload.masters_on_disk(state) if model.offload is not None else {}
@@ -462,17 +466,17 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
         # a restored whole-model update clears p.grad when re-issued: the later gradients return after it;
         # a restored per-layer update reads them, so they return before it
         if step is not None and step["kind"] == "copy":
-            model._reissue_step(step, optimizer, lr_scheduler)
+            model.reissue_step(step, optimizer, lr_scheduler)
         _restore_step_grads(model, ef, {k: v for k, v in grads.items() if k[0] == "step"}, unscaled)
         if step is not None and step["kind"] == "update":
-            model._reissue_step(step, optimizer, lr_scheduler)
+            model.reissue_step(step, optimizer, lr_scheduler)
         for (kind, l, j), name in grads.items():
             if kind == "landed":
                 st = host.layers[l]
                 st.gbuf[j], st.ghas[j] = ef.read(name), True
     model.sync.calls_since_step = manifest["calls_since_step"]
-    model._grads_pending = manifest["grads_pending"]
-    model._counted = (manifest["calls"] - model.sync.iteration, manifest["steps"] - model.sync.steps_issued)
+    model.run_state.grads_pending = manifest["grads_pending"]
+    model.run_state.counted = (manifest["calls"] - model.sync.iteration, manifest["steps"] - model.sync.steps_issued)
     return manifest["extra"]
 
 

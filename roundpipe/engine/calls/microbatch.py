@@ -22,56 +22,9 @@ from typing import Any, Callable
 
 import torch
 
+from roundpipe.core.tree import tensors, tree_leaves, tree_map
+
 SplitFn = Callable[[tuple, dict, Any, int], list]
-
-
-_NESTS = (tuple, list, dict)
-
-
-def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
-    """Applies fn to every leaf of a nest of tuples (named ones too), lists and dicts."""
-    if isinstance(obj, torch.Tensor):   # the common case, a plain activation: no nest to walk
-        return fn(obj)
-    if isinstance(obj, tuple):
-        mapped = [tree_map(fn, o) for o in obj]
-        return type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
-    if isinstance(obj, list):
-        return [tree_map(fn, o) for o in obj]
-    if isinstance(obj, dict):
-        return type(obj)((k, tree_map(fn, v)) for k, v in obj.items())
-    return fn(obj)
-
-
-def _collect(obj: Any, out: list) -> None:
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            _collect(o, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect(v, out)
-    else:
-        out.append(obj)
-
-
-def tree_leaves(obj: Any) -> list[Any]:
-    """The leaves of a nest, in the order tree_map visits them."""
-    if not isinstance(obj, _NESTS):
-        return [obj]
-    out: list[Any] = []
-    _collect(obj, out)
-    return out
-
-
-def tree_unflatten(like: Any, leaves: list[Any]) -> Any:
-    """A nest shaped like `like` whose leaves are `leaves` (in tree_leaves order)."""
-    if not isinstance(like, _NESTS):
-        return leaves[0]
-    it = iter(leaves)
-    return tree_map(lambda _leaf: next(it), like)
-
-
-def tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def batch_size_of(obj: Any) -> int | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Hashable
 
-from roundpipe.engine.async_step import Aborted
+from roundpipe.core.errors import Aborted
 
 
 class Board:

@@ -18,26 +18,21 @@ dequantized once per compute dtype, kept (ledger: weights) for all microbatches 
 dropped at the release.
 
 The layer compute itself (layers in order, backward, error tags) is in
-roundpipe/engine/compute.py; the copies go through the worker (roundpipe/workers/).
+roundpipe/engine/calls/compute.py; the copies go through the worker (roundpipe/workers/).
 """
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from roundpipe.engine.async_step import CallState, LayerSync
-from roundpipe.engine.batchnorm import BatchStats, recording
-from roundpipe.engine.board import Board
-from roundpipe.engine.precision import Precision
-from roundpipe.engine.compute import autograd_backward, float_leaves, run_layers, tag
-from roundpipe.engine.host_state import HostState
-from roundpipe.engine.microbatch import tree_leaves, tree_map
+from roundpipe.engine.calls.batchnorm import recording
+from roundpipe.engine.calls.context import CallContext
+from roundpipe.engine.calls.compute import autograd_backward, float_leaves, run_layers, tag
+from roundpipe.core.tree import tree_leaves, tree_map
 from roundpipe.quant.keep import DequantKeep, attach
-from roundpipe.trace import Trace
 from roundpipe.workers.base import Arrival, Handoff, Upload, Worker
 
 
@@ -61,40 +56,6 @@ class StageTask:
     @property
     def label(self) -> str:
         return f"{self.kind}{self.slot}[{self.layers.start}-{self.layers.stop - 1}]"
-
-
-@dataclass
-class CallContext:
-    """Everything the stage runs of one call share."""
-
-    host: HostState
-    sync: LayerSync
-    board: Board
-    replicas: dict[str, list]          # worker name -> Replica per layer
-    points: frozenset[int]              # boundaries where activations are saved and RNG reseeded
-    rng_base: int
-    labels: list[Any] = field(default_factory=list)
-    weights: list[float] = field(default_factory=list)
-    loss_fn: Callable | None = None
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[int, Handoff] = field(default_factory=dict)
-    trace: Trace | None = None
-    on_timing: Callable[[str, str, int, int, float, float], None] | None = None
-    check_recompute: dict | None = None  # (boundary, mb) -> forward activation, when checking
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    # ("f" or "b", first, stop layer) -> seconds its last forward / backward took; kept by the model
-    compute_s: dict[tuple[str, int, int], float] = field(default_factory=dict)
-    gpu_ready: dict | None = None         # events for call inputs already on a GPU (Handoff.gpu_ready)
-    call: CallState | None = None         # this call in the per-layer protocol (set when it begins)
-    losses_known: threading.Event = field(default_factory=threading.Event)   # every microbatch's loss is in
-    on_losses: Callable[[], None] | None = None   # called once losses_known is set (wakes the caller)
-    bn_stats: BatchStats | None = None    # whole-batch BatchNorm sums of this call (engine/batchnorm.py)
-    bn_skip: dict[int, frozenset[int]] = field(default_factory=dict)   # layer -> buffers never landed
-    precision: Precision = field(default_factory=Precision)   # dtypes of compute (engine/precision.py)
-    loss_scale: Callable[[], float] | None = None   # the fp16 loss scale of this call (engine/loss_scale.py)
-
-    def abort_requested(self) -> bool:
-        return self.board.aborted
 
 
 class StageRun:

@@ -42,8 +42,8 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from roundpipe.engine import omp
-from roundpipe.engine.async_step import Aborted
+from roundpipe.core import omp
+from roundpipe.core.errors import Aborted
 
 _local = threading.local()   # .name: the engine thread's name, on engine threads only
 
@@ -82,7 +82,7 @@ def on_thread(submit: Callable[[Callable[[], None]], None], job: Callable[[], No
 class SerialExecutor:
     def __init__(self, name: str, idle_release_s: float = omp.IDLE_RELEASE_S):
         # idle_release_s: how long the thread waits for a next job before giving its OpenMP team back
-        # (roundpipe/engine/omp.py); 0 for threads whose jobs come once per call or step, whose
+        # (roundpipe/core/omp.py); 0 for threads whose jobs come once per call or step, whose
         # helpers would otherwise spin on the cores the compute threads need.
         self._idle_release_s = idle_release_s
         self._q: queue.Queue = queue.Queue()
@@ -102,7 +102,7 @@ class SerialExecutor:
     def _loop(self) -> None:
         _local.name = self._thread.name
         while True:
-            try:   # idle a moment: the thread's OpenMP team goes back (roundpipe/engine/omp.py)
+            try:   # idle a moment: the thread's OpenMP team goes back (roundpipe/core/omp.py)
                 job = self._q.get(timeout=self._idle_release_s) if self._idle_release_s > 0 else self._q.get_nowait()
             except queue.Empty:
                 omp.release_team()

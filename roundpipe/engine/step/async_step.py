@@ -51,7 +51,7 @@ State of one step, as the host thread takes it through (table in docs/async_step
 An error in the optimizer never stops the protocol: the remaining layers of
 that step still go through their gates (upload copy rewritten from the
 masters, gradients consumed), so the next calls run; the error is re-raised
-on the caller's thread at its next engine call (roundpipe/engine/executor.py).
+on the caller's thread at its next engine call (roundpipe/core/executor.py).
 
 Time, N workers busy with call t+1 while the host thread steps after call t:
 
@@ -65,13 +65,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from roundpipe.core.errors import Aborted
 from roundpipe.testing import delay_point
 
 Waitable = Callable[[], None] | None
-
-
-class Aborted(Exception):
-    """Internal: a wait gave up because the call was aborted."""
 
 
 @dataclass
@@ -246,7 +243,7 @@ class LayerSync:
     def new_step(self, asynchronous: bool, whole: bool = False, window: int | None = None) -> StepRecord:
         """Registers a step after its G-copy; a synchronous step opens no stale window.  `window`
         overrides the number of calls that still read the old weights (a step restored from a
-        checkpoint, roundpipe/engine/checkpoint.py)."""
+        checkpoint, roundpipe/engine/state/checkpoint.py)."""
         with self.cv:
             if self.latest is not None:
                 self.latest.readers_left = 0
@@ -360,7 +357,7 @@ def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Calla
 
 
 class StepFns:
-    """What one step does, as the protocol calls it (built by roundpipe/engine/optimizer_step.py).
+    """What one step does, as the protocol calls it (built by roundpipe/engine/step/optimizer_step.py).
 
       prepare()   runs once every layer's gradients are in p.grad, before any layer is
                   updated (a torch optimizer's whole step, the global gradient norm), or None

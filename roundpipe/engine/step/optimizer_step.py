@@ -1,6 +1,6 @@
 """How `RoundPipe.step` drives an optimizer: checks, clipping, per-layer updates, the lr scheduler.
 
-Three shapes of optimizer fit the per-layer protocol (roundpipe/engine/async_step.py):
+Three shapes of optimizer fit the per-layer protocol (roundpipe/engine/step/async_step.py):
 
     per-layer fused   an object with `step_layer(params, upload)` (roundpipe.optim.Adam/AdamW):
                       layer l is updated and its upload copy written in one pass as soon
@@ -29,8 +29,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from roundpipe.engine.async_step import StepFns
-from roundpipe.engine.host_state import HostState
+from roundpipe.engine.step.async_step import StepFns
+from roundpipe.engine.step.host_state import HostState
 
 
 def check_optimizer_params(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
@@ -115,7 +115,7 @@ def clip_coefficient(grads: list[torch.Tensor], max_norm: float, scale: float = 
 
 
 class _Scaling:
-    """One step's side of loss scaling (roundpipe/engine/loss_scale.py): which scale its gradients
+    """One step's side of loss scaling (roundpipe/engine/step/loss_scale.py): which scale its gradients
     carry, the overflow check over every layer before any update, and whether it was skipped.
 
     A layer whose gradients were shown unscaled (HostState.materialize: p.grad after synchronize())
@@ -132,7 +132,7 @@ class _Scaling:
         if self.scaler is None:
             return None
         if self._inverse is None:
-            from roundpipe.engine.loss_scale import inverse_scale
+            from roundpipe.engine.step.loss_scale import inverse_scale
             self._inverse = inverse_scale(self.scaler.scale_of(self.used))
         return self._inverse
 
@@ -169,7 +169,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
     With a loss scaler, step `step_index`'s gradients carry the scale of its history entry
     `scale_used`: they are checked for inf/NaN over every layer before any layer is updated,
     an overflowed step updates nothing (the lr scheduler is not stepped), a good one reads
-    them divided by the scale.  Staleness compensation (roundpipe/engine/staleness.py): `predict`
+    them divided by the scale.  Staleness compensation (roundpipe/engine/step/staleness.py): `predict`
     makes the fused pass write the predicted next weights into the upload copies, `lr_factor`
     scales every group's learning rate for this step only."""
     from roundpipe.optim.base import FusedOptimizer

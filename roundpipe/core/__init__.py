@@ -1,0 +1,1 @@
+"""Primitives under everything else: the engine thread class, OpenMP teams, errors, nested-argument trees."""

@@ -1,0 +1,1 @@
+"""Training state on disk: checkpoints and the streaming tensor file."""

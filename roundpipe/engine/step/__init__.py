@@ -1,0 +1,1 @@
+"""The optimizer side: host state, the per-layer asynchronous step protocol, loss scaling, staleness."""
