@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     report.note(f"{rounds} interleaved rounds x 3 timed calls per provider and size; ms = median over rounds; "
                 "vs torch = time of torch's faster fp32 step (b or b') / time")
     report.note(f"threads: torch {torch.get_num_threads()}, roundpipe "
-                f"{_native._C.num_threads() if _native.available() else 'n/a'}; loss scale {LOSS_SCALE:g}")
+                f"{_native.lib.num_threads() if _native.available() else 'n/a'}; loss scale {LOSS_SCALE:g}")
     report.finish(args.out, save=not args.no_save)
     return 0
 

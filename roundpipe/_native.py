@@ -12,19 +12,19 @@ import os
 import warnings
 from types import ModuleType
 
-_C: ModuleType | None = None
+lib: ModuleType | None = None   # the loaded roundpipe._C, or None
 _reason: str | None = None
 
 
 def _load() -> None:
-    global _C, _reason
+    global lib, _reason
     if os.environ.get("ROUNDPIPE_NO_NATIVE", "") not in ("", "0"):
         _reason = "ROUNDPIPE_NO_NATIVE is set"
     else:
         try:
             from roundpipe import _C as native  # type: ignore[attr-defined]
 
-            _C = native
+            lib = native
             return
         except ImportError as exc:
             _reason = f"{type(exc).__name__}: {exc}"
@@ -44,7 +44,7 @@ _load()
 
 def available() -> bool:
     """Whether the compiled extension loaded."""
-    return _C is not None
+    return lib is not None
 
 
 def unavailable_reason() -> str | None:
@@ -54,14 +54,14 @@ def unavailable_reason() -> str | None:
 
 def require() -> ModuleType:
     """The extension module; RuntimeError naming the reason when it is missing."""
-    if _C is None:
+    if lib is None:
         raise RuntimeError(f"roundpipe._C is required here but unavailable: {_reason}")
-    return _C
+    return lib
 
 
 def simd_level() -> str:
     """SIMD level the native kernels use: 'avx512', 'avx2', 'scalar', or 'none' without the extension."""
-    return _C.simd_level() if _C is not None else "none"
+    return lib.simd_level() if lib is not None else "none"
 
 
 SIMD_LEVELS = ("scalar", "avx2", "avx512")
@@ -69,9 +69,9 @@ SIMD_LEVELS = ("scalar", "avx2", "avx512")
 
 def supported_simd_levels() -> list[str]:
     """The levels this CPU can run, lowest first ([] without the extension)."""
-    if _C is None:
+    if lib is None:
         return []
-    return list(SIMD_LEVELS[: SIMD_LEVELS.index(_C.best_simd_level()) + 1])
+    return list(SIMD_LEVELS[: SIMD_LEVELS.index(lib.best_simd_level()) + 1])
 
 
 def set_simd_level(level: str) -> None:

@@ -64,7 +64,7 @@ def convert_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if dst.numel() and _overlaps(dst, src) and not (dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype):
         raise ValueError("dst and src overlap in memory; the conversion needs separate buffers")
     if _native.available():
-        _native._C.convert(src.data_ptr(), NATIVE_DTYPES[src.dtype], dst.data_ptr(), NATIVE_DTYPES[dst.dtype], src.numel())
+        _native.lib.convert(src.data_ptr(), NATIVE_DTYPES[src.dtype], dst.data_ptr(), NATIVE_DTYPES[dst.dtype], src.numel())
     else:
         dst.view(-1).copy_(src.view(-1))
     return dst

@@ -133,7 +133,7 @@ def test_torch_path_matches_the_kernel(monkeypatch):
     """Without the native core the torch-ops path gives the same codes and weights within 1e-6."""
     grads = grads_for(SIZES, 5)
     params, opt = run(lambda ps: rpo.AdamW8bit(ps, lr=1e-2), SIZES, grads)
-    monkeypatch.setattr(_native, "_C", None)
+    monkeypatch.setattr(_native, "lib", None)
     ref_params, ref_opt = run(lambda ps: rpo.AdamW8bit(ps, lr=1e-2), SIZES, grads)
     for p, q in zip(params, ref_params):
         for k in ("state1", "state2"):
@@ -312,11 +312,11 @@ def test_native_entry_checks_its_tables():
               shadow_dtypes=["bfloat16"], numels=[300], steps=[1.0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.0, decoupled=True, maximize=False, grad_mul=1.0)
     with pytest.raises(ValueError, match="tables has 2 entries"):
-        _native._C.adam8bit_step(tables=[t.code1.data_ptr(), t.lut1.data_ptr()], **kw)
+        _native.lib.adam8bit_step(tables=[t.code1.data_ptr(), t.lut1.data_ptr()], **kw)
     tables = [t.code1.data_ptr(), t.lut1.data_ptr(), t.code2.data_ptr(), t.lut2.data_ptr()]
     with pytest.raises(ValueError, match=r"state2s\[0\] overlaps state1s\[0\]"):
-        _native._C.adam8bit_step(tables=tables, **{**kw, "state2s": [q1.data_ptr()]})
+        _native.lib.adam8bit_step(tables=tables, **{**kw, "state2s": [q1.data_ptr()]})
     falling = t.lut2.clone()
     falling[40000] = 255   # then 40001's code is below it
     with pytest.raises(ValueError, match="lut2 must be non-decreasing.*bin 40001"):
-        _native._C.adam8bit_step(tables=[*tables[:3], falling.data_ptr()], **kw)
+        _native.lib.adam8bit_step(tables=[*tables[:3], falling.data_ptr()], **kw)

@@ -12,7 +12,7 @@ from roundpipe import _native
 from roundpipe.offload import ArenaConfig, HostArena
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")
-C = _native._C
+C = _native.lib
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -11,7 +11,7 @@ from roundpipe import _native
 from roundpipe.offload import ArenaConfig, CopyEngine, HostArena, Queue, pack_lpt
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")
-C = _native._C
+C = _native.lib
 MiB = 1 << 20
 
 

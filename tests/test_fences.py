@@ -8,7 +8,7 @@ from roundpipe import _native
 from roundpipe.offload import cuda_status, make_stream_wait, wait_all
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")
-C = _native._C
+C = _native.lib
 
 
 def test_host_fence_lifecycle():

@@ -25,10 +25,10 @@ def special_values():
 def test_reports_simd_level():
     """The extension reports a known level, no higher than the CPU's best, and the CPU features."""
     assert _native.simd_level() in LEVELS
-    assert LEVELS.index(_native.simd_level()) <= LEVELS.index(_native._C.best_simd_level())
-    feats = _native._C.cpu_features()
+    assert LEVELS.index(_native.simd_level()) <= LEVELS.index(_native.lib.best_simd_level())
+    feats = _native.lib.cpu_features()
     assert set(feats) == {"avx2_fma_f16c", "avx512", "avx512_bf16"}
-    assert _native._C.num_threads() >= 1 and _native._C.openmp() is True
+    assert _native.lib.num_threads() >= 1 and _native.lib.openmp() is True
 
 
 def test_set_simd_level_rejects_unknown_and_unsupported(restore_level):
@@ -38,7 +38,7 @@ def test_set_simd_level_rejects_unknown_and_unsupported(restore_level):
     for level in _native.supported_simd_levels():
         _native.set_simd_level(level)
         assert _native.simd_level() == level
-    if _native._C.best_simd_level() != "avx512":
+    if _native.lib.best_simd_level() != "avx512":
         with pytest.raises(ValueError, match="not supported"):
             _native.set_simd_level("avx512")
 
@@ -100,10 +100,10 @@ def test_convert_is_multithreaded_and_correct_on_large_buffers():
 def test_raw_binding_validates_arguments():
     """The binding itself rejects unknown dtype names and null pointers with ValueError naming them."""
     with pytest.raises(ValueError, match="src_dtype='float64'"):
-        _native._C.convert(1, "float64", 1, "float32", 0)
+        _native.lib.convert(1, "float64", 1, "float32", 0)
     with pytest.raises(ValueError, match="dst is a null pointer"):
         x = torch.zeros(4)
-        _native._C.convert(x.data_ptr(), "float32", 0, "bfloat16", 4)
+        _native.lib.convert(x.data_ptr(), "float32", 0, "bfloat16", 4)
 
 
 @pytest.mark.parametrize("level", ["scalar", "avx2"])

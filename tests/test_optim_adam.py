@@ -237,7 +237,7 @@ def test_drop_in_without_native_core_matches_torch(monkeypatch):
     """With the extension missing, the torch path gives torch's single-tensor AdamW results exactly."""
     from roundpipe import _native
 
-    monkeypatch.setattr(_native, "_C", None)
+    monkeypatch.setattr(_native, "lib", None)
     ours_net, ref_net = model(), model()
     ours = rpo.AdamW(groups(ours_net, weight_decay=0.1), lr=1e-3)
     ref = torch.optim.AdamW(groups(ref_net, weight_decay=0.1), lr=1e-3, foreach=False)

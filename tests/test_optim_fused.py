@@ -169,7 +169,7 @@ def test_simd_levels_bitwise_identical(grad_dtype, restore_level):
 
 def test_fallback_matches_torch(monkeypatch):
     """Without the native core the torch fallback gives torch's single-tensor results and writes shadows."""
-    monkeypatch.setattr(_native, "_C", None)
+    monkeypatch.setattr(_native, "lib", None)
     config = AdamConfig(weight_decay=0.01, amsgrad=True)
     sizes = [7, 1023]
     grads = grads_for(sizes, 5)
@@ -200,7 +200,7 @@ def _args(n=64):
 def test_rejects_bad_inputs_and_changes_nothing(change, match, use_native, monkeypatch):
     """Non-contiguous, mismatched, wrong-dtype or aliased inputs raise ValueError naming them; nothing is written."""
     if not use_native:
-        monkeypatch.setattr(_native, "_C", None)
+        monkeypatch.setattr(_native, "lib", None)
     elif not _native.available():
         pytest.skip("native core unavailable")
     args = _args()
@@ -239,11 +239,11 @@ def test_native_binding_validates_directly():
                   maximize=False, grad_mul=1.0)
     ptr = x.data_ptr()
     with pytest.raises(ValueError, match="grads has 0 entries but params has 1"):
-        _native._C.adam_step([ptr], [], [], [], [], [], [], [], [], [], **common)
+        _native.lib.adam_step([ptr], [], [], [], [], [], [], [], [], [], **common)
     with pytest.raises(ValueError, match=r"grad_dtypes\[0\]='int8'"):
-        _native._C.adam_step([ptr], [ptr + 16], ["int8"], [ptr], [ptr], [], [0], ["bfloat16"], [0], [1.0], **common)
+        _native.lib.adam_step([ptr], [ptr + 16], ["int8"], [ptr], [ptr], [], [0], ["bfloat16"], [0], [1.0], **common)
     with pytest.raises(ValueError, match="beta2=1.0"):
-        _native._C.adam_step([], [], [], [], [], [], [], [], [], [], **{**common, "beta2": 1.0})
+        _native.lib.adam_step([], [], [], [], [], [], [], [], [], [], **{**common, "beta2": 1.0})
     assert fused._check_no_overlap([x[:2]], [x[2:]], [], [], [], []) is None
 
 
@@ -252,13 +252,13 @@ def test_thread_count_does_not_change_results():
     """One OpenMP thread and all of them give the same bits (ranges split across tensor boundaries)."""
     sizes = [1_000_003] + [1 + (i * 53) % 700 for i in range(100)]
     grads = grads_for(sizes, 2, torch.bfloat16)
-    threads = _native._C.num_threads()
+    threads = _native.lib.num_threads()
     outs = []
     try:
         for n in (1, max(2, threads)):
-            _native._C.set_num_threads(n)
+            _native.lib.set_num_threads(n)
             params, st, shadows = run_ours(sizes, grads, AdamConfig(weight_decay=0.01), torch.bfloat16)
             outs.append(params + st["exp_avg_sqs"] + shadows)
     finally:
-        _native._C.set_num_threads(threads)
+        _native.lib.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*outs))

@@ -254,7 +254,7 @@ def test_fallback_without_native_core(case, monkeypatch):
     expected = model()
     ref_cls = torch_cls or rpo.Lion   # Lion: against the native kernel
     train(expected, ref_cls(expected.parameters(), **kw, **({"foreach": False} if torch_cls else {})), 10)
-    monkeypatch.setattr(_native, "_C", None)
+    monkeypatch.setattr(_native, "lib", None)
     net = model()
     train(net, ours_cls(net.parameters(), **kw), 10)
     for x, y in zip(net.parameters(), expected.parameters()):
@@ -349,19 +349,19 @@ def test_native_bindings_validate_directly():
                 shadow_dtypes=["bfloat16"], numels=[64])
     sgd = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, grad_mul=1.0)
     with pytest.raises(ValueError, match="firsts has 0 entries"):
-        _native._C.sgd_step(**base, momentum_buffers=[m.data_ptr()], firsts=[], **sgd)
+        _native.lib.sgd_step(**base, momentum_buffers=[m.data_ptr()], firsts=[], **sgd)
     with pytest.raises(ValueError, match="momentum_buffers must be empty when momentum=0"):
-        _native._C.sgd_step(**base, momentum_buffers=[m.data_ptr()], firsts=[True], **{**sgd, "momentum": 0.0})
+        _native.lib.sgd_step(**base, momentum_buffers=[m.data_ptr()], firsts=[True], **{**sgd, "momentum": 0.0})
     with pytest.raises(ValueError, match="overlaps"):
-        _native._C.sgd_step(**base, momentum_buffers=[p.data_ptr()], firsts=[True], **sgd)
+        _native.lib.sgd_step(**base, momentum_buffers=[p.data_ptr()], firsts=[True], **sgd)
     with pytest.raises(ValueError, match=r"steps\[0\]=0"):
-        _native._C.adagrad_step(**base, sums=[m.data_ptr()], steps=[0.0], lr=0.1, lr_decay=0.0, weight_decay=0.0,
+        _native.lib.adagrad_step(**base, sums=[m.data_ptr()], steps=[0.0], lr=0.1, lr_decay=0.0, weight_decay=0.0,
                                 eps=1e-10, maximize=False, grad_mul=1.0)
     with pytest.raises(ValueError, match="beta2=1"):
-        _native._C.lion_step(**base, exp_avgs=[m.data_ptr()], lr=0.1, beta1=0.9, beta2=1.0, weight_decay=0.0,
+        _native.lib.lion_step(**base, exp_avgs=[m.data_ptr()], lr=0.1, beta1=0.9, beta2=1.0, weight_decay=0.0,
                              maximize=False, grad_mul=1.0)
     with pytest.raises(ValueError, match="grad_mul=inf"):
-        _native._C.lion_step(**base, exp_avgs=[m.data_ptr()], lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0,
+        _native.lib.lion_step(**base, exp_avgs=[m.data_ptr()], lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0,
                              maximize=False, grad_mul=float("inf"))
 
 

@@ -316,7 +316,7 @@ def test_copy_many_copies_every_pair_in_one_pass():
     """The native multi-copy behind inline bulk copies: every pair byte for byte, ranges split across
     threads inside tensors, zero-byte entries, and clear errors for mismatched lists, null addresses
     and overlapping buffers."""
-    C = _native._C
+    C = _native.lib
     g = torch.Generator().manual_seed(0)
     srcs = [torch.randn(n, generator=g) for n in (1 << 18, 3, 0, 1 << 17, 70001)]
     dsts = [torch.empty_like(s) for s in srcs]

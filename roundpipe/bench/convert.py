@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                **{"GB/s": copy_gbs, "% of copy": 100.0, "vs torch": 1.0})
 
     levels = [lvl for lvl in ("scalar", "avx2", "avx512") if _native.available() and
-              ("scalar", "avx2", "avx512").index(lvl) <= ("scalar", "avx2", "avx512").index(_native._C.best_simd_level())]
+              ("scalar", "avx2", "avx512").index(lvl) <= ("scalar", "avx2", "avx512").index(_native.lib.best_simd_level())]
     start_level = _native.simd_level()
     for src_dt, dst_dt in [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
                            (torch.float32, torch.float16), (torch.float16, torch.float32)]:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if not _native.available():
         report.note(f"native core unavailable ({_native.unavailable_reason()}): only torch measured")
     report.note(f"{torch.get_num_threads()} torch threads; native threads: "
-                f"{_native._C.num_threads() if _native.available() else 'n/a'}")
+                f"{_native.lib.num_threads() if _native.available() else 'n/a'}")
     report.finish(args.out, save=not args.no_save)
     return 0
 

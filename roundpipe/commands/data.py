@@ -36,12 +36,12 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _is_text(path: Path) -> bool:
+def is_text(path: Path) -> bool:
     with path.open("rb") as f:
         return b"\0" not in f.read(_BINARY_PROBE)
 
 
-def _list_files(root: Path, pattern: str) -> list[Path]:
+def list_files(root: Path, pattern: str) -> list[Path]:
     files = []
     for path in root.rglob(pattern):
         parts = path.relative_to(root).parts
@@ -52,7 +52,7 @@ def _list_files(root: Path, pattern: str) -> list[Path]:
 
 
 def _read_corpus(root: Path, pattern: str, text_only: bool) -> tuple[torch.Tensor, tuple[Path, ...]]:
-    files = tuple(p for p in _list_files(root, pattern) if not text_only or _is_text(p))
+    files = tuple(p for p in list_files(root, pattern) if not text_only or is_text(p))
     blob = b"\n".join(p.read_bytes() for p in files)
     data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
     return data, files

@@ -131,7 +131,7 @@ def diagnose() -> Diagnosis:
     native = {"available": _native.available(), "reason": _native.unavailable_reason(),
               "simd_level": _native.simd_level()}
     if _native.available():
-        C = _native._C
+        C = _native.lib
         native.update(best_simd_level=C.best_simd_level(), cpu_features=C.cpu_features(), openmp=C.openmp())
         if os.environ.get("ROUNDPIPE_SIMD"):
             native["forced_by"] = f"ROUNDPIPE_SIMD={os.environ['ROUNDPIPE_SIMD']}"
@@ -143,7 +143,7 @@ def diagnose() -> Diagnosis:
                         "slow PyTorch fallbacks; reinstall from source with `pip install .` and a C++17 compiler")
     d.native = native
     d.threads = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                 "native_threads": _native._C.num_threads() if _native.available() else None}
+                 "native_threads": _native.lib.num_threads() if _native.available() else None}
 
     d.gpus, d.cuda_note = _gpus(torch)
     if _native.available():

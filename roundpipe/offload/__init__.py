@@ -23,7 +23,7 @@ from roundpipe.offload.nvme import NVMeConfig, NVMeStore, Region, check_free_spa
 
 def cuda_status() -> str:
     """Which CUDA library the offload engine uses, or why none ('native core unavailable' without _C)."""
-    return _native._C.cuda_status() if _native.available() else f"native core unavailable: {_native.unavailable_reason()}"
+    return _native.lib.cuda_status() if _native.available() else f"native core unavailable: {_native.unavailable_reason()}"
 
 
 def __getattr__(name: str):

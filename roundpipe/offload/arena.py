@@ -29,7 +29,7 @@ from typing import Literal, Sequence
 import torch
 
 from roundpipe import _native
-from roundpipe.offload.fences import _check_fence, stream_fence
+from roundpipe.offload.fences import check_fence, stream_fence
 
 
 def _c():
@@ -183,7 +183,7 @@ class HostArena:
         """Defers reuse of t's block, once freed, until `fence` has completed."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
-        _check_fence("fence", fence)
+        check_fence("fence", fence)
         if t.numel() == 0:
             return
         if not self.owns(t):

@@ -37,7 +37,7 @@ import torch
 
 from roundpipe import _native
 from roundpipe.offload.arena import HostArena
-from roundpipe.offload.fences import _check_fence
+from roundpipe.offload.fences import check_fence
 
 
 class Queue(str, enum.Enum):
@@ -158,7 +158,7 @@ class CopyEngine:
             raise TypeError(f"{name} must be a fence or an iterable of fences, got {type(after).__name__}")
         out = list(after)
         for i, f in enumerate(out):
-            _check_fence(f"{name}[{i}]", f)
+            check_fence(f"{name}[{i}]", f)
         return out
 
     def _keep(self, fences: list, refs: tuple) -> None:

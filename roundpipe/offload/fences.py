@@ -28,7 +28,7 @@ def _c():
     return _native.require()
 
 
-def _check_fence(name: str, fence: object) -> None:
+def check_fence(name: str, fence: object) -> None:
     if not isinstance(fence, _c().Fence):
         raise TypeError(f"{name} must be a roundpipe fence (from the copy engine, HostFence or "
                         f"stream_fence), got {type(fence).__name__}")
@@ -45,7 +45,7 @@ def stream_fence(stream: "torch.cuda.Stream | None" = None):
 
 def make_stream_wait(fence, stream: "torch.cuda.Stream | None" = None) -> None:
     """Makes `stream` (default: current) wait for `fence` on the GPU; host fences are waited for here."""
-    _check_fence("fence", fence)
+    check_fence("fence", fence)
     if fence.kind != "cuda":
         fence.wait()
         return
@@ -59,5 +59,5 @@ def wait_all(fences: Iterable) -> None:
     if not isinstance(fences, Iterable):
         raise TypeError(f"fences must be an iterable of fences, got {type(fences).__name__}")
     for i, f in enumerate(fences):
-        _check_fence(f"fences[{i}]", f)
+        check_fence(f"fences[{i}]", f)
         f.wait()

@@ -108,17 +108,12 @@ def fixed_bytes(host: Any, compute_dtype: torch.dtype) -> dict[str, int]:
 
 
 def probe_layout(optimizer: Any, layer: int, params: list[torch.Tensor], index: dict[int, int]) -> LayerLayout:
-    """The layer's state layout, from the optimizer's own `_states` on meta tensors (nothing allocated)."""
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    """The layer's state layout, from the optimizer's `state_layout` (meta tensors, nothing allocated)."""
     out, offset = [], 0
     for p in params:
         if id(p) not in index:
             continue
-        meta = torch.empty_like(p, device="meta")
-        try:
-            (_, bufs), = optimizer._states([meta], optimizer._config(group_of[id(p)]))
-        finally:
-            optimizer.state.pop(meta, None)
+        bufs = optimizer.state_layout(p)
         slices = []
         for key in sorted(bufs):
             t = bufs[key]

@@ -79,7 +79,7 @@ class Adagrad(FusedOptimizer):
     def _native_step(self, config: AdagradConfig, params: list[torch.Tensor], grads: list[torch.Tensor],
                      states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float,
                      predict: float = 0.0, rounding: str | None = None, keys: list[int] | None = None) -> None:
-        _native._C.adagrad_step(**native_buffers(params, grads, shadows, predict, rounding, keys),
+        _native.lib.adagrad_step(**native_buffers(params, grads, shadows, predict, rounding, keys),
                                 sums=[b["sum"].data_ptr() for _, b in states],
                                 steps=[self._step_of(s) for s, _ in states], lr=config.lr, lr_decay=config.lr_decay,
                                 weight_decay=config.weight_decay, eps=config.eps, maximize=config.maximize,

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from roundpipe.optim.base import Buffers, FusedOptimizer, reject_unsupported
-from roundpipe.optim.fused import AdamConfig, _torch_step, adam_step
+from roundpipe.optim.fused import AdamConfig, adam_step_torch, adam_step
 
 
 class Adam(FusedOptimizer):
@@ -65,7 +65,7 @@ class Adam(FusedOptimizer):
 
     def _torch_step(self, config: AdamConfig, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
                     bufs: Buffers, grad_mul: float) -> None:
-        _torch_step(p, grad, bufs["exp_avg"], bufs["exp_avg_sq"], bufs.get("max_exp_avg_sq"), self._step_of(state),
+        adam_step_torch(p, grad, bufs["exp_avg"], bufs["exp_avg_sq"], bufs.get("max_exp_avg_sq"), self._step_of(state),
                     config, grad_mul)
 
 

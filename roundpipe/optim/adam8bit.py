@@ -36,7 +36,7 @@ import torch
 from roundpipe import _native
 from roundpipe.optim import blockwise
 from roundpipe.optim.base import Buffers, FusedOptimizer, native_buffers, native_ok, torch_grad
-from roundpipe.optim.fused import AdamConfig, _torch_step, adam_step
+from roundpipe.optim.fused import AdamConfig, adam_step_torch, adam_step
 
 CODED = ("state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2")
 _BNB_WRAPPER = "__bnb_optimizer_quant_state__"   # bitsandbytes' state_dict nests CODED under this key
@@ -137,7 +137,7 @@ class Adam8bit(FusedOptimizer):
                 continue
             t = blockwise.tables()
             beta1, beta2 = config.betas
-            _native._C.adam8bit_step(
+            _native.lib.adam8bit_step(
                 **native_buffers(ps, gs, [shadows[i] for i in idx], predict, rounding, [keys[i] for i in idx]),
                 **{f"{k}s": [b[k].data_ptr() for b in bs] for k in ("state1", "state2", "absmax1", "absmax2")},
                 steps=steps, tables=[t.code1.data_ptr(), t.lut1.data_ptr(), t.code2.data_ptr(), t.lut2.data_ptr()],
@@ -149,7 +149,7 @@ class Adam8bit(FusedOptimizer):
         if bufs["state1"].dtype == torch.uint8:
             _step_8bit_torch(p, grad, bufs, self._step_of(state), config, grad_mul)
         else:
-            _torch_step(p, grad, bufs["state1"], bufs["state2"], None, self._step_of(state), config, grad_mul)
+            adam_step_torch(p, grad, bufs["state1"], bufs["state2"], None, self._step_of(state), config, grad_mul)
 
     # ---- state dicts ----------------------------------------------------------------------------
     def _check_param_state(self, i: int, p: torch.Tensor, state: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from roundpipe import _native
+from roundpipe.core.checks import check_number
 from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor
 from roundpipe.optim.gradients import grad_sumsq
 from roundpipe.optim.rounding import check_rounding, round_bf16_, round_key
@@ -50,8 +51,7 @@ Buffers = dict[str, torch.Tensor]
 
 def check_nonneg(name: str, value: object) -> None:
     """ValueError naming `name` unless value is a finite real number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
-        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    check_number(name, value, finite=True)
 
 
 def check_betas(betas: object) -> None:
@@ -147,6 +147,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.master_rounding: str | None = None
         self.rounding_seed = 0
         self._index_of: dict[int, int] = {}
+
+    def state_layout(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state buffers a step would give `param` (under its group's settings), as meta tensors:
+        name -> tensor with the dtype and shape it would have.  Nothing is allocated or stored; the
+        optimizer-state tier on disk sizes its files from it (roundpipe/offload/state_tier.py)."""
+        group = next((g for g in self.param_groups if any(q is param for q in g["params"])), None)
+        if group is None:
+            raise ValueError("state_layout: param is not in this optimizer's param_groups")
+        meta = torch.empty_like(param, device="meta")
+        try:
+            (_, bufs), = self._states([meta], self._config(group))
+        finally:
+            self.state.pop(meta, None)
+        return dict(bufs)
 
     # ---- the subclass's part ------------------------------------------------------------------
     def _config(self, group: dict[str, Any]) -> Any:

@@ -10,7 +10,7 @@ three times; see bench/cpu_optim.py for the measured difference.
 The native kernel (roundpipe._C.adam_step, GIL released) performs torch's fused
 CPU AdamW arithmetic operation by operation, so with fp32 gradients the weights
 equal torch.optim.AdamW(fused=True)'s bit for bit, and every SIMD level gives
-the same bits.  Without the extension, `_torch_step` runs the same formulas as
+the same bits.  Without the extension, `adam_step_torch` runs the same formulas as
 torch ops (equal to torch's single-tensor AdamW, within an ulp of the kernel).
 
 bf16 masters: params[i] may be bf16; it is read, updated in fp32 as above and
@@ -154,7 +154,7 @@ def adam_step(
             check_host_tensor(f"shadows[{i}]", t)
     if _native.available():
         beta1, beta2 = config.betas
-        _native._C.adam_step(
+        _native.lib.adam_step(
             [p.data_ptr() for p in params], [g.data_ptr() for g in grads], [NATIVE_DTYPES[g.dtype] for g in grads],
             [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
             [t.data_ptr() for t in max_exp_avg_sqs],
@@ -171,7 +171,7 @@ def adam_step(
         w = p.float() if p.dtype == torch.bfloat16 else p   # a bf16 master: updated in fp32, then rounded
 
         def update(i=i, p=p, w=w) -> None:
-            _torch_step(w, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if config.amsgrad else None,
+            adam_step_torch(w, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if config.amsgrad else None,
                         float(step_list[i]), config, grad_mul)
             if w is not p:
                 round_bf16_(p, w, rounding, keys[i])
@@ -199,7 +199,7 @@ def _check_no_overlap(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, sha
             reach[span[3]] = span
 
 
-def _torch_step(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+def adam_step_torch(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 max_exp_avg_sq: torch.Tensor | None, step: float, config: AdamConfig, grad_mul: float = 1.0) -> None:
     """One tensor's update with torch ops (any device and float dtype), in the kernel's order."""
     beta1, beta2 = config.betas

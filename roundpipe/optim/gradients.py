@@ -25,7 +25,7 @@ def grad_sumsq(grads: Sequence[torch.Tensor]) -> float:
     for i, g in enumerate(grads):
         check_host_tensor(f"grads[{i}]", g)
     if _native.available():
-        return _native._C.grad_sumsq([g.data_ptr() for g in grads], [NATIVE_DTYPES[g.dtype] for g in grads],
+        return _native.lib.grad_sumsq([g.data_ptr() for g in grads], [NATIVE_DTYPES[g.dtype] for g in grads],
                                      [g.numel() for g in grads])
     total = 0.0
     for g in grads:
@@ -68,7 +68,7 @@ def accumulate_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if dst.numel() != src.numel():
         raise ValueError(f"dst has {dst.numel()} elements but src has {src.numel()}; they must match")
     if _native.available():
-        _native._C.accumulate(dst.data_ptr(), src.data_ptr(), NATIVE_DTYPES[src.dtype], dst.numel())
+        _native.lib.accumulate(dst.data_ptr(), src.data_ptr(), NATIVE_DTYPES[src.dtype], dst.numel())
     else:
         d, s = dst.view(-1), src.view(-1)
         same = d.data_ptr() == s.data_ptr() and s.dtype == torch.float32

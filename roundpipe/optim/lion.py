@@ -66,7 +66,7 @@ class Lion(FusedOptimizer):
                      states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float,
                      predict: float = 0.0, rounding: str | None = None, keys: list[int] | None = None) -> None:
         beta1, beta2 = config.betas
-        _native._C.lion_step(**native_buffers(params, grads, shadows, predict, rounding, keys),
+        _native.lib.lion_step(**native_buffers(params, grads, shadows, predict, rounding, keys),
                              exp_avgs=[b["exp_avg"].data_ptr() for _, b in states], lr=config.lr, beta1=beta1,
                              beta2=beta2, weight_decay=config.weight_decay, maximize=config.maximize,
                              grad_mul=float(grad_mul))

@@ -75,7 +75,7 @@ class SGD(FusedOptimizer):
                      states: list[tuple[dict[str, Any], Buffers]], shadows: list | None, grad_mul: float,
                      predict: float = 0.0, rounding: str | None = None, keys: list[int] | None = None) -> None:
         momentum = config.momentum != 0
-        _native._C.sgd_step(**native_buffers(params, grads, shadows, predict, rounding, keys),
+        _native.lib.sgd_step(**native_buffers(params, grads, shadows, predict, rounding, keys),
                             momentum_buffers=[b["momentum_buffer"].data_ptr() for _, b in states] if momentum else [],
                             firsts=[momentum and s.get("momentum_buffer") is None for s, _ in states],
                             lr=config.lr, momentum=config.momentum, dampening=config.dampening,

@@ -23,14 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from roundpipe.core.checks import check_number
+
 BUCKET_BYTES = 25 << 20   # the engine's default (DDP's bucket_cap_mb=25)
 MIB = 1 << 20
-
-
-def _check(name: str, v: object, positive: bool = False) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 if positive else v >= 0):
-        raise ValueError(f"{name}={v!r} must be a number {'> 0' if positive else '>= 0'}")
-    return float(v)
 
 
 def ring_time(nbytes: float, ranks: int, bandwidth_gbps: float, latency_us: float) -> float:
@@ -52,12 +48,12 @@ class AllReduce:
     def __post_init__(self):
         if not isinstance(self.ranks, int) or isinstance(self.ranks, bool) or self.ranks < 1:
             raise ValueError(f"ranks={self.ranks!r} must be an int >= 1 (data-parallel processes)")
-        grads = tuple(_check(f"grad_bytes[{i}]", v) for i, v in enumerate(self.grad_bytes))
+        grads = tuple(check_number(f"grad_bytes[{i}]", v) for i, v in enumerate(self.grad_bytes))
         if len(grads) < 2:
             raise ValueError(f"grad_bytes has {len(grads)} entries; give one per layer plus the LM head last")
         object.__setattr__(self, "grad_bytes", grads)
-        object.__setattr__(self, "bandwidth_gbps", _check("bandwidth_gbps", self.bandwidth_gbps, positive=True))
-        object.__setattr__(self, "latency_us", _check("latency_us", self.latency_us))
+        object.__setattr__(self, "bandwidth_gbps", check_number("bandwidth_gbps", self.bandwidth_gbps, positive=True))
+        object.__setattr__(self, "latency_us", check_number("latency_us", self.latency_us))
         if not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool) or self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={self.bucket_bytes!r} must be an int >= 1")
 

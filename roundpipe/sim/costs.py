@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from roundpipe.planner.plan import Plan
+from roundpipe.core.checks import check_number
 from roundpipe.planner.costs import LayerCost
 
 
 def _check_nonneg(name: str, v: object) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
-        raise ValueError(f"{name}={v!r} must be a number >= 0 (seconds)")
-    return float(v)
+    return check_number(name, v, unit=" (seconds)")
 
 
 @dataclass(frozen=True)

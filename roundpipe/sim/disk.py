@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.sim.allreduce import _check
+from roundpipe.core.checks import check_number
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,12 @@ class Disk:
     slots: int = 3                   # ring buffers (state_tier.StateTier(slots=)): reads ahead = slots
 
     def __post_init__(self):
-        layer = tuple(_check(f"layer_bytes[{i}]", v) for i, v in enumerate(self.layer_bytes))
+        layer = tuple(check_number(f"layer_bytes[{i}]", v) for i, v in enumerate(self.layer_bytes))
         if len(layer) < 2:
             raise ValueError(f"layer_bytes has {len(layer)} entries; give one per layer plus the LM head last")
         object.__setattr__(self, "layer_bytes", layer)
         for name in ("read_gbps", "write_gbps"):
-            object.__setattr__(self, name, _check(name, getattr(self, name), positive=True))
+            object.__setattr__(self, name, check_number(name, getattr(self, name), positive=True))
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 2:
             raise ValueError(f"slots={self.slots!r} must be an int >= 2 (one updated, one read ahead or written)")
 
@@ -61,9 +61,9 @@ class Disk:
         """The tier's placement: `state_bytes` per layer (head last) stay in RAM first fit from layer 0 while they
         fit `budget` (host memory left beside masters, upload copies and gradients) less the ring of `slots`
         buffers of the largest layer; the others go to disk.  budget None: every layer on disk."""
-        state = [_check(f"state_bytes[{i}]", v) for i, v in enumerate(state_bytes)]
+        state = [check_number(f"state_bytes[{i}]", v) for i, v in enumerate(state_bytes)]
         if budget is not None:
-            budget = _check("budget", budget) - slots * max(state, default=0.0)
+            budget = check_number("budget", budget) - slots * max(state, default=0.0)
             if budget < 0:
                 raise ValueError(f"budget leaves no room for the ring of {slots} x {max(state):.0f} bytes")
         on_disk, resident = [], 0.0

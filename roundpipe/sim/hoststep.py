@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from roundpipe.sim.allreduce import _check
+from roundpipe.core.checks import check_number
 from roundpipe.sim.disk import Disk
 
 POLICIES = ("whole", "per-layer")
@@ -64,11 +64,11 @@ class HostStep:
     disk: Disk | None = None                       # the layers whose state the step streams from disk
 
     def __post_init__(self):
-        params = tuple(_check(f"params[{i}]", v) for i, v in enumerate(self.params))
+        params = tuple(check_number(f"params[{i}]", v) for i, v in enumerate(self.params))
         if len(params) < 2:
             raise ValueError(f"params has {len(params)} entries; give one per layer plus the LM head last")
         object.__setattr__(self, "params", params)
-        object.__setattr__(self, "rate", _check("rate", self.rate, positive=True))
+        object.__setattr__(self, "rate", check_number("rate", self.rate, positive=True))
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
         if self.disk is not None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.sim.allreduce import _check
+from roundpipe.core.checks import check_number
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,15 @@ class Uploads:
     host_gbps: float | None = None    # shared by all GPUs together (None: each GPU has its own link)
 
     def __post_init__(self):
-        layer = tuple(_check(f"layer_bytes[{i}]", v) for i, v in enumerate(self.layer_bytes))
+        layer = tuple(check_number(f"layer_bytes[{i}]", v) for i, v in enumerate(self.layer_bytes))
         if not layer:
             raise ValueError("layer_bytes is empty: give the upload bytes of every layer")
         object.__setattr__(self, "layer_bytes", layer)
-        object.__setattr__(self, "gbps", _check("gbps", self.gbps, positive=True))
+        object.__setattr__(self, "gbps", check_number("gbps", self.gbps, positive=True))
         for name in ("head_bytes", "activation_bytes"):
-            object.__setattr__(self, name, _check(name, getattr(self, name)))
+            object.__setattr__(self, name, check_number(name, getattr(self, name)))
         if self.host_gbps is not None:
-            object.__setattr__(self, "host_gbps", _check("host_gbps", self.host_gbps, positive=True))
+            object.__setattr__(self, "host_gbps", check_number("host_gbps", self.host_gbps, positive=True))
 
     @classmethod
     def uniform(cls, layers: int, layer_bytes: float, gbps: float, head_bytes: float = 0.0,

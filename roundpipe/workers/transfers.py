@@ -64,7 +64,7 @@ def _copy_inline(dsts: list, srcs: list) -> None:
                  and d.is_contiguous() and s.is_contiguous())
         (raw if plain else rest).append((d, s))
     if len(raw) > 1:
-        _native._C.copy_many([d.data_ptr() for d, _ in raw], [s.data_ptr() for _, s in raw], [s.nbytes for _, s in raw])
+        _native.lib.copy_many([d.data_ptr() for d, _ in raw], [s.data_ptr() for _, s in raw], [s.nbytes for _, s in raw])
     else:
         rest += raw
     for d, s in rest:
@@ -146,7 +146,7 @@ class Transfers:
             _copy_inline(dsts, srcs)
             return None
         if testing.delays_active():
-            held = _native._C.HostFence()
+            held = _native.lib.HostFence()
 
             def release() -> None:
                 try:
