@@ -1,6 +1,8 @@
 """The first `forward_backward` costs about a plain forward+backward: nothing on its path imports
-torch._dynamo (1-3 s on a 2-core CPU; see roundpipe/engine/autoplan.py's `size_costs`) or Triton.  Timings are
-bench/dispatch.py's job; these tests check the cause, in fresh interpreters."""
+torch._dynamo (1-3 s on a 2-core CPU; see roundpipe/engine/autoplan.py's `size_costs`), Triton, or sympy
+with torch.fx.experimental.symbolic_shapes (0.6 s; roundpipe/engine/calls/compute.py's `autograd_backward`).
+Timings are bench/dispatch.py's and bench/first_call.py's job; these tests check the cause, in fresh
+interpreters."""
 import json
 import subprocess
 import sys
@@ -27,6 +29,7 @@ with rp.RoundPipe(layers, devices=cfg.devices * int(sys.argv[1])) as model:
     model.synchronize()
     after["first call"] = "torch._dynamo" in sys.modules
     after["triton"] = "triton" in sys.modules
+    after["sympy"] = "sympy" in sys.modules or "torch.fx.experimental.symbolic_shapes" in sys.modules
     after["planned from the dry run"] = model.autoplan.profiler is not None
 print(json.dumps(after))
 """
@@ -35,9 +38,38 @@ print(json.dumps(after))
 @pytest.mark.parametrize("workers", [1, 2])
 def test_first_call_does_not_import_dynamo(workers):
     """Importing roundpipe, building a RoundPipe and its first forward_backward (default `roundpipe train`
-    model, the partitioner's plan from the dry run) leave torch._dynamo and Triton (0.45 s) unimported."""
+    model, the partitioner's plan from the dry run) leave torch._dynamo, Triton (0.45 s) and sympy unimported."""
     run = subprocess.run([sys.executable, "-c", FIRST_CALL, str(workers)], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.splitlines()[-1]) == {
-        "import and construction": False, "first call": False, "triton": False, "planned from the dry run": True}
+        "import and construction": False, "first call": False, "triton": False, "sympy": False,
+        "planned from the dry run": True}
+
+
+MLP_FIRST_CALL = """
+import json, sys
+import torch
+from torch import nn
+import roundpipe as rp
+
+torch.manual_seed(0)
+layers = [nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(8)]
+x, y = torch.randn(8, 32), torch.randn(8, 32)
+with rp.RoundPipe(layers, devices=["cpu"]) as model:
+    model.forward_backward(x, labels=y, loss_fn=lambda out, labels: ((out - labels) ** 2).mean())
+    model.synchronize()
+    grads = all(p.grad is not None for p in model.parameters())
+print(json.dumps({"grads": grads, **{m: m in sys.modules for m in ("sympy", "torch.fx.experimental.symbolic_shapes")}}))
+"""
+
+
+def test_first_call_does_not_import_sympy():
+    """The first forward_backward of an 8-layer MLP (memory probe, stage backward with explicit output gradients)
+    leaves sympy and torch.fx.experimental.symbolic_shapes unimported (torch.autograd's gradient check imports
+    them: 0.6 s)."""
+    run = subprocess.run([sys.executable, "-c", MLP_FIRST_CALL], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == {
+        "grads": True, "sympy": False, "torch.fx.experimental.symbolic_shapes": False}

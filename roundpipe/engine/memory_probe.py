@@ -13,6 +13,10 @@ memory-efficient on GPUs, the flash kernel for CPU on CPU workers) that never ho
 [batch, heads, T, T] scores; the meta device has only the math backend, which does.  So
 under the probe attention runs as math unseen, and counts what a fused kernel makes: its
 output and an fp32 log-sum-exp per query row forward, dq, dk and dv backward.
+
+Backward with explicit gradients goes through roundpipe/engine/calls/compute.py's
+`autograd_backward` / `autograd_grad`, as the stages' does: torch.autograd's own check of those
+gradients imports sympy (0.6 s) the first time, and this probe runs in the first training call.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.core.tree import tree_leaves, tree_map
+from roundpipe.engine.calls.compute import autograd_backward, autograd_grad
 from roundpipe.planner.memory import LayerMemory
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -38,7 +43,7 @@ class Timeline(TorchDispatchMode):
     views, saved tensors and in-place ops count it once, for as long as they keep it."""
 
     @classmethod
-    def _should_skip_dynamo(cls) -> bool:   # as autoplan._FlopCount: no torch._dynamo import
+    def _should_skip_dynamo(cls) -> bool:   # as dry_run.FlopCount: no torch._dynamo import
         return False
 
     def __init__(self, device_type: str) -> None:
@@ -109,7 +114,7 @@ class _FusedAttention(torch.autograd.Function):
             with torch.enable_grad():
                 leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
                 out = F.scaled_dot_product_attention(*leaves, **ctx.options)
-                grads = torch.autograd.grad(out, leaves, grad)
+                grads = autograd_grad([out], leaves, [grad])
         finally:
             timeline.paused = False
         for g in grads:
@@ -169,7 +174,7 @@ def measure_layer(layer: nn.Module, call: Callable[[Any], Any], x: Any, device_t
     if roots:
         grads = [torch.ones_like(t) for t in roots]   # the gradient flowing in: the layer above's bytes
         with timeline, attention:
-            torch.autograd.backward(roots, grads)
+            autograd_backward(roots, grads)
     backward = timeline.peak - base
     param_grads = sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters() if p.grad is not None)
     return LayerMemory(nbytes(x), out_bytes, nograd, saved, recompute, backward, param_grads)

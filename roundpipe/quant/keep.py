@@ -18,7 +18,7 @@ then reuses that tensor for every later product of the stage run; `release`
 Device memory.  The kept weights are registered in the worker's ledger as
 `weights`, not `workspace`: they are held for the stage's whole duration,
 exactly like its uploaded parameters, and the planner counts them with the
-layer's weight bytes (roundpipe/engine/autoplan.py `_dry_run_costs`), where a
+layer's weight bytes (roundpipe/engine/dry_run.py `dry_run_costs`), where a
 transient would be workspace of one product.  They die at `release`: the
 last reference the engine holds goes, and autograd graphs of the stage (which
 save the same tensor for an input gradient) are gone by then.

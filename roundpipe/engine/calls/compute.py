@@ -31,22 +31,39 @@ def tag(exc: BaseException, where: str) -> BaseException:
     return exc
 
 
-# torch.autograd.backward's own checks of explicit gradients (shapes through the symbolic-shape
-# layer, dtypes) cost ~20 us a call, as much as the rest of a trivial stage-microbatch.  The
-# engine's gradients match their roots by construction (the grad of the next stage's input,
-# converted to compute dtype), so after a plain shape and dtype comparison backward stages call
-# the autograd engine the way torch.autograd.backward itself does after its checks.  Anything
-# else (a mismatch: torch's error message; no such entry point) goes through torch.autograd.backward.
+# torch.autograd.backward's own checks of explicit gradients (`_make_grads`: shapes through the
+# symbolic-shape layer, dtypes) cost ~20 us a call, as much as the rest of a trivial
+# stage-microbatch, and the first one imports torch.fx.experimental.symbolic_shapes and sympy:
+# 0.6 s of the first training call (2-core VM, torch 2.13; a plain loop's scalar loss.backward()
+# never passes an explicit gradient, so never pays it).  The engine's gradients match their roots
+# by construction (the grad of the next stage's input, converted to compute dtype), so after a
+# plain shape, dtype and device comparison backward stages (and the planner's memory probe) call
+# the autograd engine the way torch.autograd.backward / grad do after those checks.  Anything else
+# (a mismatch: torch's error message; no such entry point) goes through the public function.
 _engine_backward = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
+
+
+def _matching(roots: list[torch.Tensor] | tuple, grads: list[torch.Tensor] | tuple | None) -> bool:
+    return grads is not None and _engine_backward is not None and len(roots) == len(grads) and all(
+        isinstance(g, torch.Tensor) and r.shape == g.shape and r.dtype == g.dtype and r.device == g.device
+        for r, g in zip(roots, grads))
 
 
 def autograd_backward(roots: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
     """torch.autograd.backward(roots, grads); grads matching roots in shape and dtype skip its checks."""
-    if grads is None or _engine_backward is None or any(
-            r.shape != g.shape or r.dtype != g.dtype or r.device != g.device for r, g in zip(roots, grads)):
+    if not _matching(roots, grads):
         torch.autograd.backward(roots, grads)
     else:
         _engine_backward(tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def autograd_grad(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                  grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """torch.autograd.grad(outputs, inputs, grads), skipping its checks as autograd_backward does."""
+    if not _matching(outputs, grads):
+        return torch.autograd.grad(outputs, inputs, grads)
+    return _engine_backward(tuple(outputs), tuple(grads), False, False, tuple(inputs), allow_unreachable=False,
+                            accumulate_grad=False)
 
 
 def float_leaves(x: Any) -> list[torch.Tensor]:
