@@ -36,7 +36,7 @@ faster by its memory bandwidth, not by its core count: every rate is multiplied 
 same factor for torch's sequence assumes it stays memory-bound too (~50 bytes a
 parameter in separate passes, per the project's design notes).  Unmeasured on such a host.
 
-Model (Llama-3.1-8B): 32 decoder layers, hidden 4096, 32 query / 8 KV heads of 128,
+Model (Llama-3.1-8B, roundpipe/shapes.py): 32 decoder layers, hidden 4096, 32 query / 8 KV heads of 128,
 intermediate 14336, vocab 128256, untied LM head; 218.1 M parameters a layer, 525.3 M
 each for the embedding and the head, 8.03 B in all, every one trained and stepped.  The
 embedding is a layer of its own (no compute; its gradient lands with the last backward
@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 from roundpipe.bench.runner import Report, add_common_args  # noqa: E402
 from roundpipe.planner import LayerCost, partition  # noqa: E402
+from roundpipe.shapes import LLAMA_3_1_8B, DecoderShape  # noqa: E402
 from roundpipe.sim import Costs, HostStep, Uploads, host_step, sizes_from_plan  # noqa: E402
 
 GPU_BW = 0.9e12          # RTX 4090 device-memory bytes/s (1.008 TB/s spec), for the loss's logit traffic
@@ -81,32 +81,9 @@ POLICIES = (   # row label, rate row, HostStep policy, schedule
 )
 
 
-@dataclass(frozen=True)
-class Llama:
-    layers: int = 32
-    hidden: int = 4096
-    inter: int = 14336
-    q_heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    vocab: int = 128256
-
-    @property
-    def layer_params(self) -> int:
-        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.inter + 2 * self.hidden
-
-    @property
-    def embedding(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def head(self) -> int:
-        return self.vocab * self.hidden + self.hidden       # LM head + final norm
-
-    @property
-    def total(self) -> int:
-        return self.layers * self.layer_params + self.embedding + self.head
+def layer_params(m: DecoderShape) -> tuple[int, int, int]:
+    """Parameters of the embedding layer, a decoder layer and the head layer (final norm + LM head)."""
+    return m.vocab * m.hidden, m.layer_parameters(), m.vocab * m.hidden + m.hidden
 
 
 def measured_rates(path: Path) -> tuple[dict[str, float], list[str]]:
@@ -129,20 +106,19 @@ def measured_rates(path: Path) -> tuple[dict[str, float], list[str]]:
     return {k: sum(v) / len(v) for k, v in found.items()}, runs
 
 
-def model(m: Llama, tokens: int, seq: int, flops: float, gbps: float) -> tuple[Costs, Uploads, list[LayerCost]]:
+def model(m: DecoderShape, tokens: int, seq: int, flops: float, gbps: float) -> tuple[Costs, Uploads, list[LayerCost]]:
     """Simulator costs (embedding + decoder layers, head), uploads and the planner's view, one microbatch."""
-    q = m.q_heads * m.head_dim
-    fwd = tokens * (2 * m.layer_params + 2 * seq * q) / flops
+    embedding, layer, head = layer_params(m)
+    fwd = tokens * (2 * layer + 2 * seq * m.q_dim) / flops
     head_mm = 2 * m.hidden * m.vocab * tokens / flops
     loss = 8 * tokens * m.vocab / GPU_BW
     act = 2 * tokens * m.hidden
     costs = Costs((0.0,) + (fwd,) * m.layers, (0.0,) + (2 * fwd,) * m.layers, head_mm + loss, 2 * head_mm + loss,
                   comm=act / (gbps * 1e9))
-    uploads = Uploads((2.0 * m.embedding,) + (2.0 * m.layer_params,) * m.layers, gbps, 2.0 * m.head, act)
-    planner = [LayerCost(0.0, 0.0, 2 * m.embedding, act, 4 * m.embedding)]
-    planner += [LayerCost(fwd, 3 * fwd, 2 * m.layer_params, 34 * tokens * m.hidden, 4 * m.layer_params)
-                for _ in range(m.layers)]
-    planner.append(LayerCost(head_mm + loss, 2 * (head_mm + loss), 2 * m.head, (1 << 30) + 4 * act, 4 * m.head))
+    uploads = Uploads((2.0 * embedding,) + (2.0 * layer,) * m.layers, gbps, 2.0 * head, act)
+    planner = [LayerCost(0.0, 0.0, 2 * embedding, act, 4 * embedding)]
+    planner += [LayerCost(fwd, 3 * fwd, 2 * layer, 34 * tokens * m.hidden, 4 * layer) for _ in range(m.layers)]
+    planner.append(LayerCost(head_mm + loss, 2 * (head_mm + loss), 2 * head, (1 << 30) + 4 * act, 4 * head))
     return costs, uploads, planner
 
 
@@ -161,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu_optim rows to take the AdamW rates from")
     add_common_args(parser)
     args = parser.parse_args(argv)
-    m, N = Llama(), args.gpus
+    m, N = LLAMA_3_1_8B, args.gpus
     rates, runs = measured_rates(Path(args.rates))
     report = Report("host_step_sim", columns=["policy", "host x", "tokens/iter", "step s", "no-step iter s",
                                               "iter s", "exposed s", "exposed %", "tokens/s", "vs old"])
@@ -169,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = mb * args.seq
         costs, uploads, planner = model(m, tokens, args.seq, args.tflops * 1e12 * args.mfu, args.pcie_gbps)
         fwd, bwd = sizes_from_plan(partition(planner, N, N + 1, memory_budget=BUDGET).plan, costs)
-        params = (float(m.embedding),) + (float(m.layer_params),) * m.layers + (float(m.head),)
+        embedding, layer, head = layer_params(m)
+        params = (float(embedding),) + (float(layer),) * m.layers + (float(head),)
         for scale in (float(x) for x in args.host_scale.split(",")):
             old = None
             for label, rate_key, policy, schedule in POLICIES:
@@ -186,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     seq=args.seq, mb_seqs=mb, tflops=args.tflops, mfu=args.mfu, pcie_gbps=args.pcie_gbps,
                     simulated=True)
     report.note(f"SIMULATED (roundpipe.sim with roundpipe.sim.hoststep and weight uploads), unmeasured on any GPU; "
-                f"Llama-3.1-8B shape, {m.total / 1e9:.2f} B parameters stepped, {N} GPUs at {args.tflops:g} TFLOP/s x "
+                f"Llama-3.1-8B shape, {m.parameters() / 1e9:.2f} B parameters stepped, {N} GPUs at {args.tflops:g} TFLOP/s x "
                 f"MFU {args.mfu:g}, PCIe {args.pcie_gbps:g} GB/s per GPU, {N + 1} microbatches an iteration")
     report.note("host rates (params/s at host x 1, mean of the adamw 50M rows of " + "; ".join(runs) + "): "
                 + ", ".join(f"{RATE_ROWS[k]} {v / 1e6:.0f} M" for k, v in rates.items())

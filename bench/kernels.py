@@ -242,7 +242,7 @@ def _device_limits(device: str, quick: bool) -> tuple[float, float]:
     src = torch.empty(256 << 20 if quick else 1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() / median_time(lambda: dst.copy_(src), sync=sync, repeat=9) / 1e9
-    del src, dst
+    src = dst = None   # frees the buffers before the matmul (a del would unbind the lambda's names)
     n = 4096 if quick else 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn_like(a)

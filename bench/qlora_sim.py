@@ -6,7 +6,7 @@ it, and the asynchronous RoundPipe schedule runs rounds of N + 1 = 9 microbatche
 published RoundPipe reports 1,820 tokens/s for this run (8x RTX 4090, seq 2048); it is
 printed beside, not run here.
 
-Model (the published config): 94 decoder layers, hidden 4096, 64 query / 4 KV heads of 128,
+Model (the published config, roundpipe/shapes.py): 94 decoder layers, hidden 4096, 64 query / 4 KV heads of 128,
 128 experts of intermediate 1536 per layer, 8 routed per token, vocab 151,936, untied
 head.  Per layer 2.488 B parameters (attention 71.3 M, experts 2.416 B, router 0.5 M),
 222.8 M active per token; 235.1 B in all, 21.5 B active with the head.  The embedding is a
@@ -55,13 +55,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from roundpipe.bench.runner import Report, add_common_args  # noqa: E402
 from roundpipe.planner import LayerCost  # noqa: E402
+from roundpipe.shapes import QWEN3_235B_A22B, DecoderShape  # noqa: E402
 from roundpipe.sim import Costs, Uploads, simulate, sizes_from_plan  # noqa: E402
 from roundpipe.sim.tune import candidate_plans  # noqa: E402
 
@@ -74,51 +74,17 @@ DEQUANT_S_PER_WEIGHT = H200_DEQUANT_S_PER_WEIGHT * H200_CLONE_BW / GPU_BW
 DEQUANT = ("per product", "per stage run", "free")
 
 
-@dataclass(frozen=True)
-class MoEShape:
-    layers: int = 94
-    hidden: int = 4096
-    q_heads: int = 64
-    kv_heads: int = 4
-    head_dim: int = 128
-    experts: int = 128
-    top_k: int = 8
-    moe_inter: int = 1536
-    vocab: int = 151936
-    lora_rank: int = 16
+LORA_RANK = 16              # LoRA on q/k/v/o
 
-    @property
-    def attention(self) -> list[int]:
-        """numel of q, k, v, o."""
-        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        return [self.hidden * q, self.hidden * kv, self.hidden * kv, q * self.hidden]
 
-    @property
-    def expert(self) -> int:
-        return 3 * self.hidden * self.moe_inter
+def small_params(m: DecoderShape) -> int:
+    """A layer's router and norms (bf16 in both bases): what is neither attention nor experts."""
+    return m.layer_parameters() - sum(m.attention_numels()) - m.experts * m.expert_parameters()
 
-    @property
-    def small(self) -> int:
-        """Router and norms (bf16 in both bases)."""
-        return self.experts * self.hidden + 2 * self.hidden + 2 * self.head_dim
 
-    @property
-    def layer_params(self) -> int:
-        return sum(self.attention) + self.experts * self.expert + self.small
-
-    @property
-    def active(self) -> int:
-        return sum(self.attention) + self.top_k * self.expert + self.experts * self.hidden
-
-    @property
-    def lora(self) -> int:
-        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        r = self.lora_rank
-        return r * ((self.hidden + q) * 2 + (self.hidden + kv) * 2)
-
-    @property
-    def total(self) -> int:
-        return self.layers * self.layer_params + 2 * self.vocab * self.hidden + self.hidden
+def lora_params(m: DecoderShape, rank: int = LORA_RANK) -> int:
+    """LoRA A and B of q, k, v and o in one layer."""
+    return rank * ((m.hidden + m.q_dim) * 2 + (m.hidden + m.kv_dim) * 2)
 
 
 def nf4_bytes(numel: int) -> int:
@@ -127,23 +93,25 @@ def nf4_bytes(numel: int) -> int:
     return math.ceil(numel / 2) + blocks + 4 * math.ceil(blocks / 256) + 4 * 256 + 4
 
 
-def layer_upload_bytes(m: MoEShape, base: str) -> float:
+def layer_upload_bytes(m: DecoderShape, base: str) -> float:
     """One decoder layer's upload: base weights, router + norms (bf16), LoRA's bf16 upload copy."""
     if base == "bf16":
-        weights = 2 * (sum(m.attention) + m.experts * m.expert)
+        weights = 2 * (sum(m.attention_numels()) + m.experts * m.expert_parameters())
     else:   # experts as 3 fused tensors [E, 2I, H] (gate/up) and [E, H, I] (down), quantized whole
-        weights = (sum(nf4_bytes(n) for n in m.attention) + nf4_bytes(m.experts * 2 * m.hidden * m.moe_inter)
-                   + nf4_bytes(m.experts * m.hidden * m.moe_inter))
-    return weights + 2 * m.small + 2 * m.lora
+        weights = (sum(nf4_bytes(n) for n in m.attention_numels())
+                   + nf4_bytes(m.experts * 2 * m.hidden * m.expert_intermediate)
+                   + nf4_bytes(m.experts * m.hidden * m.expert_intermediate))
+    return weights + 2 * small_params(m) + 2 * lora_params(m)
 
 
-def model(m: MoEShape, base: str, dequant: str, tokens: int, seq: int, rate: float, gbps: float,
+def model(m: DecoderShape, base: str, dequant: str, tokens: int, seq: int, rate: float, gbps: float,
           host_gbps: float | None, budget: float, round_size: int) -> tuple[Costs, Uploads, list[LayerCost], float]:
     """Simulator costs (embedding + decoder layers, head), uploads, the planner's view, the memory budget."""
-    q = m.q_heads * m.head_dim
-    fwd = tokens * (2 * m.active + 2 * seq * q + 2 * m.lora) / rate
-    bwd = tokens * (2 * m.active + 4 * seq * q + 4 * m.lora) / rate
-    deq_layer = DEQUANT_S_PER_WEIGHT * (sum(m.attention) + m.experts * m.expert)
+    q, active, lora = m.q_dim, m.layer_parameters(active=True), lora_params(m)
+    base_weights = sum(m.attention_numels()) + m.experts * m.expert_parameters()
+    fwd = tokens * (2 * active + 2 * seq * q + 2 * lora) / rate
+    bwd = tokens * (2 * active + 4 * seq * q + 4 * lora) / rate
+    deq_layer = DEQUANT_S_PER_WEIGHT * base_weights
     if base == "nf4" and dequant == "per product":   # forward, recompute, backward: each dequantizes
         fwd, bwd = fwd + deq_layer, bwd + deq_layer
     elif base == "nf4" and dequant == "per stage run":   # once a slot, spread over its microbatches
@@ -158,21 +126,20 @@ def model(m: MoEShape, base: str, dequant: str, tokens: int, seq: int, rate: flo
     uploads = Uploads((2.0 * m.vocab * m.hidden,) + (layer,) * m.layers, gbps, head_bytes, act, host_gbps)
     # the planner's view: per-microbatch times no shorter than the slot's upload shared by its microbatches
     bw = uploads.bandwidth(8)
-    saved = 34 * tokens * m.hidden + tokens * m.top_k * 3 * m.moe_inter * 2
-    held = layer + (2 * (sum(m.attention) + m.experts * m.expert) if dequant == "per stage run" and base == "nf4"
-                   else 0)
-    lora_grads = 4 * m.lora
+    saved = 34 * tokens * m.hidden + tokens * m.experts_per_token * 3 * m.expert_intermediate * 2
+    held = layer + (2 * base_weights if dequant == "per stage run" and base == "nf4" else 0)
+    lora_grads = 4 * lora
     planner = [LayerCost(0.0, 0.0, int(2 * m.vocab * m.hidden), act, 0)]
     planner += [LayerCost(max(fwd, layer / bw / round_size), max(fwd + bwd, layer / bw / round_size), int(held),
                           int(saved), lora_grads) for _ in range(m.layers)]
     # the fused linear + cross-entropy holds a logits chunk of at most 1 GiB and dh (roundpipe.kernels)
     planner.append(LayerCost(head_mm + loss, 2 * (head_mm + loss), int(head_bytes), (1 << 30) + 4 * act, 0))
     if base == "nf4" and dequant == "per product":   # the largest transient: the experts' gate/up, dequantized
-        budget -= 2 * (2 * m.experts * 2 * m.hidden * m.moe_inter)
+        budget -= 2 * (2 * m.experts * 2 * m.hidden * m.expert_intermediate)
     return costs, uploads, planner, budget
 
 
-def run(m: MoEShape, base: str, dequant: str, mb_seqs: int, args, workers: int = 8) -> dict:
+def run(m: DecoderShape, base: str, dequant: str, mb_seqs: int, args, workers: int = 8) -> dict:
     tokens = mb_seqs * args.seq
     round_size = workers + 1
     costs, uploads, planner, budget = model(m, base, dequant, tokens, args.seq, args.tflops * 1e12 * args.mfu,
@@ -189,7 +156,7 @@ def run(m: MoEShape, base: str, dequant: str, mb_seqs: int, args, workers: int =
     per_gpu_link = r.upload_bytes / workers / uploads.bandwidth(workers)
     tps = round_size * tokens / r.makespan
     fwd, bwd = r.partition
-    base_host = m.layers * (layer_upload_bytes(m, base) - 2 * m.lora) + 2 * (2 * m.vocab * m.hidden + m.hidden)
+    base_host = m.layers * (layer_upload_bytes(m, base) - 2 * lora_params(m)) + 2 * (2 * m.vocab * m.hidden + m.hidden)
     return {"base": base, "dequant": dequant if base == "nf4" else "-", "host base GB": base_host / 1e9,
             "PCIe GB/s": uploads.bandwidth(workers) / 1e9, "tokens/mb": tokens,
             "upload GB/iter": r.upload_bytes / 1e9, "iter s": r.makespan, "link busy %": 100 * per_gpu_link / r.makespan,
@@ -215,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=6)
     add_common_args(parser)
     args = parser.parse_args(argv)
-    m = MoEShape()
+    m = QWEN3_235B_A22B
     report = Report("qlora_sim", columns=["base", "dequant", "host base GB", "PCIe GB/s", "tokens/mb", "upload GB/iter", "iter s",
                                           "link busy %", "GPU busy %", "tokens/s", "vs published", "stages"])
     links = [(args.pcie_gbps, args.host_gbps)]
@@ -228,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             for dequant in DEQUANT:
                 report.add(**run(m, "nf4", dequant, mb, args))
     report.note(f"SIMULATED (roundpipe.sim, roundpipe-async, rounds of 9 microbatches), unmeasured on any GPU; "
-                f"Qwen3-235B-A22B shape: {m.total / 1e9:.1f} B parameters, {m.layer_params / 1e9:.3f} B a layer, "
-                f"{m.active / 1e6:.1f} M active a layer; LoRA r{m.lora_rank} on q/k/v/o")
+                f"Qwen3-235B-A22B shape: {m.parameters() / 1e9:.1f} B parameters, {m.layer_parameters() / 1e9:.3f} B a layer, "
+                f"{m.layer_parameters(active=True) / 1e6:.1f} M active a layer; LoRA r{LORA_RANK} on q/k/v/o")
     report.note(f"8 GPUs at {args.tflops:g} TFLOP/s x MFU {args.mfu:g}; seq {args.seq}; PCIe {args.pcie_gbps:g} GB/s "
                 f"per GPU (shared rows: 2 GPUs per x16 link); dequantization {DEQUANT_S_PER_WEIGHT * 1e12:.2f} ps a "
                 f"weight (H200 measurement scaled by copy bandwidth, unmeasured on an RTX 4090)")

@@ -13,7 +13,8 @@ measured on hardware: this is roundpipe.sim.
 
 Cost assumptions (all stated, all per microbatch of one sequence of --seq tokens;
 only their ratios matter for bubbles, the absolute scale sets comm vs compute):
-- decoder layer forward = (2 x layer params + 2 x seq x q_dim) FLOPs per token
+- shapes from roundpipe/shapes.py (the published configs); decoder layer
+  forward = (2 x layer params + 2 x seq x q_dim) FLOPs per token
   (matmuls + causal attention) at RATE = 100 TFLOP/s (an RTX 4090's ~165 dense
   bf16 peak at ~60%); backward-only = 2 x forward; recompute is added by the
   simulator's rules;
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,6 +44,7 @@ from roundpipe.bench.runner import Report, add_common_args  # noqa: E402
 from roundpipe.planner import LayerCost, partition  # noqa: E402
 from roundpipe.sim.tune import best_partition  # noqa: E402
 from roundpipe.sim import Costs, sizes_from_plan, simulate  # noqa: E402
+from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, QWEN3_32B, DecoderShape  # noqa: E402
 
 RATE = 100e12     # FLOP/s
 BW = 0.9e12       # GPU memory bytes/s, for the cross-entropy's logit traffic
@@ -51,40 +52,22 @@ PCIE = 22e9       # bytes/s per direction, pinned, PCIe 4.0 x16
 BUDGET = 24e9     # bytes per GPU
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    layers: int
-    hidden: int
-    ffn: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    def layer_params(self) -> int:
-        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.ffn
-
-    def costs(self, seq: int) -> tuple[Costs, list[LayerCost]]:
-        """Simulator costs and the planner's per-layer costs (layers + head) for one microbatch."""
-        fwd = (2 * self.layer_params() + 2 * seq * self.q_heads * self.head_dim) * seq / RATE
-        head_mm = 2 * self.hidden * self.vocab * seq / RATE
-        loss = 8 * seq * self.vocab / BW
-        comm = 2 * seq * self.hidden * 2 / PCIE
-        costs = Costs.uniform(self.layers, fwd, 2 * fwd, head_mm + loss, 2 * head_mm + loss, comm)
-        act = 34 * seq * self.hidden
-        planner = [LayerCost(fwd, 3 * fwd, 2 * self.layer_params(), act) for _ in range(self.layers)]
-        planner.append(LayerCost(costs.head_fwd, costs.head_fwd + costs.head_bwd, 2 * self.hidden * self.vocab,
-                                 6 * seq * self.vocab))
-        return costs, planner
+def shape_costs(shape: DecoderShape, seq: int) -> tuple[Costs, list[LayerCost]]:
+    """Simulator costs and the planner's per-layer costs (layers + head) for one microbatch."""
+    layer = shape.layer_parameters()
+    fwd = (2 * layer + 2 * seq * shape.q_dim) * seq / RATE
+    head_mm = 2 * shape.hidden * shape.vocab * seq / RATE
+    loss = 8 * seq * shape.vocab / BW
+    comm = 2 * seq * shape.hidden * 2 / PCIE
+    costs = Costs.uniform(shape.layers, fwd, 2 * fwd, head_mm + loss, 2 * head_mm + loss, comm)
+    act = 34 * seq * shape.hidden
+    planner = [LayerCost(fwd, 3 * fwd, 2 * layer, act) for _ in range(shape.layers)]
+    planner.append(LayerCost(costs.head_fwd, costs.head_fwd + costs.head_bwd, 2 * shape.hidden * shape.vocab,
+                             6 * seq * shape.vocab))
+    return costs, planner
 
 
-SHAPES = {
-    "qwen3-1.7b": Shape("Qwen3-1.7B", 28, 2048, 6144, 16, 8, 128, 151936),
-    "llama-3.1-8b": Shape("Llama-3.1-8B", 32, 4096, 14336, 32, 8, 128, 128256),
-    "qwen3-32b": Shape("Qwen3-32B", 64, 5120, 25600, 64, 8, 128, 151936),
-}
+SHAPES = {s.key: s for s in (QWEN3_1_7B, LLAMA_3_1_8B, QWEN3_32B)}   # roundpipe/shapes.py
 BASELINES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
 
 
@@ -107,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if key not in SHAPES:
             parser.error(f"--models: unknown model {key!r}; choose from {sorted(SHAPES)}")
         shape = SHAPES[key]
-        costs, planner_costs = shape.costs(args.seq)
+        costs, planner_costs = shape_costs(shape, args.seq)
         start = time.perf_counter()
         best = partition(planner_costs, N, M, memory_budget=BUDGET)
         plan_s = time.perf_counter() - start

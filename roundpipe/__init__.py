@@ -18,6 +18,7 @@ from roundpipe._version import __version__
 # public name -> module that defines it
 _LAZY = {
     "RoundPipe": "roundpipe.engine.model",
+    "EngineConfig": "roundpipe.engine.config",
     "Plan": "roundpipe.planner.plan",
     "optim": "roundpipe.optim",
     "sim": "roundpipe.sim",

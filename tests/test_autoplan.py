@@ -10,7 +10,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import roundpipe as rp
 from roundpipe import planner
-from roundpipe.engine.autoplan import PlanningConfig, _FlopCount, size_costs, stage_seconds
+from roundpipe.engine.autoplan import PlanningConfig, size_costs, stage_seconds
+from roundpipe.engine.dry_run import FlopCount
 from roundpipe.engine.calls.dispatcher import default_plan
 from roundpipe.models.tiny_decoder import DecoderConfig, build_layers
 from roundpipe.planner import objective
@@ -120,12 +121,12 @@ def test_flop_count_equals_flop_counter_mode():
     for device in ("cpu", "meta"):
         for layers, x in models:
             counts = []
-            for mode in (_FlopCount(), FlopCounterMode(display=False)):
+            for mode in (FlopCount(), FlopCounterMode(display=False)):
                 h = x.to(device)
                 with mode, torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
                     for layer in layers:
                         h = layer.to(device)(h)
-                counts.append(mode.flops if isinstance(mode, _FlopCount) else mode.get_total_flops())
+                counts.append(mode.flops if isinstance(mode, FlopCount) else mode.get_total_flops())
             assert counts[0] == counts[1] > 0
 
 

@@ -3,7 +3,8 @@ import pytest
 
 from roundpipe import _native
 from roundpipe.offload import ArenaConfig
-from roundpipe.offload.footprint import LLAMA_3_1_8B, QWEN3_1_7B, QWEN3_4B, DecoderShape, arena_footprint, pow2_ceil, pow2_footprint
+from roundpipe.offload.footprint import arena_footprint, pow2_ceil, pow2_footprint
+from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, QWEN3_4B, DecoderShape
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")
 

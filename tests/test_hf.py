@@ -248,8 +248,8 @@ def test_gpu_workers_size_estimate_counts_activations(kind):
     workers' dry run does (before: the mask functions' packed-sequence search called .item() on meta
     position ids, the dry run failed silently and every layer's activations counted 0 bytes)."""
     from roundpipe.engine.autoplan import size_costs
-    from roundpipe.hf.model import _layers
-    layers = _layers(tiny(kind))
+    from roundpipe.hf.model import cut_layers
+    layers = cut_layers(tiny(kind))
     x = torch.randint(0, 64, (2, 32))
     on_cpu = [c.act_bytes for c in size_costs(layers, ((x,), {}), torch.float32, "cpu")]
     on_meta = [c.act_bytes for c in size_costs(layers, ((x,), {}), torch.float32, "cuda")]

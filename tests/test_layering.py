@@ -123,3 +123,62 @@ def test_the_checker_sees_imports(name):
     """The graph is not empty: known edges show (a checker that sees nothing passes everything)."""
     g = graph()
     assert any(name in deps for deps in g.values()), name
+
+
+# Underscore names that belong to other libraries, read where their public API has no equivalent:
+# nn.Module's parameter/buffer tables (rebinding a replica's weights without a copy), a tensor's
+# version counter (torch's in-place check), a named tuple's _replace.
+FOREIGN_PRIVATE = {"_parameters", "_buffers", "_version", "_replace", "_fields", "_asdict"}
+
+
+def private_names(tree: ast.AST) -> set[str]:
+    """The underscore names a module defines: functions, classes, module globals, attributes it assigns."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+    return {n for n in out if n.startswith("_") and not n.startswith("__")}
+
+
+def reach_ins(trees: dict[str, ast.AST], known) -> list[str]:
+    """`from m import _x` and `obj._x` where `_x` is defined by another roundpipe module only."""
+    defined = {name: private_names(tree) for name, tree in trees.items()}
+    owners: dict[str, set[str]] = {}
+    for name, names in defined.items():
+        for n in names:
+            owners.setdefault(n, set()).add(name)
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("roundpipe"):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__") \
+                            and f"{node.module}.{a.name}" not in known and a.name != "_C":
+                        found.append(f"{name}:{node.lineno} from {node.module} import {a.name}")
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    continue
+                if node.attr in defined[name] or node.attr in FOREIGN_PRIVATE or node.attr not in owners:
+                    continue
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)} (defined in {', '.join(sorted(owners[node.attr]))})")
+    return found
+
+
+def test_no_module_reads_another_modules_private_name():
+    """No reach-ins: a name another module needs is public there (or has a public seam)."""
+    known = modules()
+    found = reach_ins({name: ast.parse(path.read_text(), str(path)) for name, path in known.items()}, known)
+    assert not found, "\n".join(found)
+
+
+def test_the_private_name_check_sees_a_reach_in():
+    """The scanner flags both kinds of reach-in in made-up modules, and a module's own private names not."""
+    trees = {"roundpipe.a": ast.parse("_table = {}\nclass M:\n    def __init__(self):\n        self._count = 0\n"),
+             "roundpipe.b": ast.parse("from roundpipe.a import _table\ndef f(m):\n    return m._count\n"),
+             "roundpipe.c": ast.parse("class N:\n    def g(self, other):\n        self._count = other._count\n")}
+    found = reach_ins(trees, set(trees))
+    assert found == ["roundpipe.b:1 from roundpipe.a import _table", "roundpipe.b:3 m._count (defined in roundpipe.a, roundpipe.c)"]

@@ -10,6 +10,8 @@ from roundpipe.planner.plan import Plan
 from roundpipe.planner import LayerCost, balanced_split, objective, partition, plan, stage_times
 from roundpipe.planner.costs import backward_memory, forward_memory
 from roundpipe.planner.exact import exact_partition
+from roundpipe.planner.memory import beside_bytes
+from roundpipe.planner.partition import LayerTooLarge, cap_stage_limit, partition_for_cap
 
 
 def random_instance(rng, max_layers=12):
@@ -72,6 +74,21 @@ def test_memory_budget_forces_smaller_stages():
     assert max(len(r) for r in free.backward[1:]) == 6
     assert len(tight.stages()) > len(free.stages())
     assert all(backward_memory(costs, r) <= 700 for r in tight.backward)
+
+
+def test_cap_stage_limit_is_half_or_the_cap_less_a_neighbour():
+    """Under a cap, stages keep to half of it; a layer too large for half gets the cap less the largest
+    one-layer neighbour (cap_stage_limit), and past that too the refusal names that limit."""
+    costs = [LayerCost(1.0, 3.0, 100, 10)] * 6 + [LayerCost(1.0, 3.0, 100, 1200)]   # the last needs 1,500
+    for cap in (1500, 2000, 4000):
+        assert cap_stage_limit(costs, cap, prefetch=True) == max(cap / 2, cap - beside_bytes(costs, True))
+    assert partition_for_cap(costs, 2, 4, 4000, prefetch=True) == partition(costs, 2, 4, 4000)   # fits half
+    relaxed = partition_for_cap(costs, 2, 4, 2000, prefetch=True)
+    assert all(backward_memory(costs, r, fused=r.stop == 7) <= cap_stage_limit(costs, 2000, True)
+               for r in relaxed.plan.backward)
+    with pytest.raises(LayerTooLarge) as e:
+        partition_for_cap(costs, 2, 4, 1500, prefetch=True)
+    assert e.value.layer == 6 and e.value.limit == cap_stage_limit(costs, 1500, prefetch=True)
 
 
 def test_errors_name_the_argument():

@@ -120,7 +120,7 @@ def gpu_bandwidth(report: Report, sizes: list[int], streams: list[int], quick: b
                         report.add(device=label, dir=direction, memory=mem, provider=provider, streams=k,
                                    size=_size_name(size), ms=t * 1e3, **{"GB/s": gbs,
                                    "% pinned": 100 * gbs / base[direction]})
-            del host, gpu
+            host = gpu = None   # frees the buffers (a del would unbind names the jobs() closure reads)
     if len(devices) == 1:
         report.note("one GPU visible: no all-GPUs-at-once rows")
 

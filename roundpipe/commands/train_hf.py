@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from roundpipe.commands.data import _is_text, _list_files, stdlib_dir
+from roundpipe.commands.data import is_text, list_files, stdlib_dir
 
 
 class TokenCorpus:
@@ -44,12 +44,12 @@ class TokenCorpus:
     @classmethod
     def load(cls, data_dir: str | None, tokenizer) -> "TokenCorpus":
         if data_dir is None:
-            root, files = stdlib_dir(), _list_files(stdlib_dir(), "*.py")
+            root, files = stdlib_dir(), list_files(stdlib_dir(), "*.py")
         else:
             root = Path(data_dir).expanduser()
             if not root.is_dir():
                 raise ValueError(f"--data {str(data_dir)!r} is not a directory")
-            files = [p for p in _list_files(root.resolve(), "*") if _is_text(p)]
+            files = [p for p in list_files(root.resolve(), "*") if is_text(p)]
         if not files:
             raise ValueError(f"--data {str(root)!r} holds no text files (hidden and binary files are skipped)")
         eos = tokenizer.eos_token_id
@@ -133,8 +133,7 @@ def train_hf(cfg, save: str | None = None) -> dict:
     from transformers import AutoTokenizer
 
     import roundpipe as rp
-    from roundpipe.commands.train_loops import DTYPES, lr_at, make_optimizer
-    from roundpipe.engine.step.staleness import StalenessCompensation
+    from roundpipe.commands.train_loops import engine_options, lr_at, make_optimizer
 
     check_hf_flags(cfg)
     try:
@@ -143,11 +142,8 @@ def train_hf(cfg, save: str | None = None) -> dict:
         raise ValueError(f"--hf {cfg.hf!r}: its tokenizer could not be loaded ({exc})") from exc
     corpus = TokenCorpus.load(cfg.data_dir, tokenizer)
     next(corpus.batches(cfg.batch_size, cfg.seq_len, cfg.seed, "val" if cfg.eval_batches else "train"))
-    compensation = None if cfg.compensation is None else StalenessCompensation(cfg.compensation)
-    with rp.hf.from_pretrained(cfg.hf, devices=cfg.devices, num_microbatches=cfg.microbatches,
-                               compute_dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
-                               compensation=compensation, peft_config=lora_config(cfg.lora),
-                               quantize=cfg.quantize, master_dtype=DTYPES[cfg.master_dtype]) as model:
+    with rp.hf.from_pretrained(cfg.hf, peft_config=lora_config(cfg.lora), quantize=cfg.quantize,
+                               **engine_options(cfg)) as model:   # the same engine options as `roundpipe train`
         model.train()   # from_pretrained leaves a model in eval mode, as transformers does
         n_params = sum(p.numel() for p in model.parameters()) + model.host.quantized_numel
         n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -113,17 +114,15 @@ class TorchReference:
 
 
 class RoundPipeEngine:
-    """rp.RoundPipe over the layers; the optimizer steps through `model.step`."""
+    """rp.RoundPipe over the layers; the optimizer steps through `model.step`.
 
-    def __init__(self, layers: list[nn.Module], devices: list[str] | None, microbatches: int | None,
-                 dtype: torch.dtype | None, trace: bool = False, compensation: float | None = None,
-                 master_dtype: torch.dtype = torch.float32):
+    Takes RoundPipe's own arguments after the layers (devices, num_microbatches, compute_dtype, ... : every
+    engine option, roundpipe.EngineConfig's fields, or config=), so it offers whatever the engine does."""
+
+    def __init__(self, layers: list[nn.Module], *args: Any, trace: bool = False, **options: Any):
         from roundpipe.engine.model import RoundPipe
-        from roundpipe.engine.step.staleness import StalenessCompensation
 
-        self.model = RoundPipe(layers, devices=devices, num_microbatches=microbatches, compute_dtype=dtype,
-                               compensation=None if compensation is None else StalenessCompensation(compensation),
-                               master_dtype=master_dtype)
+        self.model = RoundPipe(layers, *args, **options)
         self.devices = [str(d) for d in self.model.devices]
         self._recording = self.model.record_trace() if trace else None
         self.trace = self._recording.__enter__() if trace else None
@@ -171,14 +170,25 @@ class RoundPipeEngine:
         self.close()
 
 
+def engine_options(cfg) -> dict[str, Any]:
+    """The engine options (roundpipe.EngineConfig's fields) that the flags of `roundpipe train` set, for a resolved
+    TrainConfig: RoundPipe's keywords here, rp.hf.from_pretrained's with --hf (roundpipe/commands/train_hf.py)."""
+    from roundpipe.engine.step.staleness import StalenessCompensation
+
+    return {"devices": cfg.devices, "num_microbatches": cfg.microbatches,
+            "compute_dtype": DTYPES[cfg.dtype] if cfg.dtype is not None else None,
+            "compensation": None if cfg.compensation is None else StalenessCompensation(cfg.compensation),
+            "master_dtype": DTYPES[cfg.master_dtype]}
+
+
 def make_engine(layers: list[nn.Module], cfg) -> TorchReference | RoundPipeEngine:
     """The engine `cfg.engine` names, for a resolved roundpipe.commands.train.TrainConfig."""
-    dtype = DTYPES[cfg.dtype] if cfg.dtype is not None else None
     if cfg.engine == "torch":
         device = cfg.devices[0] if cfg.devices else "cpu"
-        return TorchReference(layers, device, dtype, trace=cfg.trace is not None)
-    return RoundPipeEngine(layers, cfg.devices, cfg.microbatches, dtype, trace=cfg.trace is not None,
-                           compensation=cfg.compensation, master_dtype=DTYPES[cfg.master_dtype])
+        return TorchReference(layers, device, DTYPES[cfg.dtype] if cfg.dtype is not None else None,
+                              trace=cfg.trace is not None)
+    from roundpipe.engine.config import EngineConfig
+    return RoundPipeEngine(layers, config=EngineConfig(**engine_options(cfg)), trace=cfg.trace is not None)
 
 
 OPTIMIZERS = {"adamw": AdamW, "adamw8bit": AdamW8bit}

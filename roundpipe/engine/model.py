@@ -29,13 +29,14 @@ from torch import nn
 from roundpipe.engine.step.async_step import LayerSync, run_gcopy, run_step
 from roundpipe.engine.step.optimizer_step import check_step_args, copy_step, make_step
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
+from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig, engine_config
 from roundpipe.core import omp
 from roundpipe.engine.calls import batchnorm as batchnorm_stats
 from roundpipe.engine.state import checkpoint
 from roundpipe.engine.state.run_state import RunState
 from roundpipe.engine.step import loss_scale
 from roundpipe.engine.calls.board import Board
-from roundpipe.engine.device_memory import PeakPredictions, resolve_caps
+from roundpipe.engine.device_memory import PeakPredictions
 from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.calls.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.core.executor import SerialExecutor, engine_thread, on_thread, register_then_queue, stop_when_collected
@@ -43,14 +44,13 @@ from roundpipe.engine.step.host_state import HostState
 from roundpipe.core.tree import tree_map
 from roundpipe.engine.calls.microbatch import SplitFn, batch_size_of, merge, split
 from roundpipe.planner.plan import Plan
-from roundpipe.engine.calls.precision import Precision, resolve as resolve_precision
+from roundpipe.engine.calls.precision import Precision
 from roundpipe.workers.rng import draw_base
 from roundpipe.engine.calls.replica import Replica
 from roundpipe.engine.calls.context import CallContext
 from roundpipe.engine.step.staleness import StalenessCompensation
-from roundpipe.optim.rounding import check_master_dtype, check_rounding
 from roundpipe.trace import Trace
-from roundpipe.workers import default_compute_dtype, make_workers, parse_devices
+from roundpipe.workers import make_workers
 from roundpipe.workers.base import Handoff, gpu_input_events, gpu_input_snapshots
 
 TimingFn = Callable[[str, str, int, int, float, float], None]
@@ -71,15 +71,11 @@ def _as_layers(layers: object) -> nn.Sequential:
     return seq
 
 
-def _state_tier(host: HostState, offload_dir: Any, host_memory: Any, compute_dtype: torch.dtype, sharded: bool):
-    """The optimizer-state tier of offload_dir= / host_memory= (None without them); ValueError for bad input."""
+def _state_tier(host: HostState, offload_dir: Any, host_memory: Any, compute_dtype: torch.dtype):
+    """The optimizer-state tier of offload_dir= / host_memory= (None without them; EngineConfig checked the
+    combination, StateTier checks the directory and the bytes)."""
     if offload_dir is None:
-        if host_memory is not None:
-            raise ValueError(f"host_memory={host_memory!r} needs offload_dir= (where the optimizer state that does "
-                             "not fit goes); give both, or neither")
         return None
-    if sharded:
-        raise ValueError("offload_dir= and shard_optimizer=True are not supported together")
     from roundpipe.offload.state_tier import StateTier
     return StateTier(host, offload_dir, host_memory, compute_dtype)
 
@@ -100,7 +96,11 @@ class _InFlight:
 
 
 class RoundPipe:
-    """A model kept in host memory whose stages are dispatched round-robin to a pool of workers."""
+    """A model kept in host memory whose stages are dispatched round-robin to a pool of workers.
+
+    `RoundPipe(layers, **options)` or `RoundPipe(layers, config=EngineConfig(...))`: the options are
+    EngineConfig's fields, each documented there (roundpipe/engine/config.py); `engine_config` is the
+    checked EngineConfig the model was built with."""
 
     def __init__(self, layers, devices=None, num_microbatches: int | None = None,
                  compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
@@ -109,71 +109,51 @@ class RoundPipe:
                  loss_reduction: str = "mean", batchnorm: str = "per-microbatch", precision: Precision | None = None,
                  process_group: Any = None, shard_optimizer: bool = False,
                  compensation: StalenessCompensation | None = None, master_dtype: torch.dtype = torch.float32,
-                 master_rounding: str = "stochastic", offload_dir: Any = None, host_memory: int | None = None):
+                 master_rounding: str = "stochastic", offload_dir: Any = None, host_memory: int | None = None,
+                 config: EngineConfig | None = None):
+        # the keywords are EngineConfig's fields (roundpipe/engine/config.py documents and checks them, once);
+        # config= gives them as one EngineConfig instead
+        options = {name: value for name, value in locals().items() if name in ENGINE_OPTIONS}
         self.module = _as_layers(layers)
-        self.devices = parse_devices(devices)
+        cfg = self.engine_config = engine_config(config, options)
+        self.devices = list(cfg.worker_devices)
         n = len(self.devices)
-        for name, v in (("num_microbatches", num_microbatches), ("microbatches_per_round", microbatches_per_round)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name}={v!r} must be None or an int >= 1")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' (microbatch losses weighted by "
-                             "their share of the samples) or 'sum' (added as loss_fn returns them)")
-        self.loss_reduction = loss_reduction
-        if batchnorm not in batchnorm_stats.MODES:
-            raise ValueError(f"batchnorm={batchnorm!r} must be 'per-microbatch' (running statistics updated by every "
-                             "microbatch, as PyTorch does per forward) or 'whole-batch' (updated once per call from "
-                             "the statistics of all the inputs each BatchNorm saw in the call)")
-        self.batchnorm = batchnorm
-        if split_fn is not None and not callable(split_fn):
-            raise TypeError(f"split_fn must be callable, got {type(split_fn).__name__}")
+        self.loss_reduction = cfg.loss_reduction
+        self.batchnorm = cfg.batchnorm
         L = len(self.module)
-        if plan is not None and not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a roundpipe.Plan or None, got {type(plan).__name__}")
-        if planning is not None and not isinstance(planning, PlanningConfig):
-            raise TypeError(f"planning must be a roundpipe.engine.autoplan.PlanningConfig or None, got {type(planning).__name__}")
-        self.num_microbatches = num_microbatches
-        self.round_size = microbatches_per_round or n + 1
-        self.split_fn = split_fn
-        self.precision = resolve_precision(precision, compute_dtype, default_compute_dtype(self.devices))
+        self.num_microbatches = cfg.num_microbatches
+        self.round_size = cfg.round_size
+        self.split_fn = cfg.split_fn
+        self.precision = cfg.resolved_precision
         self.compute_dtype = self.precision.compute_dtype
         scaling = loss_scale.resolve(self.precision.loss_scale, self.compute_dtype)
         self.scaler = loss_scale.LossScaler(scaling) if scaling is not None else None
         self.run_state = RunState()   # flags and counts beyond the tensors; checkpoints save it
         # The plan: explicit (never changes) or the partitioner's, revised at call starts (roundpipe/engine/autoplan.py).
-        self.planning = planning or PlanningConfig()
-        self.device_memory = resolve_caps(device_memory, self.devices)   # worker name -> bytes or None
+        self.planning = cfg.planning or PlanningConfig()
+        self.device_memory = cfg.device_caps()   # worker name -> bytes or None
         caps = [c for c in self.device_memory.values() if c is not None]
         if caps and self.planning.memory_budget == "device":   # stages sized for the smallest cap
             self.planning = dataclasses.replace(self.planning, memory_budget=min(caps))
         self.autoplan = AutoPlanner(list(self.module), self.devices, self.compute_dtype,
-                                    num_microbatches or self.round_size, self.planning,
-                                    fixed=None if plan is None else plan.check(L), fallback=lambda: default_plan(L, n))
+                                    cfg.num_microbatches or self.round_size, self.planning,
+                                    fixed=None if cfg.plan is None else cfg.plan.check(L),
+                                    fallback=lambda: default_plan(L, n))
         self._cuda = self.devices[0].type == "cuda"
         layers = list(self.module)
-        # masters in master_dtype (fp32, or bf16 updated by roundpipe.optim in fp32 and rounded as
-        # master_rounding says: roundpipe/optim/rounding.py); checked before anything is converted
-        check_master_dtype(master_dtype)
-        check_rounding(master_rounding)
+        # masters in master_dtype (fp32, or bf16 rounded as master_rounding says: roundpipe/optim/rounding.py)
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda,
                               device=self.devices[0].index if self._cuda else None,   # the arena's home GPU
-                              master_dtype=master_dtype, master_rounding=master_rounding,
-                              self_copy=compensation is None)   # predicted weights go to upload copies
+                              master_dtype=cfg.master_dtype, master_rounding=cfg.master_rounding,
+                              self_copy=cfg.compensation is None)   # predicted weights go to upload copies
         # data parallelism over torch.distributed (roundpipe/engine/data_parallel.py), None: this process
         # alone; checked before any thread starts, so a bad argument leaves nothing running
-        self.dp = (DataParallel(process_group, L, loss_reduction, devices=self.devices)
-                   if process_group is not None else None)
-        if not isinstance(shard_optimizer, bool):
-            raise TypeError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
-        if shard_optimizer and self.dp is None:
-            raise ValueError("shard_optimizer=True needs process_group= (the ranks the optimizer state is split over)")
-        self.shards = OptimizerShards(self.host, self.dp) if shard_optimizer else None
+        self.dp = (DataParallel(cfg.process_group, L, cfg.loss_reduction, devices=self.devices)
+                   if cfg.process_group is not None else None)
+        self.shards = OptimizerShards(self.host, self.dp) if cfg.shard_optimizer else None
         # optimizer state of the layers that do not fit host_memory, on disk (roundpipe/offload/state_tier.py)
-        self.offload = _state_tier(self.host, offload_dir, host_memory, self.compute_dtype, shard_optimizer)
-        if compensation is not None and not isinstance(compensation, StalenessCompensation):
-            raise TypeError(f"compensation must be a roundpipe.StalenessCompensation or None, got "
-                            f"{type(compensation).__name__}")
-        self.compensation = compensation   # asynchronous-step staleness compensation (engine/staleness.py)
+        self.offload = _state_tier(self.host, cfg.offload_dir, cfg.host_memory, self.compute_dtype)
+        self.compensation = cfg.compensation   # asynchronous-step staleness compensation (engine/staleness.py)
         self.sync = LayerSync(L, self.host.groups())
         self.host_thread = SerialExecutor("roundpipe-step", idle_release_s=0)      # optimizer steps and P-copies
         self.gcopy_thread = SerialExecutor("roundpipe-gcopy", idle_release_s=0)    # G-copies
@@ -184,7 +164,7 @@ class RoundPipe:
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
                                   for layer, st in zip(layers, self.host.layers)] for w in self.workers}
         # Whole-batch BatchNorm statistics (roundpipe/engine/calls/batchnorm.py): masters updated at call ends.
-        self._bn = batchnorm_stats.tracked(layers) if batchnorm == "whole-batch" else {}
+        self._bn = batchnorm_stats.tracked(layers) if cfg.batchnorm == "whole-batch" else {}
         self._bn_skip = {l: batchnorm_stats.stats_buffer_indices(layer, st.buffer_names)
                          for l, (layer, st) in enumerate(zip(layers, self.host.layers))} if self._bn else {}
         for reps in self.replicas.values() if self._bn else ():

@@ -4,18 +4,18 @@
     fit.seq_len, fit.binding, fit.table()
 
 The prediction is the engine's own refusal rule, not a second model of it.  The engine plans at the
-first call from per-layer `LayerCost`s (roundpipe/engine/autoplan.py: a dry run of the first
+first call from per-layer `LayerCost`s (roundpipe/engine/dry_run.py: a dry run of the first
 microbatch through copies of the layers, saved bytes counted by autograd's saved-tensor hooks,
 attention counted as the fused kernel keeps it) and `planner.partition(costs, workers,
-microbatches, budget)` under the cap rule (`planner.partition_for_cap`), which raises `LayerTooLarge`
-when one layer's weights, fp32 gradient accumulators and one microbatch's activations and workspace
-(planner/memory.py) exceed what a stage may hold; the engine turns that into a ValueError before any
-work.  Here:
+microbatches, budget)` under the cap rule (`planner.partition_for_cap`: each stage within
+`cap_stage_limit`), which raises `LayerTooLarge` when one layer's weights, fp32 gradient
+accumulators and one microbatch's activations and workspace (planner/memory.py) exceed what a stage
+may hold; the engine turns that into a ValueError before any work.  Here:
 
     1. the model is built from its config on the meta device (no weights, no download) and cut
-       into roundpipe layers as `rp.hf.wrap` cuts it (hf/model.py `_layers`);
+       into roundpipe layers as `rp.hf.wrap` cuts it (hf/model.py `cut_layers`);
     2. for a sequence length T, the costs come from the engine's dry run on the meta device
-       (`_dry_run_costs`, what GPU workers run) with token ids [1, T] in the compute dtype;
+       (`dry_run_costs`, what GPU workers run) with token ids [1, T] in the compute dtype;
     3. `partition(costs, workers, 1, device_memory)` succeeds or raises LayerTooLarge: the
        largest T that succeeds is found by doubling and bisection (costs grow with T).
 
@@ -39,21 +39,12 @@ import torch
 from torch import nn
 
 from roundpipe.planner.plan import Plan
+from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, QWEN3_32B
 
 GiB = 1 << 30
 
-# Published sizes (the models' config.json on the hub): hidden, layers, heads, kv heads, intermediate, vocab.
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
-                       tie_word_embeddings=True, max_position_embeddings=40960),
-    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                         tie_word_embeddings=False, max_position_embeddings=131072),
-    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
-                      tie_word_embeddings=False, max_position_embeddings=40960),
-}
+# The built-in shapes (roundpipe/shapes.py: the published configs), by name; `roundpipe plan` runs them all.
+SHAPES = {s.key: s for s in (QWEN3_1_7B, LLAMA_3_1_8B, QWEN3_32B)}
 MAX_TOKENS = 1 << 24   # the search stops here (16M tokens); ContextFit.at_search_limit says so
 
 
@@ -91,7 +82,7 @@ class ContextFit:
     plan: Plan = field(repr=False)
     at_search_limit: bool = False   # seq_len == MAX_TOKENS: it fits at least this long
     # the most one stage may hold: half the cap, or the cap less what the largest one-layer neighbouring
-    # stage holds when one layer does not fit half (planner.partition_for_cap)
+    # stage holds when one layer does not fit half (planner.cap_stage_limit)
     stage_limit: int = 0
 
     def table(self) -> str:
@@ -142,7 +133,7 @@ def load_config(config: Any):
     if isinstance(config, (str, os.PathLike)):
         text = os.fspath(config)
         if text.lower() in SHAPES:
-            config = SHAPES[text.lower()]
+            config = SHAPES[text.lower()].hf_config()
         elif os.path.isdir(text) and os.path.isfile(os.path.join(text, "config.json")):
             return AutoConfig.from_pretrained(text, local_files_only=True)
         elif os.path.isfile(text):
@@ -171,7 +162,7 @@ def meta_layers(config) -> list[nn.Module]:
     """The roundpipe layers `rp.hf.wrap` would cut the model into, built on the meta device (no weights)."""
     from transformers import AutoModelForCausalLM
 
-    from roundpipe.hf.model import _layers
+    from roundpipe.hf.model import cut_layers
     from roundpipe.hf.presets import PRESETS
 
     if getattr(config, "model_type", None) not in PRESETS:
@@ -179,11 +170,11 @@ def meta_layers(config) -> list[nn.Module]:
                          f"meta-device model cannot run the generic cut's check; presets: {sorted(PRESETS)}")
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
-    return _layers(hf_model)
+    return cut_layers(hf_model)   # not quantized, as wrap's default
 
 
 class _AttentionBytes(torch.overrides.TorchFunctionMode):
-    """Per dry run, the bytes the engine's estimate charges to attention (autoplan.fused_attention_bytes),
+    """Per dry run, the bytes the engine's estimate charges to attention (dry_run.fused_attention_bytes),
     collected per call."""
 
     def __init__(self):
@@ -194,7 +185,7 @@ class _AttentionBytes(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is torch.nn.functional.scaled_dot_product_attention:
-            from roundpipe.engine.autoplan import fused_attention_bytes
+            from roundpipe.engine.dry_run import fused_attention_bytes
             nbytes = fused_attention_bytes(args, kwargs, out)
             if nbytes:
                 self.calls.append(nbytes)
@@ -204,13 +195,13 @@ class _AttentionBytes(torch.overrides.TorchFunctionMode):
 def layer_costs(layers: list[nn.Module], seq_len: int, dtype: torch.dtype, attention: list[int] | None = None):
     """The engine's dry-run costs (GPU workers' meta path) of token ids [1, seq_len]; `attention`, when given,
     receives each layer's attention bytes."""
-    from roundpipe.engine.autoplan import _RATES, _dry_run_costs
+    from roundpipe.engine.dry_run import RATES, dry_run_costs
 
     sample = ((), {"input_ids": torch.zeros(1, seq_len, dtype=torch.long), "attention_mask": None,
                    "position_ids": None})
     mode = _AttentionBytes()
     with mode:
-        costs = _dry_run_costs(layers, sample, dtype, _RATES["cuda"], "meta")
+        costs = dry_run_costs(layers, sample, dtype, RATES["cuda"], "meta")
     if attention is not None:
         attention[:] = _split_attention(layers, mode.calls)
     return costs
@@ -236,8 +227,8 @@ def _fits(costs, workers: int, device_memory: int) -> Plan | None:
 
 
 def _stage_limit(costs, device_memory: int) -> int:
-    from roundpipe.planner.memory import beside_bytes
-    return int(max(device_memory // 2, device_memory - beside_bytes(costs, prefetch=True)))
+    from roundpipe.planner.partition import cap_stage_limit
+    return int(cap_stage_limit(costs, device_memory, prefetch=True))
 
 
 def _head_workspace(seq_len: int, hidden: int, vocab: int, itemsize: int) -> int:

@@ -20,17 +20,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig
 from roundpipe.engine.model import RoundPipe
 from roundpipe.hf.layers import Decoder, Embed, Head
 from roundpipe.hf.loss import TokenLoss, count_items, shift_labels
 from roundpipe.hf.presets import PRESETS, causal_lm, find_parts
-from roundpipe.hf.quantize import check_quantize, is_bnb_4bit, load_bnb_checkpoint, quantize_decoder
-from roundpipe.workers import parse_devices
+from roundpipe.hf.quantize import HF_OPTIONS, QuantizeConfig, is_bnb_4bit, load_bnb_checkpoint, quantize_decoder
+
+# every keyword rp.hf.wrap (and rp.hf.Trainer, which passes them to it) takes besides the model: the engine's
+# options (EngineConfig's fields; loss_reduction among them, which wrap refuses) and wrap's own (QuantizeConfig's)
+WRAP_OPTIONS: tuple[str, ...] = ENGINE_OPTIONS + HF_OPTIONS
 
 
-def _layers(hf_model: nn.Module, quantize: str | None = None, double_quant: bool = True) -> list[nn.Module]:
+def cut_layers(hf_model: nn.Module, quant: QuantizeConfig | None = None) -> list[nn.Module]:
+    """The roundpipe layers wrap cuts `hf_model` into: embedding (+ rotary, masks), decoder layers, norm + head;
+    4-bit quantized first when `quant` asks (default: not quantized)."""
+    quant = quant if quant is not None else QuantizeConfig()
     parts = find_parts(hf_model)
-    quantize_decoder(hf_model, parts.layers, quantize, double_quant)   # before the layers see the modules
+    quantize_decoder(hf_model, parts.layers, quant)   # before the layers see the modules
     layers: list[nn.Module] = [Embed(parts.embed_tokens, parts.rotary_emb, parts.config, parts.attention_types)]
     layers += [Decoder(layer, kind) for layer, kind in zip(parts.layers, parts.attention_types)]
     layers.append(Head(parts.norm, parts.lm_head))
@@ -72,11 +79,11 @@ def _check_generic(hf_model: nn.Module, layers: list[nn.Module]) -> None:
                          f"presets: {sorted(PRESETS)}")
 
 
-def _patch_kernels(hf_model: nn.Module, devices) -> int:
+def _patch_kernels(hf_model: nn.Module, devices: list[torch.device]) -> int:
     """Our Triton kernels into the HF modules when a worker is a GPU (roundpipe/hf/kernels.py), else 0.
 
     Patched before the workers' replicas are made, so that every replica runs them."""
-    if not any(d.type == "cuda" for d in parse_devices(devices)):
+    if not any(d.type == "cuda" for d in devices):
         return 0
     try:
         from roundpipe.hf.kernels import patch_kernels
@@ -89,23 +96,34 @@ class HFRoundPipe(RoundPipe):
     """A RoundPipe over a Hugging Face causal LM (built by `wrap`); HF names, loss and files."""
 
     def __init__(self, hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
-                 compute_dtype: torch.dtype | None = None, plan=None, *, quantize: str | None = None,
+                 compute_dtype: torch.dtype | None = None, plan=None, *, quantize: str | QuantizeConfig | None = None,
                  double_quant: bool = True, **roundpipe_kwargs):
         if not isinstance(hf_model, nn.Module):
             raise TypeError(f"hf_model must be a transformers causal LM (an nn.Module), got {type(hf_model).__name__}")
         if "loss_reduction" in roundpipe_kwargs:
             raise TypeError("loss_reduction is fixed by rp.hf.wrap (HF's token-weighted loss); do not pass it")
+        unknown = sorted(set(roundpipe_kwargs) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise TypeError(f"rp.hf.wrap got unexpected keyword argument(s) {unknown}; it takes RoundPipe's options "
+                            f"({', '.join(ENGINE_OPTIONS)}) and {', '.join(HF_OPTIONS)}")
         if any(p.device.type != "cpu" for p in hf_model.parameters()):
             raise ValueError("hf_model must be on the CPU (roundpipe keeps every weight in host memory); "
                              "build or load it without device_map / .to('cuda')")
-        check_quantize(quantize, double_quant)
-        layers = _layers(hf_model, quantize, double_quant)
+        if isinstance(quantize, QuantizeConfig):   # checked already (from_pretrained)
+            if double_quant is not True:
+                raise ValueError("quantize= is a QuantizeConfig, which holds double_quant; do not pass double_quant too")
+            quant = quantize
+        else:
+            quant = QuantizeConfig(quantize, double_quant)
         if "process_group" not in roundpipe_kwargs:   # launched by torchrun: the ranks train together
             roundpipe_kwargs["process_group"] = launched_group()
+        # every engine option checked before the model is cut, quantized or patched
+        config = EngineConfig(devices=devices, num_microbatches=num_microbatches, compute_dtype=compute_dtype,
+                              plan=plan, loss_reduction="sum", **roundpipe_kwargs)
+        layers = cut_layers(hf_model, quant)
         self.hf_model = hf_model
-        self.kernels_patched = _patch_kernels(hf_model, devices)
-        super().__init__(layers, devices, num_microbatches, compute_dtype, plan, loss_reduction="sum",
-                         **roundpipe_kwargs)
+        self.kernels_patched = _patch_kernels(hf_model, config.worker_devices)
+        super().__init__(layers, config=config)
 
     @property
     def config(self):
@@ -202,15 +220,16 @@ def launched_group():
 
 
 def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
-         compute_dtype: torch.dtype | None = None, plan=None, *, quantize: str | None = None,
+         compute_dtype: torch.dtype | None = None, plan=None, *, quantize: str | QuantizeConfig | None = None,
          double_quant: bool = True, **roundpipe_kwargs: Any) -> HFRoundPipe:
     """A RoundPipe over a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or any decoder
     with embeddings, a list of decoder layers, a final norm and an LM head), or a PEFT model around one.
 
     The HF model must be on the CPU; it becomes the host master (its trainable parameters turn fp32 in
     place, or bf16 with master_dtype=torch.bfloat16: updated in fp32 by roundpipe.optim and rounded
-    stochastically, master_rounding=). roundpipe_kwargs go to RoundPipe (microbatches_per_round,
-    planning, device_memory, master_dtype, ...).  Under
+    stochastically, master_rounding=). roundpipe_kwargs are RoundPipe's other options, every one of them
+    (WRAP_OPTIONS: the fields of roundpipe.EngineConfig, which documents and checks them: microbatches_per_round,
+    planning, device_memory, master_dtype, offload_dir, host_memory, ...) but loss_reduction, which wrap fixes.  Under
     torchrun (more than one rank) the ranks train data-parallel on the world group unless process_group=
     says otherwise (None: this process alone), joining it first if torch.distributed is not initialized
     yet (`launched_group`); the token mean is then over all ranks' tokens.
@@ -218,7 +237,8 @@ def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
     quantize="nf4" or "fp4" stores the frozen Linear weights of the decoder layers (a PEFT model's base
     layers) 4-bit in bitsandbytes' format (double_quant: its 8-bit absmax, ~0.52 bytes a weight), packed
     in host memory and over the copy path, dequantized on the workers (roundpipe/hf/quantize.py); a model
-    loaded with bitsandbytes' 4-bit Linears is taken as it is, with or without quantize=."""
+    loaded with bitsandbytes' 4-bit Linears is taken as it is, with or without quantize=.  quantize= may also be
+    a checked roundpipe.hf.quantize.QuantizeConfig (then without double_quant=)."""
     return HFRoundPipe(hf_model, devices, num_microbatches, compute_dtype, plan, quantize=quantize,
                        double_quant=double_quant, **roundpipe_kwargs)
 
@@ -239,7 +259,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", 
                          "(config.json and *.safetensors); the hub is not reached from here")
     if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r} must be 'auto' or a floating torch.dtype")
-    check_quantize(quantize, double_quant)
+    quant = QuantizeConfig(quantize, double_quant)   # checked before anything is loaded; wrap takes it as it is
     config = AutoConfig.from_pretrained(path)
     if is_bnb_4bit(config):
         hf_model = load_bnb_checkpoint(path, config, dtype, peft_config)
@@ -248,4 +268,4 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", 
         if peft_config is not None:
             import peft
             hf_model = peft.get_peft_model(hf_model, peft_config)
-    return wrap(hf_model, quantize=quantize, double_quant=double_quant, **wrap_kwargs)
+    return wrap(hf_model, quantize=quant, **wrap_kwargs)

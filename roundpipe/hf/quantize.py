@@ -22,8 +22,10 @@ worker just before each product, never downloaded back (roundpipe/engine/step/ho
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -35,13 +37,25 @@ from roundpipe.quant.experts import fused_expert_weights
 QUANTIZE = (None, "nf4", "fp4")
 
 
-def check_quantize(quantize, double_quant) -> None:
-    """ValueError / TypeError for a quantize= or double_quant= wrap cannot honour."""
-    if quantize not in QUANTIZE:
-        raise ValueError(f"quantize={quantize!r} is not a 4-bit type; expected one of {QUANTIZE} (None: keep the "
-                         "frozen weights as they are)")
-    if not isinstance(double_quant, bool):
-        raise TypeError(f"double_quant must be True or False, got {double_quant!r}")
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """rp.hf.wrap's options of its own (besides the engine's, roundpipe/engine/config.py): the frozen base 4-bit.
+    Checked once here; the functions below take the checked object."""
+
+    quantize: Literal["nf4", "fp4"] | None = None
+    """Store the frozen Linear weights of the decoder layers in this 4-bit type; None: as they are."""
+    double_quant: bool = True
+    """Quantize the 4-bit blocks' absmax statistics to 8 bits too (~0.52 instead of ~0.56 bytes a weight)."""
+
+    def __post_init__(self):
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize={self.quantize!r} is not a 4-bit type; expected one of {QUANTIZE} (None: keep "
+                             "the frozen weights as they are)")
+        if not isinstance(self.double_quant, bool):
+            raise TypeError(f"double_quant must be True or False, got {self.double_quant!r}")
+
+
+HF_OPTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(QuantizeConfig))
 
 
 def _is_router(module: nn.Module) -> bool:
@@ -78,11 +92,11 @@ def _unquantizable(layer: nn.Module, prefix: str) -> None:
                                 "quantize=, or unfreeze it")
 
 
-def quantize_decoder(hf_model: nn.Module, layers: list[nn.Module], quantize: str | None, double_quant: bool) -> int:
+def quantize_decoder(hf_model: nn.Module, layers: list[nn.Module], options: QuantizeConfig) -> int:
     """The model's 4-bit layers as QuantLinear, in place: bitsandbytes' Linear4bit converted as they are, and with
-    `quantize` every frozen nn.Linear of the decoder `layers` (and fused expert tensors as QuantExperts);
+    `options.quantize` every frozen nn.Linear of the decoder `layers` (and fused expert tensors as QuantExperts);
     returns how many QuantLinear and QuantExperts the layers hold."""
-    check_quantize(quantize, double_quant)
+    quantize, double_quant = options.quantize, options.double_quant
     names = {id(m): n for n, m in hf_model.named_modules()}
     convert_bnb_model(hf_model)
     if quantize is not None:

@@ -4,7 +4,8 @@
     trainer.train()
 
 `model` is a transformers causal LM, a PEFT model around one (both wrapped here with
-`rp.hf.wrap(model, devices, **wrap_kwargs)`) or an `rp.hf.wrap`-ped model.  Everything else is the
+`rp.hf.wrap(model, devices, **wrap_kwargs)`: every keyword wrap takes, roundpipe.hf.model.WRAP_OPTIONS,
+goes to it, any other to the Trainer) or an `rp.hf.wrap`-ped model.  Everything else is the
 Trainer's own: data loading, gradient accumulation (with HF's `num_items_in_batch`, so an
 accumulation group's loss is the token mean over the whole group), parameter groups, the lr
 schedule, logging, callbacks, saving.  What changes:
@@ -46,11 +47,8 @@ from torch import nn
 
 from roundpipe.hf import trainer_optim
 from roundpipe.hf.loss import count_items, shift_labels
-from roundpipe.hf.model import HFRoundPipe, wrap
+from roundpipe.hf.model import WRAP_OPTIONS, HFRoundPipe, wrap
 
-# keyword arguments that go to rp.hf.wrap rather than to the Trainer
-WRAP_ARGS = frozenset({"num_microbatches", "compute_dtype", "plan", "microbatches_per_round", "split_fn", "planning",
-                       "device_memory", "batchnorm", "precision", "process_group", "shard_optimizer", "compensation"})
 CHECKPOINT_DIR = "roundpipe"   # the engine's checkpoint inside a Trainer checkpoint folder
 
 
@@ -71,7 +69,8 @@ class TrainerMixin:
     def __init__(self, model=None, args=None, *trainer_args, devices=None, asynchronous: bool = False, **kwargs):
         if not isinstance(asynchronous, bool):
             raise TypeError(f"asynchronous must be True or False, got {asynchronous!r}")
-        wrap_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in WRAP_ARGS}
+        # rp.hf.wrap's keywords (every engine option, and quantize, double_quant) go to it, the rest to the Trainer
+        wrap_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in WRAP_OPTIONS}
         if args is None:
             args = transformers.TrainingArguments(output_dir="tmp_trainer")
         self.rp_model = self._wrapped(model, args, devices, wrap_kwargs)

@@ -6,50 +6,18 @@ of two and caches blocks by that size, so a 24 MiB MLP weight holds 32 MiB and
 a 593 MiB embedding 1 GiB.  `pow2_footprint` models that rounding;
 `arena_footprint` measures a host-backend HostArena (same bookkeeping as the
 pinned one, ordinary memory that is never touched, so only address space is
-spent) holding the same tensors.
+spent) holding the same tensors.  A model's tensors: `DecoderShape.tensor_bytes`
+(roundpipe/shapes.py), a tied LM head counted once, as the host holds it once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
 
 from roundpipe.offload.arena import ArenaConfig, HostArena
+from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, QWEN3_4B
 
-
-@dataclass(frozen=True)
-class DecoderShape:
-    """The tensor shapes of a decoder-only transformer (Llama/Qwen style, untied head)."""
-
-    name: str
-    hidden: int
-    intermediate: int
-    layers: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    def __post_init__(self):
-        for field in ("hidden", "intermediate", "layers", "vocab", "heads", "kv_heads", "head_dim"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
-
-    def parameter_numels(self) -> list[int]:
-        """Element counts of every parameter tensor, in model order."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        layer = [h, h * q, h * kv, h * kv, q * h, h, 3 * [h * self.intermediate]]
-        flat_layer = [n for item in layer for n in (item if isinstance(item, list) else [item])]
-        return [self.vocab * h] + flat_layer * self.layers + [h, self.vocab * h]
-
-    def tensor_bytes(self, bytes_per_element: int = 2) -> list[int]:
-        """Byte sizes of every parameter tensor at `bytes_per_element` (2: the bf16 upload copy)."""
-        return [n * bytes_per_element for n in self.parameter_numels()]
-
-
-# Published configurations (hidden, intermediate, layers, vocab, heads, kv heads, head dim).
-QWEN3_1_7B = DecoderShape("qwen3-1.7b", 2048, 6144, 28, 151936, 16, 8, 128)
-QWEN3_4B = DecoderShape("qwen3-4b", 2560, 9728, 36, 151936, 32, 8, 128)
-LLAMA_3_1_8B = DecoderShape("llama-3.1-8b", 4096, 14336, 32, 128256, 32, 8, 128)
-SHAPES = {s.name: s for s in (QWEN3_1_7B, QWEN3_4B, LLAMA_3_1_8B)}
+# The models `roundpipe bench offload` tabulates.
+SHAPES = {s.key: s for s in (QWEN3_1_7B, QWEN3_4B, LLAMA_3_1_8B)}
 
 
 def pow2_ceil(n: int) -> int:
@@ -66,7 +34,7 @@ def arena_footprint(sizes: list[int], config: ArenaConfig | None = None) -> int:
     base = config or ArenaConfig()
     arena = HostArena(ArenaConfig(chunk_bytes=base.chunk_bytes, alignment=base.alignment,
                                   limit_bytes=base.limit_bytes, backend="host"))
-    blocks = [arena._arena.allocate(s) for s in sizes if s > 0]
+    blocks = [arena.empty(s, torch.uint8) for s in sizes if s > 0]   # untouched: address space only
     reserved = arena.stats().reserved_bytes
     del blocks
     return reserved

@@ -48,7 +48,7 @@ class Partition:
 
 class LayerTooLarge(ValueError):
     """One layer alone does not fit a backward stage within the stage limit (half the memory budget, or
-    `partition_for_cap`'s larger one)."""
+    `cap_stage_limit`'s larger one)."""
 
     def __init__(self, layer: int, need: float, limit: float, budget: float | None):
         self.layer, self.need, self.limit, self.budget = layer, need, limit, budget
@@ -194,20 +194,26 @@ def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
     return best
 
 
+def cap_stage_limit(costs: Sequence[LayerCost], memory_budget: float, prefetch: bool = False) -> float:
+    """The most one stage may hold under a device cap of `memory_budget` bytes, the engine's rule: half
+    the cap (the other half holds what its neighbouring stages leave on the worker), or, when that is
+    more, the cap less what the largest one-layer neighbour holds (`memory.beside_bytes`; `prefetch`:
+    workers that prefetch the next stage).  A layer whose backward stage needs more is refused."""
+    return max(memory_budget / 2, memory_budget - beside_bytes(check_costs(costs), prefetch))
+
+
 def partition_for_cap(costs: Sequence[LayerCost], workers: int, microbatches: int,
                       memory_budget: float | None = None, prefetch: bool = False) -> Partition:
-    """`partition` for a device cap, the engine's rule: each stage within half the budget (the other half
-    holds what its neighbouring stages leave on the worker); when one layer does not fit that, within the
-    budget less what the largest one-layer neighbour holds (`memory.beside_bytes`).  The schedule's
-    predicted peaks are checked against the cap after (memory.worker_peaks).  LayerTooLarge names the
-    last limit tried."""
+    """`partition` for a device cap: each stage within half the budget; when one layer does not fit that,
+    within `cap_stage_limit`.  The schedule's predicted peaks are checked against the cap after
+    (memory.worker_peaks).  LayerTooLarge names the last limit tried."""
     try:
         return partition(costs, workers, microbatches, memory_budget)
     except LayerTooLarge as e:
-        relaxed = memory_budget - beside_bytes(check_costs(costs), prefetch)
-        if relaxed <= e.limit:
+        limit = cap_stage_limit(costs, memory_budget, prefetch)
+        if limit <= e.limit:
             raise
-        return partition(costs, workers, microbatches, memory_budget, stage_limit=relaxed)
+        return partition(costs, workers, microbatches, memory_budget, stage_limit=limit)
 
 
 def plan(costs: Sequence[LayerCost], workers: int, microbatches: int,

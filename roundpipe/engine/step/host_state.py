@@ -101,7 +101,7 @@ import torch
 from torch import nn
 
 from roundpipe import _native, hostops
-from roundpipe.optim.rounding import check_master_dtype, check_rounding
+from roundpipe.optim.rounding import MASTER_DTYPES, ROUNDINGS
 from roundpipe.testing import delay_point
 
 
@@ -197,8 +197,10 @@ class HostState:
         # self_copy False: every trained master keeps an upload copy of its own even in the upload dtype
         # (staleness compensation writes predicted weights there, never into the master)
         self.upload_dtype = upload_dtype
-        self.master_dtype = check_master_dtype(master_dtype)
-        self.master_rounding = check_rounding(master_rounding)
+        # the user's master_dtype= / master_rounding= were checked by EngineConfig (roundpipe/engine/config.py)
+        assert master_dtype in MASTER_DTYPES and master_rounding in ROUNDINGS, (master_dtype, master_rounding)
+        self.master_dtype = master_dtype
+        self.master_rounding = master_rounding
         self._grad_bytes = 0   # gradient bytes reserved in the arena (reserve_gradients)
         self.pinned = pinned
         # data_ptrs of the placeholders of masters on disk (roundpipe/offload/masters.py): no P-copy from them

@@ -1,0 +1,209 @@
+"""The dry run: per-layer `LayerCost`s from one forward of the first microbatch, before anything is timed.
+
+`dry_run_costs` runs copies of the layers on the meta device (shapes only, what GPU workers do) or
+on the CPU (CPU workers), and counts per layer:
+
+    FLOPs         aten matmuls and convolutions (`FlopCount`), at `RATES`' FLOP/s, plus the
+                  weights, input and output at its bytes/s: the forward time; backward BWD_PER_FWD x
+    param_bytes   weights in the compute dtype (4-bit layers: packed buffers + the dequantized copy
+                  a stage run keeps, roundpipe/quant/keep.py)
+    act_bytes     what autograd saves (saved-tensor hooks), attention counted as the fused kernel
+                  keeps it (`fused_attention_bytes`), never the math backend's [B, heads, T, T] scores
+    memory        the layer's LayerMemory (roundpipe/engine/memory_probe.py), with the loss's
+                  workspace on the last layer when a training call's loss is given
+
+The engine's planning policy (roundpipe/engine/autoplan.py `size_costs`) chooses where it runs; the
+long-context fit (roundpipe/hf/context.py) calls it directly with GPU rates on the meta device.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from roundpipe.core.tree import tree_leaves, tree_map
+from roundpipe.engine.memory_probe import measure_layer, measure_loss
+from roundpipe.planner import LayerCost
+from roundpipe.planner.costs import BWD_PER_FWD
+from roundpipe.quant.keep import DequantKeep, attach, keeping
+
+# Rough device rates (FLOP/s, bytes/s) per device type.  Only their ratio matters: once anything is
+# measured the profiler rescales unmeasured layers by the measured ratio.
+RATES = {"cuda": (100e12, 1e12), "cpu": (50e9, 10e9)}
+
+
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(x)
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> int:
+    """a [m, k] @ b [k, n] or a [B, m, k] @ b [B, k, n]: 2 m k n (per batch entry)."""
+    return 2 * a.numel() * b.shape[-1]
+
+
+def _conv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool) -> int:
+    """2 x batch x (output positions, input ones when transposed) x weight elements."""
+    return 2 * x.shape[0] * math.prod((x if transposed else out).shape[2:]) * w.numel()
+
+
+def _flop_formulas() -> dict[Any, Callable[[tuple, Any], int]]:
+    """aten overload packet -> FLOPs(args, out): torch.utils.flop_counter's formulas for the forward
+    ops a dry run reaches (attention runs as math there: bmm).  Not that module itself: importing it
+    imports Triton when installed, 0.45 s on a 2-core CPU, as much as the first call's budget."""
+    aten = torch.ops.aten
+    conv = lambda args, out: _conv(args[0], args[1], out, bool(args[6]))
+    return {aten.mm: lambda args, out: _matmul(args[0], args[1]),
+            aten.addmm: lambda args, out: _matmul(args[1], args[2]),
+            aten.bmm: lambda args, out: _matmul(args[0], args[1]),
+            aten.baddbmm: lambda args, out: _matmul(args[1], args[2]),
+            aten._scaled_mm: lambda args, out: _matmul(args[0], args[1]),
+            aten.convolution: conv, aten._convolution: conv, aten.convolution_overrideable: conv}
+
+
+class FlopCount(TorchDispatchMode):
+    """Sums the FLOPs of the aten ops run under it (`_flop_formulas`), decomposing an op without a
+    formula as torch.utils.flop_counter.FlopCounterMode does.
+
+    Why not FlopCounterMode itself: besides the Triton import, torch wraps every dispatch mode's
+    __torch_dispatch__ in torch._disable_dynamo, whose first call imports torch._dynamo and sympy
+    (1-3 s on a 2-core CPU, see `size_costs`).  This mode is never compiled, so it opts out of that
+    wrapper (`_should_skip_dynamo`, read when the class is created by the torch versions that wrap).
+    tests/test_autoplan.py checks its counts against FlopCounterMode's, tests/test_first_call.py that
+    a first call imports neither torch._dynamo nor Triton.
+    """
+
+    _formulas: dict[Any, Callable[[tuple, Any], int]] | None = None
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+        if FlopCount._formulas is None:
+            FlopCount._formulas = _flop_formulas()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        formula = self._formulas.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += formula(args, out)
+        return out
+
+
+def fused_attention_bytes(args: tuple, kwargs: dict, out: torch.Tensor) -> int:
+    """What a fused attention kernel (flash or memory-efficient on GPUs, the flash kernel for CPU on
+    CPU workers) saves for the backward of `F.scaled_dot_product_attention(*args, **kwargs) -> out`:
+    q, k, v, the output and an fp32 log-sum-exp per query row; 0 when autograd records nothing."""
+    q, k, v = (args[i] if i < len(args) else kwargs[name] for i, name in enumerate(("query", "key", "value")))
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return 0
+    rows = q.numel() // q.shape[-1]   # one log-sum-exp per (batch, head, query)
+    return sum(t.numel() * t.element_size() for t in (q, k, v, out)) + rows * 4
+
+
+class _FusedAttentionBytes(TorchFunctionMode):
+    """In the dry run, `F.scaled_dot_product_attention` runs as math (FLOPs counted, the only backend
+    the meta device has) but its saved bytes are `fused_attention_bytes`, what the fused kernel a
+    worker runs keeps, never the [B, heads, T, T] scores the math backend keeps.  Counted as math,
+    one tiny-decoder layer at 4 x 1,024 tokens came to 177 MiB against 51 MiB."""
+
+    def __init__(self, saved: list[int]):
+        super().__init__()
+        self.saved, self.counting = saved, True   # counting: the saved-tensor hook counts (off inside SDPA)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.counting = False
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.counting = True
+        self.saved[0] += fused_attention_bytes(args, kwargs, out)
+        return out
+
+
+def dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: torch.dtype,
+                  rates: tuple[float, float], device: str, loss: tuple[Callable, Any] | None = None) -> list[LayerCost]:
+    """Size-based costs from one forward of the first microbatch through copies of the layers.
+
+    sample: (args, kwargs) of the first layer's call; dtype: the compute dtype floating tensors and
+    weights are cast to; rates: (FLOP/s, bytes/s), e.g. RATES["cuda"]; device: "meta" (shapes only)
+    or "cpu" (the caller restores the RNG and picks the math attention backend, autoplan
+    `size_costs`); loss: (loss_fn, labels) of a training call, measured on the last layer."""
+    flop_rate, byte_rate = rates
+
+    def to_device(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        copied = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
+        return copied.requires_grad_(t.requires_grad and copied.is_floating_point())
+    x = tree_map(to_device, sample)
+    out: list[LayerCost] = []
+    for i, layer in enumerate(layers):
+        memo = {id(p): nn.Parameter(p.detach().to(device, dtype, copy=True), p.requires_grad)
+                for p in layer.parameters()}
+        memo.update({id(b): b.detach().to(device, copy=True) for b in layer.buffers()})
+        replica = copy.deepcopy(layer, memo)
+        params = {id(p) for p in replica.parameters()}
+        # 4-bit weights (roundpipe.quant): a stage run keeps each dequantized in the compute dtype for its
+        # whole duration (roundpipe/quant/keep.py), beside the packed constant buffers it uploaded, so both
+        # are the layer's weight bytes.  Dequantized here, before the measured runs, into a keep those runs
+        # reuse: the measurement then sees no dequantization transient (it would count a second time, as
+        # workspace), and saved tensors that are views of a kept weight are not activations.
+        quantized, keep = keeping(replica.modules()), DequantKeep()
+        attach(quantized, keep)
+        kept = {id(w.untyped_storage()) for m in quantized for w in m.dequantized_weights(dtype)}
+        quant_bytes = keep.nbytes + sum(b.numel() * b.element_size() for m in quantized
+                                        for n, b in m.named_buffers(recurse=False) if n in m.constant_buffers)
+        saved = [0]
+        attention = _FusedAttentionBytes(saved)
+
+        def pack(t: torch.Tensor) -> None:
+            # Counts and keeps nothing (no backward runs here): packing t itself would close a
+            # cycle through the autograd graph (an op saving its own output) that Python's gc
+            # cannot see, and every layer copy would outlive the dry run (0.84 B/param of
+            # bf16 weights for the 200M decoder).
+            if attention.counting and id(t) not in params and not (kept and id(t.untyped_storage()) in kept):
+                saved[0] += t.numel() * t.element_size()
+        if i > 0:
+            x = tree_map(lambda t: t.detach().requires_grad_(True)
+                         if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
+        in_bytes = _nbytes(x)
+        call = (lambda v: replica(*v[0], **v[1])) if i == 0 else replica
+        memory = measure_layer(replica, call, x, device, first=i == 0)
+        if dtype == torch.float32:   # an fp32 .grad is the accumulator itself (StageRun._backward)
+            memory = dataclasses.replace(memory, param_grads=0)
+        counter = FlopCount()
+        with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), attention:
+            x = replica(*x[0], **x[1]) if i == 0 else replica(x)
+        out_bytes = _nbytes(x)
+        param_bytes = sum(p.numel() for p in replica.parameters()) * dtype.itemsize + quant_bytes
+        attach(quantized, None)
+        trainable = sum(p.numel() for p in replica.parameters() if p.requires_grad)
+        fwd = counter.flops / flop_rate + (param_bytes + in_bytes + out_bytes) / byte_rate
+        # fp32 gradient accumulators (a low-precision microbatch's .grad is in memory.param_grads)
+        if i == len(layers) - 1 and loss is not None and loss[0] is not None:   # labels as sent: never cast
+            labels = tree_map(lambda t: t.detach().to(device) if isinstance(t, torch.Tensor) else t, loss[1])
+            memory = dataclasses.replace(memory, loss=measure_loss(loss[0], x, labels, device))
+        out.append(LayerCost(fwd, BWD_PER_FWD * fwd, param_bytes, max(saved[0], out_bytes), trainable * 4, memory))
+    return out
+
+
