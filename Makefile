@@ -10,13 +10,17 @@ DEMO_STAMP := $(VENV)/.roundpipe-demo
 TEST_STAMP := $(VENV)/.roundpipe-installed
 SETUP_INPUTS := pyproject.toml setup.py scripts/setup-venv.sh requirements/test-constraints.txt $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: demo test setup lock versions clean
+.PHONY: demo test test-fast lint setup lock versions clean
 
 demo: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(DEMO_STAMP))
 	$(BIN)/roundpipe train
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
+
+# ruff (pyproject.toml: pyflakes, pycodestyle errors, import order, bugbear, blind except)
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
 
 setup: $(TEST_STAMP)
 

@@ -43,8 +43,7 @@ import torch
 import roundpipe as rp
 from roundpipe.commands.data import ByteCorpus
 from roundpipe.commands.train import TrainConfig, evaluate
-from roundpipe.commands.train_loops import OPTIMIZERS, lr_at, make_optimizer
-from roundpipe.commands.train_loops import DTYPES
+from roundpipe.commands.train_loops import DTYPES, OPTIMIZERS, lr_at, make_optimizer
 from roundpipe.models.tiny_decoder import build_layers, loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -109,7 +109,7 @@ def bnb_adamw8bit(params: list) -> Any:
     """(e) bitsandbytes' CPU AdamW8bit, or None when it does not import."""
     try:
         import bitsandbytes
-    except Exception:  # a peer's failure must not stop the run
+    except Exception:  # noqa: BLE001 - a peer's failure must not stop the run
         return None
     return bitsandbytes.optim.AdamW8bit(params, lr=1e-4)
 
@@ -205,7 +205,7 @@ def load_deepspeed(peer_path: str | None, names: list[str]) -> tuple[dict[str, A
     sys.path.insert(0, str(peer))
     try:
         import deepspeed  # type: ignore[import-not-found]
-    except Exception as exc:  # a peer's failure must not stop the run
+    except Exception as exc:  # noqa: BLE001 - a peer's failure must not stop the run
         return {}, None, [f"(d) DeepSpeed skipped: import from {peer}: {type(exc).__name__}: {exc}"]
     if not Path(deepspeed.__file__).resolve().is_relative_to(peer):
         return {}, None, [f"(d) DeepSpeed skipped: deepspeed imported from {deepspeed.__file__}, not {peer}"]
@@ -218,7 +218,7 @@ def load_deepspeed(peer_path: str | None, names: list[str]) -> tuple[dict[str, A
             probe.grad = torch.ones(1)
             cls([probe], lr=1e-4, **extra).step()
             found[name] = cls
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a peer optimizer failing is reported, not fatal
             cause = f" <- {type(exc.__cause__).__name__}: {exc.__cause__}" if exc.__cause__ else ""
             reasons.append(f"(d) {cls_name} skipped: {type(exc).__name__}: {exc}{cause}")
     return found, deepspeed.__version__, reasons
@@ -245,7 +245,7 @@ def adamw8bit_ratios(medians: dict[tuple[str, int], dict[str, float]], n: int) -
     eight, fp32 = medians.get(("adamw8bit", n)), medians.get(("adamw", n))
     if eight is None:
         return ""
-    pick = lambda rows, prefix: next((t for label, t in rows.items() if label.startswith(prefix)), None)  # noqa: E731
+    pick = lambda rows, prefix: next((t for label, t in rows.items() if label.startswith(prefix)), None)
     parts = []
     for ours in ("(c) ", "(c') "):
         t = pick(eight, ours)
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             # the median over rounds is reported.
             samples: dict[str, list[float]] = {label: [] for label, _ in runs}
             for _ in range(rounds):
-                for (probe, values), nbytes, fn in zip(probes.items(), (12, 8, 12), (
+                for (_probe, values), nbytes, fn in zip(probes.items(), (12, 8, 12), (
                         lambda: torch.add(triad[1], triad[2], alpha=3.0, out=triad[0]),
                         lambda: triad[1].mul_(1.0),
                         lambda: accumulate_(triad[0], triad[2]))):

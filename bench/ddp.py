@@ -64,15 +64,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from overlap import iteration_ends  # noqa: E402  (bench/overlap.py, beside this file)
 
 from roundpipe.bench.runner import Report, add_common_args, median_time  # noqa: E402
-from roundpipe.planner.plan import Plan  # noqa: E402
 from roundpipe.models.sleep import sleep_layers  # noqa: E402
 from roundpipe.planner.partition import plan as partition_plan  # noqa: E402
+from roundpipe.planner.plan import Plan  # noqa: E402
 from roundpipe.sim import AllReduce, Costs, data_parallel  # noqa: E402
 from roundpipe.testing import run_ranks  # noqa: E402
-
-from overlap import iteration_ends  # noqa: E402  (bench/overlap.py, beside this file)
 
 WORKERS = 2   # CPU workers per rank
 ROWS = 2      # samples per microbatch

@@ -47,12 +47,11 @@ from torch import nn
 
 from roundpipe.bench.runner import Report, add_common_args, median_time
 from roundpipe.commands.data import ByteCorpus
-from roundpipe.engine.model import RoundPipe
-from roundpipe.planner.plan import Plan
-from roundpipe.models.tiny_decoder import build_layers, loss_fn
 from roundpipe.commands.train import TrainConfig
-from roundpipe.commands.train_loops import lr_at, make_optimizer
-from roundpipe.commands.train_loops import RoundPipeEngine, TorchReference
+from roundpipe.commands.train_loops import RoundPipeEngine, TorchReference, lr_at, make_optimizer
+from roundpipe.engine.model import RoundPipe
+from roundpipe.models.tiny_decoder import build_layers, loss_fn
+from roundpipe.planner.plan import Plan
 
 
 class Scale(nn.Module):
@@ -129,7 +128,7 @@ def _step_periods(engine, corpus: ByteCorpus, cfg: TrainConfig, steps: int, asyn
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
     batches = corpus.batches(cfg.batch_size, cfg.seq_len, seed=0)
     ends = []
-    for step in range(steps + 2):
+    for _step in range(steps + 2):
         x, y = next(batches)
         engine.forward_backward(x, labels=y, loss_fn=loss_fn)
         engine.step(optimizer, lr_scheduler=schedule, asynchronous=asynchronous, max_grad_norm=max_grad_norm)

@@ -41,8 +41,9 @@ def _rows(n: int, seq: int, vocab: int = 32000) -> list[dict]:
 
 def run_trainer(steps: int, batch: int, accum: int, seq: int) -> list[float]:
     """Seconds per optimizer step of rp.hf.Trainer (the first step left out: planning and warm-up)."""
-    import roundpipe as rp
     from transformers import TrainerCallback, TrainingArguments
+
+    import roundpipe as rp
 
     times: list[float] = []
 

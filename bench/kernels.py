@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from roundpipe.bench.runner import Report, add_common_args, median_time
 
 
-
 @dataclass
 class Sizes:
     """Model dimensions (Qwen3-8B by default) and token counts."""
@@ -307,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     report.add(**row, ms="OOM")
                     torch.cuda.empty_cache()
                     continue
-                except Exception as exc:  # a peer or torch.compile failing must not end the run
+                except Exception as exc:  # noqa: BLE001 - a peer or torch.compile failing must not end the run
                     report.add(**row, ms="error")
                     report.note(f"{name} {case.label} {pass_name}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue

@@ -215,9 +215,9 @@ def slope_rows(providers: list[str], depths: tuple[int, ...]) -> Report:
                                              "host peak B/added param", "RSS B/added param",
                                              "accounted B/added param", "host vs torch"], device="cpu")
     runs = {p: [slope_run(p, d) for d in depths] for p in providers}
-    host = lambda r: r["rss"] - r["held"] - r["code"]   # noqa: E731
-    sampled = lambda r: r["host_peak"] - r["code"]   # noqa: E731
-    slope = lambda rs, f: least_squares_slope([(r["params"], f(r)) for r in rs])   # noqa: E731
+    host = lambda r: r["rss"] - r["held"] - r["code"]
+    sampled = lambda r: r["host_peak"] - r["code"]
+    slope = lambda rs, f: least_squares_slope([(r["params"], f(r)) for r in rs])
     ref = slope(runs["torch"], sampled) if "torch" in runs else None
     for p, rs in runs.items():
         optim, master, compute = SLOPE_PROVIDERS[p]

@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from roundpipe.bench.runner import Report, add_common_args  # noqa: E402
 from roundpipe.planner import LayerCost, partition  # noqa: E402
-from roundpipe.sim.tune import best_partition  # noqa: E402
-from roundpipe.sim import Costs, sizes_from_plan, simulate  # noqa: E402
 from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, QWEN3_32B, DecoderShape  # noqa: E402
+from roundpipe.sim import Costs, simulate, sizes_from_plan  # noqa: E402
+from roundpipe.sim.tune import best_partition  # noqa: E402
 
 RATE = 100e12     # FLOP/s
 BW = 0.9e12       # GPU memory bytes/s, for the cross-entropy's logit traffic

@@ -7,10 +7,10 @@ extra_info "stage-mb" gives that count, "us/stage-mb" the total time divided by 
 """
 import copy
 
+import dispatch
 import pytest
 import torch
 
-import dispatch
 from roundpipe.engine.model import RoundPipe
 from roundpipe.planner.plan import Plan
 

@@ -5,9 +5,8 @@ Per optimizer (AdamW, SGD with momentum, Adagrad, Lion): (a) torch's bf16-gradie
 writing the bf16 upload copy, (c') roundpipe fp32.  extra_info "Mparam/s" is parameters updated
 per second at the median time.
 """
-import pytest
-
 import cpu_optim
+import pytest
 
 SIZES = [1 << 20, 4 << 20]
 PROVIDERS = {

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
 # The shared event categories, in the order a timeline's legend lists them.
 CATEGORIES = ("forward", "fused", "recompute", "backward", "copy", "optimizer")
 _ENGINE_KINDS = {"F": "forward", "B": "backward"}

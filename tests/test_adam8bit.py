@@ -6,12 +6,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import MODELS
 
 import roundpipe as rp
 import roundpipe.optim as rpo
 from roundpipe import _native
 from roundpipe.optim import blockwise
-from rp_models import MODELS
 
 LEVELS = _native.supported_simd_levels()
 native = pytest.mark.skipif(not _native.available(), reason="native core unavailable")

@@ -414,7 +414,8 @@ def test_chunks_are_page_locked_in_the_home_devices_context():
     fake.set_device(1)                                           # a thread that did choose a GPU keeps it
     b = arena.allocate(300 * KiB)
     assert fake.thread_device() == 1 and fake.calls[-1] == ("cudaHostAlloc", 2)
-    b = arena = None   # the arena frees its chunks now (a del would unbind the closure's name)
+    del b
+    arena = None   # the arena frees its chunks now (a del would unbind the closure's name)
 
 
 @pytest.mark.cuda

@@ -1,15 +1,14 @@
 """The optimizer step: synchronous equals PyTorch, asynchronous equals a one-step-late reference."""
 import copy
-
 import threading
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import MODELS, Slow, max_rel_err, reference, sync_steps_match
 
 import roundpipe as rp
-from rp_models import MODELS, Slow, max_rel_err, reference, sync_steps_match
 from roundpipe.engine.step.async_step import LayerSync
 from roundpipe.testing import inject_delays, random_sleeps
 

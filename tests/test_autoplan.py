@@ -5,21 +5,21 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import MODELS, max_rel_err, mlp, reference
+from test_async_step import assert_params_close, batches, one_step_late_reference
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import roundpipe as rp
 from roundpipe import planner
 from roundpipe.engine.autoplan import PlanningConfig, size_costs, stage_seconds
-from roundpipe.engine.dry_run import FlopCount
 from roundpipe.engine.calls.dispatcher import default_plan
+from roundpipe.engine.dry_run import FlopCount
 from roundpipe.models.tiny_decoder import DecoderConfig, build_layers
 from roundpipe.planner import objective
 from roundpipe.sim import bubbles
 from roundpipe.sim.timeline import main as timeline_main
 from roundpipe.trace import Trace
-from rp_models import MODELS, max_rel_err, mlp, reference
-from test_async_step import assert_params_close, batches, one_step_late_reference
 
 OTHER_PLANS = [rp.Plan(forward=[], backward=[range(0, 6)]),
                rp.Plan(forward=[range(0, 3)], backward=[range(3, 6), range(1, 3), range(0, 1)]),

@@ -14,13 +14,13 @@ def bn_layers(dims, momentum=0.1):
     """Three layers, two with a BatchNorm of `dims` spatial dimensions (0: BatchNorm1d on [B, C])."""
     torch.manual_seed(0)
     if dims == 0:
-        conv = lambda: nn.Linear(4, 4)  # noqa: E731
-        bn = lambda: nn.BatchNorm1d(4, momentum=momentum)  # noqa: E731
+        conv = lambda: nn.Linear(4, 4)
+        bn = lambda: nn.BatchNorm1d(4, momentum=momentum)
     else:
         Conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
         Bn = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[dims]
-        conv = lambda: Conv(4, 4, 3, padding=1)  # noqa: E731
-        bn = lambda: Bn(4, momentum=momentum)  # noqa: E731
+        conv = lambda: Conv(4, 4, 3, padding=1)
+        bn = lambda: Bn(4, momentum=momentum)
     return [nn.Sequential(conv(), bn(), nn.Tanh()), nn.Sequential(conv(), bn(), nn.Tanh()), conv()]
 
 

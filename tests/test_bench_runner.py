@@ -10,7 +10,7 @@ from roundpipe.bench import runner
 def test_report_prints_table_and_appends_rows(tmp_path, capsys):
     """Rows are printed as a table and appended as JSON lines carrying device, CPU, commit and date."""
     out = tmp_path / "r.jsonl"
-    for rep in range(2):
+    for _rep in range(2):
         report = runner.Report("demo", columns=["case", "ms"], device="cpu")
         report.add(case="a", ms=1.5)
         report.add(case="b", ms=0.25)

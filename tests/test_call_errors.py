@@ -8,7 +8,6 @@ of calls that were still draining when another call failed are folded into the o
 Each row of a batch carries a tag in column 0 through every layer (call * 1000 + row), so a
 fault can be armed for one microbatch of one call however the stages run.
 """
-import itertools
 
 import pytest
 import torch

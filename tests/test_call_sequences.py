@@ -20,10 +20,10 @@ import traceback
 import pytest
 import torch
 import torch.nn.functional as F
-
-import roundpipe as rp
 from rp_models import max_rel_err, mlp, reference
 from stale_reference import StaleReference
+
+import roundpipe as rp
 from roundpipe.testing import inject_delays, random_sleeps
 
 LR = 2e-2
@@ -78,7 +78,7 @@ def run_case(seed, pause=None):
     ref = StaleReference(reference(layers), lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=weight_decay))
     ops = [rng.choice(OPS) for _ in range(rng.randint(6, 14))] + ["step_async", "fb"]
     g = torch.Generator().manual_seed(seed)
-    data = lambda: (torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g))  # noqa: E731
+    data = lambda: (torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g))
     where = f"seed {seed}: {workers} workers, num_mb {num_mb}, {kind}, ops {ops}"
     with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb) as model:
         opt = make_optimizer(kind, model, weight_decay)

@@ -71,7 +71,8 @@ def test_entry_points_derive_their_options_from_engine_config():
     """RoundPipe's keywords are EngineConfig's fields with the same defaults; wrap, the Trainer and the CLI's
     engine builder take their lists from that one definition (WRAP_ARGS is gone)."""
     from roundpipe.commands import train_loops
-    from roundpipe.hf import model as hf_model, trainer as hf_trainer
+    from roundpipe.hf import model as hf_model
+    from roundpipe.hf import trainer as hf_trainer
     from roundpipe.hf.quantize import HF_OPTIONS, QuantizeConfig
 
     assert ENGINE_OPTIONS == EngineConfig.field_names() == tuple(

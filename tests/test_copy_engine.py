@@ -1,6 +1,5 @@
 """CopyEngine: byte-exact copies, activation-first priority, LPT windows, fences, argument errors."""
 import gc
-import time
 
 import pytest
 import torch
@@ -255,7 +254,7 @@ def test_arena_deferral_protects_inflight_copies_with_random_delays():
     engine = CopyEngine("cpu")
     q = C.CopyQueue.act_up
     n = 32 * 1024
-    dsts, gates, timers = [], [], []
+    dsts, timers = [], []
     for i in range(24):
         src = arena.empty(n, torch.uint8).fill_(i)
         dst = torch.zeros(n, dtype=torch.uint8)

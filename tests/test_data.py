@@ -54,7 +54,7 @@ def test_validation_split_is_disjoint_tail():
     assert corpus.split("train").numel() == 150 and corpus.split("val").numel() == 50
     for x, _ in corpus.batches(8, 10, split="val", steps=5):
         assert int(x.min()) >= 150
-    for x, y in corpus.batches(8, 10, split="train", steps=5):
+    for _x, y in corpus.batches(8, 10, split="train", steps=5):
         assert int(y.max()) < 150
 
 

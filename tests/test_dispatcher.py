@@ -3,10 +3,11 @@ import random
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rp_models import max_rel_err, mlp, reference
 
 import roundpipe as rp
-from rp_models import max_rel_err, mlp, reference
 from roundpipe.engine.calls.dispatcher import Schedule, default_plan, saved_points
 
 

@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import max_rel_err
 
 import roundpipe as rp
-from rp_models import max_rel_err
 from roundpipe import testing
 
 

@@ -5,11 +5,10 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import InPlaceFirst, max_rel_err
 
 import roundpipe as rp
-from rp_models import InPlaceFirst, max_rel_err
 from roundpipe import testing
-
 
 PLAN = rp.Plan(forward=[range(0, 2), range(2, 4)], backward=[range(4, 6), range(2, 4), range(0, 2)])
 

@@ -1,6 +1,6 @@
 """rp.hf.Trainer: a few steps with gradient accumulation, clipping and a scheduler equal transformers.Trainer's."""
-import math
 import copy
+import math
 import sys
 import warnings
 

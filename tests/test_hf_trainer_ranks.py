@@ -10,11 +10,11 @@ import os
 import sys
 
 import pytest
+import ranks
 import torch
+from test_hf_trainer import dataset
 
 import roundpipe as rp
-import ranks
-from test_hf_trainer import dataset
 
 V = 32
 
@@ -76,7 +76,7 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     try:
         result = (run_trainer if cfg["mode"] == "trainer" else run_loop)(cfg)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - reported to the parent as the rank's result
         result = {"error": f"{type(e).__name__}: {e}"}
     torch.save(result, cfg["out"] + f".{os.environ['RANK']}")
 

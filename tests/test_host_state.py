@@ -4,12 +4,12 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import MODELS, max_rel_err, reference
 from torch import nn
 
 import roundpipe as rp
 from roundpipe import _native, testing
 from roundpipe.engine.step.host_state import HostState
-from rp_models import MODELS, max_rel_err, reference
 
 native = pytest.mark.skipif(not _native.available(), reason="needs the native core roundpipe._C")
 

@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import Slow, mlp
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import roundpipe as rp
-from rp_models import Slow, mlp
 from roundpipe.testing import inject_delays, random_sleeps
 
 MiB = 1 << 20

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import Slow, mlp
 from torch import nn
 
 import roundpipe as rp
-from rp_models import Slow, mlp
 from roundpipe.testing import inject_delays, random_sleeps
 
 

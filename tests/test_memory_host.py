@@ -117,7 +117,7 @@ def test_host_bytes_per_param_by_host_peak(mode):
     sync, 18.38 against 18.00 async (the second gradient set a pending step holds); without MALLOC_PERTURB_ the
     same slope read 17.55 sync, from an arena chunk paged in at 4-6 layers and not at 2."""
     small, large = _rss_run(mode, 2), _rss_run(mode, 6)
-    slope = lambda k: (large[k] - small[k]) / (large["params"] - small["params"])   # noqa: E731
+    slope = lambda k: (large[k] - small[k]) / (large["params"] - small["params"])
     assert slope("host") <= slope("accounted") + 1.0, (slope("host"), slope("accounted"), small, large)
     assert slope("accounted") <= (16.5 if mode == "sync" else 18.5), (slope("accounted"), small, large)
 

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import MODELS, Mlp, RunningMean, Slow, max_rel_err, mlp, reference, sync_steps_match
 from torch import nn
 
 import roundpipe as rp
-from rp_models import MODELS, Mlp, RunningMean, Slow, max_rel_err, mlp, reference, sync_steps_match
 from roundpipe.testing import inject_delays, random_sleeps
 
 
@@ -525,6 +525,7 @@ def test_ctrl_c_between_registering_and_queuing_a_step_never_hangs(monkeypatch):
     """A Ctrl-C that lands right after step() registered with the protocol is raised once the step is
     queued: the step runs and later calls go on (before: the step was never queued; the next call hung)."""
     import _thread
+
     from test_call_sequences import run_with_watchdog
     layers = mlp(3)
     x, y = torch.randn(4, 8), torch.randn(4, 8)

@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import InPlaceFirst, max_rel_err
 
 import roundpipe as rp
-from rp_models import InPlaceFirst, max_rel_err
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multigpu]
 

@@ -381,9 +381,9 @@ def test_roundpipe_step_equals_plain_pytorch_training(case, max_grad_norm):
     One micro-batch, so the gradients are PyTorch's bit for bit (with more, their sum is ordered differently:
     5e-6 apart after 6 steps here) and what is compared is the step."""
     import torch.nn.functional as F
+    from rp_models import mlp, reference
 
     import roundpipe as rp
-    from rp_models import mlp, reference
 
     ours_cls, torch_cls, kw = ENGINE[case]
     layers = mlp(3)

@@ -4,10 +4,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-
-import roundpipe as rp
 from rp_models import max_rel_err, mlp, reference
 from test_call_sequences import run_with_watchdog
+
+import roundpipe as rp
 
 
 def batch(seed=0):

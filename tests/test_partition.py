@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from roundpipe.planner.plan import Plan
 from roundpipe.planner import LayerCost, balanced_split, objective, partition, plan, stage_times
 from roundpipe.planner.costs import backward_memory, forward_memory
 from roundpipe.planner.exact import exact_partition
 from roundpipe.planner.memory import beside_bytes
 from roundpipe.planner.partition import LayerTooLarge, cap_stage_limit, partition_for_cap
+from roundpipe.planner.plan import Plan
 
 
 def random_instance(rng, max_layers=12):

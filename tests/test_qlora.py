@@ -16,9 +16,8 @@ from roundpipe.quant import QuantLinear, from_bnb
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
-from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
-
 from test_hf import batch, rel  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 V = 96
 # widths multiples of 64: bitsandbytes' AVX-512 CPU dequantizer is wrong for rows of 16k but not 64k values
@@ -434,8 +433,9 @@ def test_bad_quantize_arguments_name_themselves(saved):
 def test_train_hf_lora_quantize_command(tmp_path, capsys):
     """`roundpipe train --hf DIR --lora 4 --quantize nf4` trains a LoRA adapter over a 4-bit base and --save writes
     the adapter only; --quantize without --lora is a usage error naming it."""
-    from roundpipe.commands.train import main
     from test_train_hf import local_checkpoint, text_folder
+
+    from roundpipe.commands.train import main
 
     local_checkpoint(tmp_path / "model")
     data = text_folder(tmp_path / "data")

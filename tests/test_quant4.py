@@ -7,9 +7,21 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe.quant import (Quant4State, QuantLinear, code_table, convert_bnb_model, dequantize,
-                             dequantize_4bit_ref, dynamic_map, from_bnb, packed_nbytes, quantize_4bit,
-                             quantize_model, state_from_state_dict, to_state_dict)
+from roundpipe.quant import (
+    Quant4State,
+    QuantLinear,
+    code_table,
+    convert_bnb_model,
+    dequantize,
+    dequantize_4bit_ref,
+    dynamic_map,
+    from_bnb,
+    packed_nbytes,
+    quantize_4bit,
+    quantize_model,
+    state_from_state_dict,
+    to_state_dict,
+)
 from roundpipe.quant.reference import quantize_blockwise_8bit
 
 bnb = pytest.importorskip("bitsandbytes")

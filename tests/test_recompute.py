@@ -2,12 +2,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import Mlp
 from torch import nn
 
 import roundpipe as rp
-from rp_models import Mlp
-from roundpipe.workers.rng import layer_seed
 from roundpipe.testing import inject_delays, random_sleeps
+from roundpipe.workers.rng import layer_seed
 
 
 def dropout_layers():
@@ -150,7 +150,7 @@ def test_every_kind_of_draw_is_recomputed_exactly_and_repeats():
             model.step(lambda: None)
         return loss, grads
 
-    (la, a), (lb, b), (lc, c) = run(0), run(0), run(1)
+    (la, a), (lb, b), (lc, _) = run(0), run(0), run(1)
     assert torch.equal(la, lb) and all(torch.equal(g, h) for g, h in zip(a, b))
     assert not torch.equal(la, lc)
 

@@ -6,11 +6,10 @@ import textwrap
 
 import pytest
 import torch
-from _kernel_util import LOW_PRECISION, assert_launched, assert_within_torch_error, leaf, spy_launches
+from _kernel_util import LOW_PRECISION, assert_within_torch_error, leaf, spy_launches
 
 from roundpipe.kernels import RotaryEmbedding, apply_rope
 from roundpipe.kernels.rope import _rotate_half, apply_rope_ref
-
 
 KERNEL = "_rope_kernel"   # forward and backward (the transpose rotation) are one kernel
 

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from ranks import launch
+
 from roundpipe import _native
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "roundpipe" / "bench" / "shard_memory.py")

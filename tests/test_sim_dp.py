@@ -3,11 +3,11 @@ import json
 import random
 
 import pytest
+from test_sim import check_invariants, random_costs
 
 from roundpipe.sim import AllReduce, Costs, data_parallel, ring_time, simulate
 from roundpipe.sim.allreduce import MIB
 from roundpipe.sim.cli import main as cli_main
-from test_sim import check_invariants, random_costs
 
 ROUNDPIPE = ("roundpipe", "roundpipe-async")
 
@@ -138,7 +138,7 @@ def test_async_waits_for_the_buckets_of_its_layers(seed):
     for j, n in enumerate(bwd):
         stage_layers[f"B{j + 1}"] = list(range(top - n, top)) + ([12] if j == 0 else [])
         top -= n
-    for j, n in enumerate(fwd):
+    for j, _n in enumerate(fwd):
         stage_layers[f"F{j + 1}"] = list(range(sum(fwd[:j]), sum(fwd[:j + 1])))
     for i, t in enumerate(tasks):
         if t.cat != "copy" and t.iteration >= 2:

@@ -81,7 +81,7 @@ def test_step_waits_for_uploads_and_reduction():
                      allreduce=ar, uploads=up, host_step=step)
         check_invariants(r.run)
         tasks = r.run.schedule.tasks
-        for i, t in enumerate(tasks):
+        for _i, t in enumerate(tasks):
             if t.cat == "optimizer":
                 assert any(tasks[d].name.startswith("all-reduce") for d, _ in t.deps)
 

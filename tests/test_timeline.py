@@ -4,7 +4,8 @@ import json
 import pytest
 
 from roundpipe.sim import Costs, bubbles, simulate
-from roundpipe.sim.timeline import colour, draw, figure, main as timeline_main
+from roundpipe.sim.timeline import colour, draw, figure
+from roundpipe.sim.timeline import main as timeline_main
 from roundpipe.trace import Trace, category
 
 

@@ -9,12 +9,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import roundpipe as rp
 from rp_models import Mlp, Slow, max_rel_err
 from stale_reference import StaleReference
 from test_call_sequences import run_with_watchdog
+from torch import nn
+
+import roundpipe as rp
 from roundpipe.testing import inject_delays, random_sleeps
 
 STEPS = 20

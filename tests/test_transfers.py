@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 import roundpipe as rp
-
 from roundpipe import _native, testing
 from roundpipe.workers.transfers import Transfers
 
@@ -131,9 +130,9 @@ def test_activation_uploads_read_only_staging_blocks():
     a temporary made under the queues' lock stalls every copy (before: labels went as they were
     and non-contiguous inputs were copied inside Transfers.act)."""
     import torch.nn.functional as F
+    from rp_models import mlp
 
     import roundpipe as rp
-    from rp_models import mlp
 
     with rp.RoundPipe(mlp(4), devices=["cpu"] * 2, num_microbatches=2) as model:
         seen = []
@@ -159,9 +158,9 @@ def test_buffers_of_a_round_land_while_gradient_windows_are_held_back():
     windowed: round 1 waits for round 0's buffers, whose landing is queued behind round 0's held-back
     gradient windows; the wait must send them (it hung when a wait sent one window per direction)."""
     import torch.nn.functional as F
+    from rp_models import Mlp, RunningMean
 
     import roundpipe as rp
-    from rp_models import Mlp, RunningMean
 
     width = 160   # 100 KB of weight gradients per Linear: above the 64 KiB inline copies, so windowed
     layers = [Mlp(width), RunningMean(width), Mlp(width)]

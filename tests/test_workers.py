@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from rp_models import MODELS, max_rel_err, reference
 
 import roundpipe as rp
-from rp_models import MODELS, max_rel_err, reference
 from roundpipe import _native, testing
 from roundpipe.workers import Handoff, make_workers, parse_devices
 

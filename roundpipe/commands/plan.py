@@ -69,7 +69,7 @@ def _gib(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from roundpipe.commands.train_loops import DTYPES as TORCH_DTYPES   # imports torch: after parsing
+    from roundpipe.commands.train_loops import DTYPES as TORCH_DTYPES  # imports torch: after parsing
     from roundpipe.hf.context import SHAPES, max_seq_len
     dtype = TORCH_DTYPES[args.dtype]
     fits = []

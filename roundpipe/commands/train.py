@@ -25,8 +25,8 @@ from typing import Literal
 import torch
 
 from roundpipe.commands.data import ByteCorpus
-from roundpipe.models.tiny_decoder import PRESETS, DecoderConfig, build_layers, loss_fn
 from roundpipe.commands.train_loops import DTYPES, OPTIMIZERS, lr_at, make_engine, make_optimizer
+from roundpipe.models.tiny_decoder import PRESETS, DecoderConfig, build_layers, loss_fn
 from roundpipe.workers import parse_devices
 
 ENGINES = ("roundpipe", "torch")

@@ -49,10 +49,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from roundpipe.core.tree import tree_leaves
 from roundpipe.engine.dry_run import RATES, dry_run_costs
-from roundpipe.planner.plan import Plan
 from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective
 from roundpipe.planner.memory import LayerMemory, backward_bytes, layer_memory
 from roundpipe.planner.partition import LayerTooLarge, partition_for_cap
+from roundpipe.planner.plan import Plan
 
 PHASES = {"F": "forward", "B": "backward", "fused": "fused"}
 Timer = Callable[[str, range, float], float]

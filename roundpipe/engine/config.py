@@ -32,7 +32,8 @@ import torch
 
 from roundpipe.engine.autoplan import PlanningConfig
 from roundpipe.engine.calls import batchnorm as batchnorm_stats
-from roundpipe.engine.calls.precision import Precision, resolve as resolve_precision
+from roundpipe.engine.calls.precision import Precision
+from roundpipe.engine.calls.precision import resolve as resolve_precision
 from roundpipe.engine.device_memory import resolve_caps
 from roundpipe.engine.step.staleness import StalenessCompensation
 from roundpipe.optim.rounding import Rounding, check_master_dtype, check_rounding

@@ -177,9 +177,9 @@ class DataParallel:
         def reduce() -> None:
             try:
                 self.reduce_landed(host)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - the landed gradients are dropped on any exit
                 self.drop_landed(host)
-                raise reduction_failed(e, self.world)
+                raise reduction_failed(e, self.world)  # noqa: B904 - re-raises e itself, with a note
         return reduce
 
     def drop_landed(self, host: "HostState") -> None:

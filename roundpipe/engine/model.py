@@ -26,32 +26,32 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from roundpipe.engine.step.async_step import LayerSync, run_gcopy, run_step
-from roundpipe.engine.step.optimizer_step import check_step_args, copy_step, make_step
-from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
-from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig, engine_config
 from roundpipe.core import omp
+from roundpipe.core.executor import SerialExecutor, engine_thread, on_thread, register_then_queue, stop_when_collected
+from roundpipe.core.tree import tree_map
+from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine.calls import batchnorm as batchnorm_stats
+from roundpipe.engine.calls.board import Board
+from roundpipe.engine.calls.context import CallContext
+from roundpipe.engine.calls.dispatcher import CallRun, Dispatcher, default_plan
+from roundpipe.engine.calls.microbatch import SplitFn, batch_size_of, merge, split
+from roundpipe.engine.calls.precision import Precision
+from roundpipe.engine.calls.replica import Replica
+from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig, engine_config
+from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
+from roundpipe.engine.device_memory import PeakPredictions
 from roundpipe.engine.state import checkpoint
 from roundpipe.engine.state.run_state import RunState
 from roundpipe.engine.step import loss_scale
-from roundpipe.engine.calls.board import Board
-from roundpipe.engine.device_memory import PeakPredictions
-from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
-from roundpipe.engine.calls.dispatcher import CallRun, Dispatcher, default_plan
-from roundpipe.core.executor import SerialExecutor, engine_thread, on_thread, register_then_queue, stop_when_collected
+from roundpipe.engine.step.async_step import LayerSync, run_gcopy, run_step
 from roundpipe.engine.step.host_state import HostState
-from roundpipe.core.tree import tree_map
-from roundpipe.engine.calls.microbatch import SplitFn, batch_size_of, merge, split
-from roundpipe.planner.plan import Plan
-from roundpipe.engine.calls.precision import Precision
-from roundpipe.workers.rng import draw_base
-from roundpipe.engine.calls.replica import Replica
-from roundpipe.engine.calls.context import CallContext
+from roundpipe.engine.step.optimizer_step import check_step_args, copy_step, make_step
 from roundpipe.engine.step.staleness import StalenessCompensation
+from roundpipe.planner.plan import Plan
 from roundpipe.trace import Trace
 from roundpipe.workers import make_workers
 from roundpipe.workers.base import Handoff, gpu_input_events, gpu_input_snapshots
+from roundpipe.workers.rng import draw_base
 
 TimingFn = Callable[[str, str, int, int, float, float], None]
 

@@ -98,7 +98,7 @@ def _is_rms_norm(module: nn.Module) -> bool:
         probe = _probe_copy(module, weight=nn.Parameter(w, requires_grad=False))
         with torch.no_grad():
             return _same(type(module).forward(probe, x), rms_norm_ref(x, w, eps))
-    except Exception as exc:  # a forward that needs more than (x,) is not the RMSNorm we replace
+    except Exception as exc:  # noqa: BLE001 - a forward that needs more than (x,) is not the RMSNorm we replace
         log.debug("not patching %s: its forward failed on the probe (%s)", type(module).__name__, exc)
         return False
 
@@ -138,7 +138,7 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
         with torch.no_grad():
             expect = stand_ins["down_proj"](F.silu(stand_ins["gate_proj"](x)) * stand_ins["up_proj"](x))
             return _same(type(module).forward(probe, x), expect)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure means: not ours to patch
         log.debug("not patching %s: its forward failed on the probe (%s)", type(module).__name__, exc)
         return False
 
@@ -166,7 +166,7 @@ def _rope_replacement(original: Callable) -> Callable | None:
             got, expect = original(q, k, cos, sin), apply_rope_ref(q, k, cos, sin)
         if not (isinstance(got, tuple) and len(got) == 2 and all(_same(g, e) for g, e in zip(got, expect))):
             return None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure means: not ours to patch
         log.debug("not patching %s: it failed on the probe (%s)", getattr(original, "__qualname__", original), exc)
         return None
 

@@ -132,7 +132,7 @@ class TrainerMixin:
         else:
             warnings.warn(trainer_optim.routed_warning(self.args, optimizer), stacklevel=3)
             own_step = optimizer.step
-            target = lambda: own_step()   # noqa: E731 (the patched step() below would recurse)
+            target = lambda: own_step()   # not `own_step`: the patched step() below would recurse
 
         def step(closure=None):
             if closure is not None:

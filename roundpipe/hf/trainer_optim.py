@@ -45,8 +45,9 @@ def optim_name(args: Any) -> str:
 
 def fused_cls_and_kwargs(args: Any, model: torch.nn.Module) -> tuple[type, dict[str, Any]] | None:
     """The roundpipe.optim class and keyword arguments for `args.optim`, or None where there is none."""
-    import roundpipe.optim
     from transformers import Trainer
+
+    import roundpipe.optim
 
     entry = FUSED_OPTIMIZERS.get(optim_name(args))
     if entry is None:

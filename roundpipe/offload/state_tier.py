@@ -623,7 +623,7 @@ def read_meta(folder: str, optimizer: Any) -> dict:
             if not 0 <= i < len(params):
                 raise ValueError(f"load_checkpoint: {path} has state of optimizer parameter {i}; the optimizer has "
                                  f"{len(params)}")
-            for key, dtype, shape, off in slices:
+            for key, _dtype, shape, _off in slices:
                 if key in ELEMENTWISE and tuple(shape) != tuple(params[i].shape):
                     raise ValueError(f"load_checkpoint: {path}: state {key!r} of parameter {i} has shape {shape}; "
                                      f"the parameter is {list(params[i].shape)}")

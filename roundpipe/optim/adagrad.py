@@ -17,8 +17,15 @@ from typing import Any, Iterable
 import torch
 
 from roundpipe import _native
-from roundpipe.optim.base import (Buffers, FusedOptimizer, check_flags, check_nonneg, native_buffers,
-                                  reject_unsupported, torch_grad)
+from roundpipe.optim.base import (
+    Buffers,
+    FusedOptimizer,
+    check_flags,
+    check_nonneg,
+    native_buffers,
+    reject_unsupported,
+    torch_grad,
+)
 
 
 @dataclass(frozen=True)

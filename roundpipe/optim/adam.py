@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from roundpipe.optim.base import Buffers, FusedOptimizer, reject_unsupported
-from roundpipe.optim.fused import AdamConfig, adam_step_torch, adam_step
+from roundpipe.optim.fused import AdamConfig, adam_step, adam_step_torch
 
 
 class Adam(FusedOptimizer):

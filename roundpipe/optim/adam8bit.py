@@ -36,7 +36,7 @@ import torch
 from roundpipe import _native
 from roundpipe.optim import blockwise
 from roundpipe.optim.base import Buffers, FusedOptimizer, native_buffers, native_ok, torch_grad
-from roundpipe.optim.fused import AdamConfig, adam_step_torch, adam_step
+from roundpipe.optim.fused import AdamConfig, adam_step, adam_step_torch
 
 CODED = ("state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2")
 _BNB_WRAPPER = "__bnb_optimizer_quant_state__"   # bitsandbytes' state_dict nests CODED under this key

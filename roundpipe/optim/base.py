@@ -412,7 +412,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 else 0 for p, m, (s, _) in zip(params, masters, states)]
         native = [i for i, p in enumerate(params) if self._native_ok(p, grads[i], states[i][1], masters[i])]
         if native:
-            pick = lambda seq: [seq[i] for i in native]  # noqa: E731
+            pick = lambda seq: [seq[i] for i in native]
             self._native_step(config, pick(params), pick(grads), pick(states),
                               pick(shadows) if shadows is not None else None, grad_mul, predict,
                               rounding if any(pick(masters)) else None, pick(keys))
@@ -420,10 +420,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             shadow = shadows[i] if shadows is not None else None
             if masters[i]:   # computed on an fp32 copy, rounded as the native pass rounds
                 w = params[i].detach().float()
-                update = lambda i=i, w=w: (self._torch_step(config, w, grads[i], *states[i], grad_mul),  # noqa: E731
+                update = lambda i=i, w=w: (self._torch_step(config, w, grads[i], *states[i], grad_mul),
                                            round_bf16_(params[i].detach(), w, rounding, keys[i]))
             else:
-                update = lambda i=i: self._torch_step(config, params[i], grads[i], *states[i], grad_mul)  # noqa: E731
+                update = lambda i=i: self._torch_step(config, params[i], grads[i], *states[i], grad_mul)
             with_shadow(params[i], shadow, predict, update)
         for (state, bufs), m in zip(states, masters):
             self._commit(state, bufs, m)

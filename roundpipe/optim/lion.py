@@ -20,8 +20,15 @@ from typing import Any, Iterable
 import torch
 
 from roundpipe import _native
-from roundpipe.optim.base import (Buffers, FusedOptimizer, check_betas, check_flags, check_nonneg, native_buffers,
-                                  torch_grad)
+from roundpipe.optim.base import (
+    Buffers,
+    FusedOptimizer,
+    check_betas,
+    check_flags,
+    check_nonneg,
+    native_buffers,
+    torch_grad,
+)
 
 
 @dataclass(frozen=True)

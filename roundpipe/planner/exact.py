@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from roundpipe.planner.plan import Plan
 from roundpipe.planner.costs import LayerCost, backward_memory, backward_time, check_costs, forward_memory, forward_time
 from roundpipe.planner.partition import Partition, check_args, objective, stage_times
+from roundpipe.planner.plan import Plan
 
 MAX_LAYERS = 14
 
@@ -57,8 +57,8 @@ def exact_partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
             break  # a longer fused stage only needs more memory
         fwd = _best_by_count(a, ftime, fmem, mem_limit)
         bwd = _best_by_count(a, btime, bmem, mem_limit)
-        for tf, fparts in fwd.values():
-            for tb, bparts in bwd.values():
+        for _tf, fparts in fwd.values():
+            for _tb, bparts in bwd.values():
                 plan = Plan(forward=fparts, backward=[fused] + bparts[::-1])
                 obj = objective(plan, costs, workers, microbatches)
                 if best is None or obj < best.objective:

@@ -31,10 +31,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from roundpipe.planner.plan import Plan
-from roundpipe.planner.costs import (LayerCost, backward_memory, backward_time, check_costs,
-                                     forward_time)
+from roundpipe.planner.costs import LayerCost, backward_memory, backward_time, check_costs, forward_time
 from roundpipe.planner.memory import BackwardFootprint, ForwardFootprint, beside_bytes, layer_memory
+from roundpipe.planner.plan import Plan
 
 
 @dataclass(frozen=True)

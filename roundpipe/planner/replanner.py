@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from roundpipe.planner.plan import Plan
 from roundpipe.planner.costs import LayerCost
-from roundpipe.planner.partition import check_args, plan as closed_form_plan
+from roundpipe.planner.partition import check_args
+from roundpipe.planner.partition import plan as closed_form_plan
+from roundpipe.planner.plan import Plan
 from roundpipe.planner.profiler import Profiler
 
 # (costs, workers, microbatches, memory_budget) -> Plan: planner.plan, or roundpipe.sim.tune.tuned_plan

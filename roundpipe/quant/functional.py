@@ -20,7 +20,7 @@ def dequantize(state: Quant4State, dtype: torch.dtype | None = None) -> torch.Te
     if not isinstance(state, Quant4State):
         raise TypeError(f"state must be a roundpipe.quant.Quant4State, got {type(state).__name__}")
     if state.device.type == "cuda":
-        from roundpipe.kernels.dequant4 import dequant4   # not at import: roundpipe.kernels imports this package
+        from roundpipe.kernels.dequant4 import dequant4  # not at import: roundpipe.kernels imports this package
 
         return dequant4(state, dtype)
     return dequantize_4bit_ref(state, dtype)

@@ -21,8 +21,8 @@ from roundpipe.sim.costs import Costs, sizes_from_plan
 from roundpipe.sim.disk import Disk
 from roundpipe.sim.hoststep import HostStep
 from roundpipe.sim.metrics import Bubbles, bubbles
-from roundpipe.sim.simulate import SCHEDULES, HostStepResult, Result, host_step, roundpipe_sizes, simulate
 from roundpipe.sim.scaling import DataParallelResult, data_parallel
+from roundpipe.sim.simulate import SCHEDULES, HostStepResult, Result, host_step, roundpipe_sizes, simulate
 from roundpipe.sim.tune import best_partition, tuned_plan
 from roundpipe.sim.uploads import Uploads
 

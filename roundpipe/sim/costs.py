@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.planner.plan import Plan
 from roundpipe.core.checks import check_number
 from roundpipe.planner.costs import LayerCost
+from roundpipe.planner.plan import Plan
 
 
 def _check_nonneg(name: str, v: object) -> float:

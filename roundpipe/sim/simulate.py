@@ -40,7 +40,8 @@ from typing import Sequence
 from roundpipe.planner.plan import Plan
 from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs, sizes_from_plan
-from roundpipe.sim.events import Run, simulate as run_schedule
+from roundpipe.sim.events import Run
+from roundpipe.sim.events import simulate as run_schedule
 from roundpipe.sim.hoststep import HostStep
 from roundpipe.sim.metrics import Bubbles, bubbles, span_bubble
 from roundpipe.sim.roundpipe import roundpipe_schedule

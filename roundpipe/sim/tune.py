@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from roundpipe.planner.plan import Plan
 from roundpipe.planner.costs import LayerCost, check_costs
 from roundpipe.planner.partition import candidates, check_args, greedy
+from roundpipe.planner.plan import Plan
 from roundpipe.sim.costs import Costs, sizes_from_plan
 from roundpipe.sim.simulate import Result, simulate
 

@@ -39,8 +39,8 @@ import torch
 from roundpipe import testing
 from roundpipe.core.executor import SerialExecutor
 from roundpipe.core.tree import tensors, tree_leaves, tree_unflatten
-from roundpipe.workers.rng import WorkerRng
 from roundpipe.workers.ledger import DeviceLedger, WorkspaceTracker
+from roundpipe.workers.rng import WorkerRng
 from roundpipe.workers.transfers import Bulk, Transfers
 
 Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
@@ -218,10 +218,10 @@ class Worker(ABC):
         the allocation, which may still read a reused block; CPU: none, compute is synchronous)."""
         return []
 
-    def _read_by_copy(self, tensors: Sequence[torch.Tensor], queue: str) -> None:
+    def _read_by_copy(self, tensors: Sequence[torch.Tensor], queue: str) -> None:  # noqa: B027 - optional hook; a CPU worker needs nothing
         """Device tensors that a copy on `queue` reads (CUDA: keeps the allocator from reusing them early)."""
 
-    def _used_by_compute(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _used_by_compute(self, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook; a CPU worker needs nothing
         """Uploaded tensors that compute now uses (CUDA: they were allocated on a copy stream)."""
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:

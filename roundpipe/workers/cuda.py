@@ -34,7 +34,6 @@ import torch
 
 from roundpipe.workers.base import Alloc, Owns, Worker
 
-
 HIGH_PRIORITY = -100   # below the device's range: mapped to its highest priority
 
 

@@ -12,8 +12,8 @@ import torch
 from roundpipe.core.errors import Aborted
 from roundpipe.core.tree import tree_leaves
 from roundpipe.engine.calls.precision import dtype_mismatch_note
-from roundpipe.workers.rng import layer_seed
 from roundpipe.workers.base import Worker
+from roundpipe.workers.rng import layer_seed
 
 if TYPE_CHECKING:
     from roundpipe.engine.calls.context import CallContext
@@ -86,9 +86,9 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
             w.rng.reseed(layer_seed(ctx.rng_base, l, m))
             try:
                 x = reps[l].module(*x[0], **x[1]) if l == 0 else reps[l].module(x)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any layer error is tagged with where it happened
                 dtype_mismatch_note(e)
-                raise tag(e, f"layer {l}")
+                raise tag(e, f"layer {l}")  # noqa: B904 - re-raises e itself, tagged
             if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
                 with span.untracked():   # host staging of the handoff is not the layers' workspace
                     publish(l + 1, x)

@@ -30,9 +30,9 @@ import threading
 from typing import Callable
 
 from roundpipe.core.errors import Aborted
-from roundpipe.planner.plan import Plan
 from roundpipe.engine.calls.context import CallContext
 from roundpipe.engine.calls.stage import Consumer, StageTask, run_stage
+from roundpipe.planner.plan import Plan
 from roundpipe.workers.base import Worker
 
 

@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-from roundpipe.engine.calls.batchnorm import recording
-from roundpipe.engine.calls.context import CallContext
-from roundpipe.engine.calls.compute import autograd_backward, float_leaves, run_layers, tag
 from roundpipe.core.tree import tree_leaves, tree_map
+from roundpipe.engine.calls.batchnorm import recording
+from roundpipe.engine.calls.compute import autograd_backward, float_leaves, run_layers, tag
+from roundpipe.engine.calls.context import CallContext
 from roundpipe.quant.keep import DequantKeep, attach
 from roundpipe.workers.base import Arrival, Handoff, Upload, Worker
 
@@ -202,9 +202,9 @@ class StageRun:
             with self.w.compute_span(self.ctx.compute_s, ("b", self.task.layers.start, self.task.layers.stop),
                                      self._report(m, "backward")):
                 autograd_backward(roots, grads)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - tagged and re-raised
             r = self.task.layers
-            raise tag(e, f"backward of layers {r.start}-{r.stop - 1}")
+            raise tag(e, f"backward of layers {r.start}-{r.stop - 1}")  # noqa: B904 - re-raises e itself, tagged
 
     def _fold(self, acc: list[torch.Tensor | None], k: int, p: torch.nn.Parameter) -> None:
         """Low-precision compute: a parameter's gradient, as soon as autograd has written it, is added to its
@@ -231,8 +231,8 @@ class StageRun:
                     with self.w.compute_span(ctx.compute_s, ("l", self.task.layers.start, self.task.layers.stop),
                                              self._report(m, "loss")), ctx.precision.autocast_on(self.w.device.type):
                         loss = ctx.loss_fn(out, labels)
-            except Exception as e:
-                raise tag(e, f"loss_fn (microbatch {m})")
+            except Exception as e:  # noqa: BLE001 - tagged and re-raised
+                raise tag(e, f"loss_fn (microbatch {m})")  # noqa: B904 - re-raises e itself, tagged
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
                 what = f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
                 src = "loss_fn" if ctx.loss_fn is not None else "the last layer (no loss_fn given)"

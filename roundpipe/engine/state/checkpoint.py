@@ -71,8 +71,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from roundpipe.engine.state import tensor_file
-from roundpipe.offload import state_tier
 from roundpipe.engine.state.tensor_file import TensorFile
+from roundpipe.offload import state_tier
 
 if TYPE_CHECKING:
     from roundpipe.engine.step.async_step import StepRecord

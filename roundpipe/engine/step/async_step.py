@@ -181,7 +181,7 @@ class LayerSync:
         """Waits for the calls begun earlier to end, the G-copies issued before this call, and
         this call's earlier rounds of the layer."""
         with self.cv:
-            ready = lambda: (self.active[0] is call and self.gcopied[layer] >= call.gcopies_before  # noqa: E731
+            ready = lambda: (self.active[0] is call and self.gcopied[layer] >= call.gcopies_before
                              and call.landed[layer] == round_index)
             if not ready():
                 self.cv.notify_all()   # landings written without a wake-up (grad_written) may be what others wait for
