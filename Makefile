@@ -18,6 +18,12 @@ demo: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(DEMO_STAMP))
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
+# A quick subset (about 2 minutes on 2 cores): layering, config, planner, simulator, microbatching
+FAST_TESTS := tests/test_layering.py tests/test_import.py tests/test_shapes.py tests/planner tests/sim \
+	tests/engine/test_microbatch.py tests/engine/test_config.py tests/engine/test_call_errors.py
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(FAST_TESTS)
+
 # ruff (pyproject.toml: pyflakes, pycodestyle errors, import order, bugbear, blind except)
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-"""The subprocess behind tests/test_native_fuzz.py: runs native calls where a crash kills only it.
+"""The subprocess behind tests/native/test_native_fuzz.py: runs native calls where a crash kills only it.
 
 Run as a script (`python _native_fuzz_worker.py --worker`) it reads one JSON
 message a line from stdin: {"begin": ...} starts a batch (fresh host fences, the

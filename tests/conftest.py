@@ -1,5 +1,20 @@
-"""Shared test setup: Triton interpreter without a GPU, the `cuda` and `multigpu` skips, seeding."""
+"""Shared test setup: test folders on the import path, Triton interpreter without a GPU, the `cuda` and
+`multigpu` skips, seeding.
+
+The tests mirror the package (tests/engine/, tests/workers/, ...); helpers shared across folders
+(rp_models, stale_reference, ranks, ...) live in tests/ itself, and a test may import another folder's
+test module for its helpers.  So tests/ and every folder under it go on sys.path, and on PYTHONPATH
+for the scripts that tests start as subprocesses (ranks, checkpoint runs).
+"""
+import os
 import random
+import sys
+from pathlib import Path
+
+_TESTS = Path(__file__).resolve().parent
+_FOLDERS = [str(_TESTS)] + sorted(str(d) for d in _TESTS.iterdir() if d.is_dir() and d.name[0] not in "._")
+sys.path[:0] = [f for f in _FOLDERS if f not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join(_FOLDERS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 from roundpipe.testing import triton_interpreter_unless_cuda  # noqa: E402
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import resource
 
-# The environment of the host-bytes-per-parameter runs (bench/memory.py's slope rows, tests/test_memory_host.py):
+# The environment of the host-bytes-per-parameter runs (bench/memory.py's slope rows, tests/engine/test_memory_host.py):
 # glibc's mmap threshold fixed at 1 MiB, so the CPU workers' released "device" buffers go back to the system at
 # once instead of staying in their threads' malloc heaps; and MALLOC_PERTURB_, with which glibc fills every block
 # as it hands it out, so that memory reserved is memory resident.  Without it the host arena's chunks (64 MiB,

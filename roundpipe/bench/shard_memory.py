@@ -1,4 +1,4 @@
-"""One rank of the optimizer-sharding memory measurement (bench/ddp.py --memory, tests/test_shard_memory.py).
+"""One rank of the optimizer-sharding memory measurement (bench/ddp.py --memory, tests/engine/test_shard_memory.py).
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m roundpipe.bench.shard_memory CONFIG_JSON
 

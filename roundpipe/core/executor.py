@@ -14,7 +14,7 @@ is inside torch or pybind11 C++ code that released the GIL (a tensor op, a
 fused optimizer step, a fence wait) the forced unwind meets a noexcept
 destructor and the process aborts: "terminate called without an active
 exception", status 134, in 7 to 18 of 20 runs of a script ending with an
-asynchronous step pending (tests/test_exit.py).  So no engine thread may outlive
+asynchronous step pending (tests/core/test_exit.py).  So no engine thread may outlive
 `atexit`:
 
     owner collected      stop_when_collected: wake(), then each thread exits

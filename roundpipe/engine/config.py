@@ -6,7 +6,7 @@
 
 This dataclass is the one list of what `RoundPipe` takes besides its layers.  Every entry
 point that builds an engine derives its options from it rather than listing them again:
-`RoundPipe.__init__` (its keywords are these fields, checked by tests/test_config.py),
+`RoundPipe.__init__` (its keywords are these fields, checked by tests/engine/test_config.py),
 `rp.hf.wrap` and `rp.hf.Trainer` (`ENGINE_OPTIONS` plus the hf-only ones, roundpipe/hf/model.py)
 and `roundpipe train` (roundpipe/commands/train_loops.py builds an EngineConfig from its flags).
 

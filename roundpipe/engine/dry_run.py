@@ -76,7 +76,7 @@ class FlopCount(TorchDispatchMode):
     __torch_dispatch__ in torch._disable_dynamo, whose first call imports torch._dynamo and sympy
     (1-3 s on a 2-core CPU, see `size_costs`).  This mode is never compiled, so it opts out of that
     wrapper (`_should_skip_dynamo`, read when the class is created by the torch versions that wrap).
-    tests/test_autoplan.py checks its counts against FlopCounterMode's, tests/test_first_call.py that
+    tests/engine/test_autoplan.py checks its counts against FlopCounterMode's, tests/engine/test_first_call.py that
     a first call imports neither torch._dynamo nor Triton.
     """
 

@@ -330,7 +330,7 @@ class RoundPipe:
         next call: `_inflight` keeps it until `_retire` folds its timings.  A call returns only once
         the calls before it ended (they run first on every worker); if one failed it is cancelled and
         raises that error.  A failing call folds the errors of those before it into its own: each
-        error is raised once (tests/test_call_errors.py)."""
+        error is raised once (tests/engine/test_call_errors.py)."""
         self._refresh_edited()
         loss = (self._as_run(loss_fn), mb.labels[0]) if training and loss_fn is not None else None
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training, loss)   # the safe point

@@ -31,7 +31,7 @@ Every patched forward decides per call: the kernel where it can run (CUDA
 tensors; CPU tensors under TRITON_INTERPRET=1), the module's own forward
 otherwise, and also for inputs outside the kernel's contract (mixed input and
 weight dtypes, extra arguments, cos/sin that need gradients, hidden sizes past
-65,536).  fp32 results equal HF's to rounding (tests/test_hf_kernels.py, CPU,
+65,536).  fp32 results equal HF's to rounding (tests/hf/test_hf_kernels.py, CPU,
 Triton interpreter); in bf16 our RMSNorm rounds once where HF rounds the
 normalised value before the weight product.  On CUDA the patched model is
 unmeasured on GPU: the speed-up is the kernels' own (bench/kernels.py).

@@ -88,7 +88,7 @@ def pack_lpt(sizes: Sequence[int], windows: int, align: int = 256) -> list[list[
 
 # In-flight references are dropped once this many copies accumulated (and then whenever the
 # list doubled): a stage's device weights must not outlive their copies by more than a few
-# submissions, since a GPU holds only the running and the prefetched stage (tests/test_memory.py).
+# submissions, since a GPU holds only the running and the prefetched stage (tests/engine/test_memory.py).
 _PRUNE_MIN = 8
 
 

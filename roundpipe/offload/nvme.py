@@ -36,7 +36,7 @@ Backends: `store.backend` is 'io_uring' or 'threads' and `store.backend_reason`
 says why ('io_uring_setup succeeded', "backend='threads'", or the errno of the
 refused io_uring_setup: EPERM under /proc/sys/kernel/io_uring_disabled or a
 container's seccomp filter, ENOSYS before Linux 5.1).  Both give the same bytes,
-ordering and errors (tests/test_nvme_io.py and the state-tier tests run every case
+ordering and errors (tests/offload/test_nvme_io.py and the state-tier tests run every case
 on each) and both beat a plain O_DIRECT loop on the disk measured (`roundpipe bench
 nvme`, docs/benchmarks.md: the threads a little ahead on sequential transfers), so
 falling back is not a degradation and gives no warning.  NVMeConfig(backend=...) forces one.

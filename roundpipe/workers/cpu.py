@@ -92,7 +92,7 @@ class CpuWorker(Worker):
     def _workspace_tracker(self) -> WorkspaceTracker | None:
         # Only when asked (Worker.records_workspace): the dispatch mode costs ~4-5 us per op, a
         # Linear+ReLU layer of width 16 went from 6.3 to 17.7 us under a mode that does nothing and
-        # to 22.3 us with the tracking; tests/test_memory.py, test_model.py and test_call_sequences.py
+        # to 22.3 us with the tracking; tests/engine/test_memory.py, test_model.py and test_call_sequences.py
         # took 22.2 s instead of 17.5 s and `roundpipe train --steps 20` ran at 13,100 instead of
         # 15,000 tokens/s (best of two each, 2-core CI VM).
         return WorkspaceTracker(self.ledger, "cpu") if self.records_workspace else None

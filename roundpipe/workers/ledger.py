@@ -18,7 +18,7 @@ it goes away: a weak reference with a callback sits on the tensor's
 lives (views, the copy engine's in-flight references and autograd's saved
 tensors all keep it).  So a buffer that outlives its stage shows up as live
 bytes after the call, on a CPU worker exactly as on a GPU, which is what
-tests/test_memory.py checks.  A storage is counted once, under the category
+tests/engine/test_memory.py checks.  A storage is counted once, under the category
 it was first registered with, except that workspace is the fallback: a
 storage the compute made and the engine then keeps (an output kept on the
 device, a parameter gradient autograd wrote) moves to the engine's category.
@@ -34,7 +34,7 @@ inputs).  `peak_total` then models the live bytes of the GPU caching allocator
 (not its reserved bytes: no rounding, no fragmentation).  The mode is
 thread-local, so another worker's ops are never seen, and a CPU backward runs on
 the calling thread (the autograd engine's CPU queue is driven by its caller), so
-backward is covered (tests/test_ledger.py).  TorchDispatchMode is PyTorch's
+backward is covered (tests/workers/test_ledger.py).  TorchDispatchMode is PyTorch's
 documented interposition point for aten ops ("Extending PyTorch", modes); it
 lives in an underscore module, and torch 2.13 has no public alternative (a
 TorchFunctionMode does not see the ops of backward or of composite functions).

@@ -130,7 +130,7 @@ class StageRun:
             attach(self.quantized, self.keep)
 
     def release(self) -> None:
-        """The end of the stage: its weights die once their copies completed (tests/test_memory.py)."""
+        """The end of the stage: its weights die once their copies completed (tests/engine/test_memory.py)."""
         for rep in self.reps:
             rep.unbind()
         if self.keep is not None:   # the kept dequantized weights die here

@@ -329,7 +329,7 @@ def run_gcopy(sync: LayerSync, issued: tuple[int, list[CallState]], gcopy: Calla
     (HostState.reserve_gradients; measured with rp AdamW on 2 ranks: 12.3 bytes per parameter of
     arena instead of 10.0, bench/ddp.py --memory).  If that or a layer's copy fails, nothing more
     is moved, every layer is still counted (so no step waits forever) and the error is raised
-    (tests/test_async_step.py)."""
+    (tests/engine/test_async_step.py)."""
     after_steps, calls = issued
     sync.wait_calls(calls)
     error: BaseException | None = None

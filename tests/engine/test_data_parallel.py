@@ -1,15 +1,12 @@
 """Data parallelism on torch.distributed (gloo on loopback): ranks vs one process on the combined batch."""
 import os
-import sys
 
+import dp_run  # noqa: E402
 import pytest
+import ranks  # noqa: E402
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import dp_run  # noqa: E402
-import ranks  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/: the scripts
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 

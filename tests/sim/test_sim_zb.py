@@ -3,11 +3,11 @@ import json
 import random
 
 import pytest
+from test_sim import check_invariants
 
 from roundpipe.sim import Costs, simulate
 from roundpipe.sim.cli import main as cli_main
 from roundpipe.sim.zerobubble import unit_orders
-from tests.test_sim import check_invariants
 
 
 def unit_costs(stages, **kw):

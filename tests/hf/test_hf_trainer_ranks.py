@@ -1,7 +1,7 @@
 """Two ranks under a torchrun-like environment (gloo on loopback) that never call init_process_group:
 rp.hf.wrap joins the world group itself; rp.hf.Trainer logs what transformers.Trainer + DDP logs.
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/test_hf_trainer_ranks.py CONFIG_JSON
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/hf/test_hf_trainer_ranks.py CONFIG_JSON
 runs one rank (the tests below start both).
 """
 import copy

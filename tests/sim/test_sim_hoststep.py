@@ -1,8 +1,8 @@
 """Simulator host optimizer step: whole or per layer, synchronous or one step stale, against hand-computed times."""
 import pytest
+from test_sim import check_invariants
 
 from roundpipe.sim import AllReduce, Costs, HostStep, Uploads, host_step, simulate
-from tests.test_sim import check_invariants
 
 # One GPU, one microbatch, 4 layers of forward 1 and backward 2, no head, no comm.
 # Partition F1 = layers 0-1, B1 (fused) = layers 2-3, B2 = layers 0-1:

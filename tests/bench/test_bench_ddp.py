@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import ddp  # noqa: E402
 
 pytestmark = [pytest.mark.slow,

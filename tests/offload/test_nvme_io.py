@@ -243,7 +243,7 @@ store.close()
 def test_file_size_limit_is_a_clear_error(tmp_path, backend):
     """With RLIMIT_FSIZE (the stand-in for a full disk: SIGXFSZ ignored -> EFBIG), preallocation fails naming the new
     file, and a write past the limit fails naming the file and the offset where it stopped."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path), backend], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, PYTHONPATH=root))
     assert out.returncode == 0, out.stderr

@@ -176,7 +176,7 @@ def exits(tmp_path_factory) -> dict[str, list[tuple[int, str]]]:
     for name, text in (("launcher.py", LAUNCHER), ("train.py", TRAIN), ("layer_error.py", LAYER_ERROR),
                        ("ctrl_c.py", CTRL_C)):
         (d / name).write_text(text)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     # OMP_NUM_THREADS=1: the two launchers' children train side by side on a small machine, and OpenMP
     # teams that spin at full count in two processes at once (roundpipe/core/omp.py) starve each
     # other: the module took over 280 s instead of ~90 on the 2-core CI VM

@@ -262,7 +262,7 @@ MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_
 @pytest.mark.parametrize("pad, workers", [("right", 1), ("left", 2)])
 def test_qwen3_moe_experts_are_quantized_and_train_as_their_dequantized_weights(monkeypatch, pad, workers):
     """quantize='nf4' on a tiny Qwen3-MoE with LoRA on attention: the fused experts become QuantExperts (4-bit per
-    expert, bitwise bitsandbytes' per-expert quantization: tests/test_quant4.py), the routers stay; loss and every
+    expert, bitwise bitsandbytes' per-expert quantization: tests/quant/test_quant4.py), the routers stay; loss and every
     LoRA gradient equal the same PEFT model over the dequantized weights (fp32) within 1e-5, and each 4-bit tensor
     (4 attention Linears and 2 expert tensors a layer) is dequantized once per stage run that holds it."""
     from roundpipe.quant import QuantExperts

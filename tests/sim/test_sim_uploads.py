@@ -1,8 +1,8 @@
 """Simulator weight uploads: bytes over a PCIe bandwidth per slot, overlapping the previous slot's compute."""
 import pytest
+from test_sim import check_invariants
 
 from roundpipe.sim import Costs, Uploads, simulate
-from tests.test_sim import check_invariants
 
 COSTS = Costs.uniform(8, fwd=1e-3, bwd=2e-3, head_fwd=2e-3, head_bwd=4e-3, comm=1e-4)
 PARTITION = ([2, 2, 2], [2, 2, 2, 2])   # 7 slots a round; the fused stage holds layers 6-7 and the head

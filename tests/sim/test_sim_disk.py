@@ -1,10 +1,10 @@
 """Simulator disk for the state tier: reads ahead, writes behind, the drive's seconds against hand-computed times."""
 import pytest
+from test_sim import check_invariants
 
 from roundpipe.sim import Costs, Disk, HostStep, host_step
-from tests.test_sim import check_invariants
 
-# The toy of tests/test_sim_hoststep.py: one GPU, one microbatch, 4 layers of forward 1 and backward 2, no head.
+# The toy of tests/sim/test_sim_hoststep.py: one GPU, one microbatch, 4 layers of forward 1 and backward 2, no head.
 #     GPU 0   F1 [0, 2) layers 0-1   B1 [2, 8) layers 2-3 (fused)   B2 [8, 14) layers 0-1
 # Each layer's step takes 1 s; in RAM the synchronous period is 16, the asynchronous one C = 14.
 TOY = Costs.uniform(4, 1.0, 2.0)

@@ -1,7 +1,6 @@
 """rp.hf.Trainer: a few steps with gradient accumulation, clipping and a scheduler equal transformers.Trainer's."""
 import copy
 import math
-import sys
 import warnings
 
 import pytest
@@ -234,7 +233,6 @@ def plain_rows(n=4, t=10):
 def stale_reference_weights(hf, dtype, asynchronous, losses=None):
     """Final weights of tests/stale_reference.py's plain-PyTorch model of the asynchronous step (4 steps of the
     4 plain rows, AdamW lr 1e-2, clipping, the linear schedule) run in `dtype`."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from stale_reference import StaleReference
     from transformers import get_scheduler
 

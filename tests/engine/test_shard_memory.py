@@ -10,7 +10,7 @@ from ranks import launch
 
 from roundpipe import _native
 
-SCRIPT = str(Path(__file__).resolve().parents[1] / "roundpipe" / "bench" / "shard_memory.py")
+SCRIPT = str(Path(__file__).resolve().parents[2] / "roundpipe" / "bench" / "shard_memory.py")
 
 
 def _ranks(tmp_path, asynchronous: bool, shard: bool) -> list[dict]:

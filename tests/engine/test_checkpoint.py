@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import checkpoint_run as run  # noqa: E402
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,10 +12,7 @@ import torch.nn.functional as F
 import roundpipe as rp
 from roundpipe.engine.state import tensor_file
 
-sys.path.insert(0, os.path.dirname(__file__))
-import checkpoint_run as run  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/: the scripts
 STEPS, SAVE_AT = 6, 3
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import roundpipe as rp
 from roundpipe.models.resnet import resnet18_layers, synthetic_cifar
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_start_learns():

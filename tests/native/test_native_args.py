@@ -1,4 +1,4 @@
-"""The crashes that brought the native argument checks in (tests/test_native_fuzz.py), and each check's message.
+"""The crashes that brought the native argument checks in (tests/native/test_native_fuzz.py), and each check's message.
 
 Each case runs its steps in one batch in a worker subprocess (tests/_native_fuzz_worker.py),
 so a regression that kills the process fails the test instead of the run.

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from test_state_tier import OPTIMIZERS, WIDTH, assert_bitwise, batches, layers, two_steps_and_a_call
 
 import roundpipe as rp
-from tests.test_state_tier import OPTIMIZERS, WIDTH, assert_bitwise, batches, layers, two_steps_and_a_call
 
 pytest.importorskip("roundpipe._C")
 pytestmark = pytest.mark.usefixtures("state_tier_backend")   # each test with io_uring and with threads
@@ -190,8 +190,9 @@ def test_hf_save_pretrained_refuses_placeholders_and_close_hands_masters_back(tm
     """save_pretrained with masters on disk is a ValueError saying what to do; after close() the HF model holds the
     trained masters and saves them."""
     pytest.importorskip("transformers")
+    from test_hf import tiny
+
     from roundpipe.offload.masters import master_layout
-    from tests.test_hf import tiny
     ids = torch.randint(1, 96, (3, 8), generator=torch.Generator().manual_seed(0))
     hf_kw = dict(devices=["cpu"], compute_dtype=torch.bfloat16, offload_dir=tmp_path)
     with rp.hf.wrap(tiny("llama", num_hidden_layers=8), **hf_kw) as probe:

@@ -22,7 +22,7 @@ CUDA methods are reached only as far as their constructors' errors.
 Deterministic (derandomize=True, fixed example counts, no database, no
 shrinking: the failing call is printed as drawn).  ~17 s of CPU on the 2-core
 CI machine, half of it interpreter, torch and worker start-up.  The crashes that
-brought these checks in have regression cases in tests/test_native_args.py,
+brought these checks in have regression cases in tests/native/test_native_args.py,
 through the same kind of worker.
 """
 from __future__ import annotations
