@@ -1,0 +1,362 @@
+"""One provider's training run for bench/gpu_bench.py, in a process of its own.
+
+    python bench/gpu_providers.py SPEC_JSON        # prints one line: RESULT {...}
+
+The parent (bench/gpu_bench.py) starts one of these per (workload, provider, cap) with a time limit,
+so a hang, a crash or an out-of-memory kill becomes a row with the reason and the run goes on.  This
+file imports neither our roundpipe nor any peer at module level: the published RoundPipe 0.1.1 is
+also called `roundpipe`, and its subprocess sees only its own --target folder (checked: the module's
+file must lie under it), never ours.
+
+Every provider trains the same thing, as the published benchmark does (its benchmark/train.py):
+random weights built from the config (on the meta device, then filled from one seed: the same
+weights in every process), one random batch of token ids [batch, seq] reused every step, labels =
+the ids (HF's shifted causal-LM loss, mean over tokens), bf16 compute with fp32 masters and fp32
+Adam state on CUDA (fp32 throughout on CPU), `warmup` steps, then `steps` timed ones.  tokens/s is
+batch * seq * steps over the timed steps' wall time (an asynchronous run's last update included);
+the loss printed is the last step's (the first is kept beside it).
+
+Providers (the spec's "provider"):
+
+    ours-sync / ours-async   rp.hf.wrap on the worker (cuda:0, or ["cpu"] dry), rp.optim.AdamW,
+                             model.step(asynchronous=False / True); device_memory= the cap
+    torch                    the HF model on the device, autocast bf16, torch AdamW (fused on CUDA)
+    fsdp2-offload            torch.distributed.fsdp.fully_shard per decoder layer and the root, one rank
+                             (gloo + nccl on localhost), CPUOffloadPolicy, MixedPrecisionPolicy(bf16)
+    deepspeed-zero-offload   deepspeed.initialize, ZeRO stage 2, offload_optimizer to the CPU (its CPU
+                             Adam, JIT-built), bf16
+    roundpipe-0.1.1          the published RoundPipe: wrap_model_to_roundpipe(use_sequential_preset=True),
+                             its roundpipe.optim.Adam, its default asynchronous step
+    ours-maxseq              the longest sequence (batch 1) ours trains under the cap: bisection, one
+                             full step per probe, within a time budget
+
+Peers (fsdp2, deepspeed, 0.1.1) use HF gradient checkpointing, as ours recomputes the forward.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cap_device(spec: dict) -> None:
+    """Holds this process to the spec's cap (bytes) of cuda:0 with torch's allocator fraction."""
+    import torch
+
+    if spec["device"] == "cuda" and spec.get("cap"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap"] / total), 0)
+
+
+def build_model(spec: dict, dtype):
+    """The workload's model with random weights from one seed; on the CPU, HF's sdpa attention."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**spec["hf_config"])
+    cfg.use_cache = False
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):   # no initialisation pass; filled below
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.to_empty(device="cpu")
+    torch.manual_seed(spec["seed"])
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, cfg.initializer_range)
+            else:
+                p.fill_(1.0)   # the RMSNorm weights (these families have no biases)
+    # non-persistent buffers (the rotary tables) were left empty: rebuild those modules from the config
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if hasattr(child, "inv_freq"):
+                setattr(parent, child_name, type(child)(config=child.config).to(dtype=child.inv_freq.dtype))
+    if spec.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        # the published benchmark/train_lora.py's adapter: r 32, alpha 16, every Linear but the head
+        model = get_peft_model(model, LoraConfig(r=32, lora_alpha=16, target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
+    return model
+
+
+def batch(spec: dict):
+    import torch
+
+    gen = torch.Generator().manual_seed(spec["seed"] + 1)
+    return torch.randint(0, spec["hf_config"]["vocab_size"], (spec["batch"], spec["seq"]), generator=gen)
+
+
+def timed(spec: dict, step, finish) -> dict:
+    """Warm-up steps, then timed ones; step(i) returns the loss (a tensor or float)."""
+    losses = [step(i) for i in range(spec["warmup"])]
+    finish()
+    t0 = time.perf_counter()
+    losses += [step(i) for i in range(spec["steps"])]
+    finish()
+    elapsed = time.perf_counter() - t0
+    values = [float(v) for v in losses]
+    return {"tokens_per_s": spec["batch"] * spec["seq"] * spec["steps"] / elapsed, "first_loss": values[0],
+            "final_loss": values[-1], "step_s": elapsed / spec["steps"]}
+
+
+def run_ours(spec: dict) -> dict:
+    import torch
+
+    sys.path.insert(0, str(REPO_ROOT))
+    import roundpipe as rp
+
+    cuda = spec["device"] == "cuda"
+    hf = build_model(spec, torch.bfloat16 if spec.get("lora") else torch.float32)
+    options = {"devices": ["cuda:0"] if cuda else ["cpu"], "device_memory": spec.get("cap")}
+    if cuda:
+        options["compute_dtype"] = torch.bfloat16
+    if spec.get("lora"):
+        options["quantize"] = "nf4"
+    if spec.get("state") == "8bit":
+        options["master_dtype"] = torch.bfloat16
+    model = rp.hf.wrap(hf, **options)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = (rp.optim.AdamW8bit if spec.get("state") == "8bit" else rp.optim.AdamW)(params, lr=spec["lr"])
+    asynchronous = spec["provider"] == "ours-async"
+    ids = batch(spec)
+
+    def step(_):
+        loss = model.forward_backward(input_ids=ids, labels=ids)
+        model.step(opt, asynchronous=asynchronous)
+        return loss
+
+    try:
+        return timed(spec, step, model.synchronize)
+    finally:
+        model.close()
+
+
+def run_torch(spec: dict) -> dict:
+    import torch
+
+    cuda = spec["device"] == "cuda"
+    dev = torch.device("cuda:0" if cuda else "cpu")
+    hf = build_model(spec, torch.float32).to(dev).train()
+    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=spec["lr"], fused=cuda)
+    ids = batch(spec).to(dev)
+
+    def step(_):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = hf(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return timed(spec, step, torch.cuda.synchronize if cuda else lambda: None)
+
+
+def _one_rank_env() -> None:
+    import socket
+
+    with socket.socket() as s:   # a free port on the loopback address for the one-rank group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+
+
+def run_fsdp2(spec: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    _one_rank_env()
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    hf = build_model(spec, torch.float32)
+    hf.gradient_checkpointing_enable()
+    kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=True),
+              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    for layer in hf.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(hf, **kw)
+    opt = torch.optim.AdamW(hf.parameters(), lr=spec["lr"])   # CPU-resident state: the step runs on the host
+    ids = batch(spec).cuda()
+
+    def step(_):
+        loss = hf(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    try:
+        return timed(spec, step, torch.cuda.synchronize)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_deepspeed(spec: dict) -> dict:
+    import torch
+
+    _one_rank_env()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/roundpipe-peers/torch-extensions")
+    import deepspeed
+
+    hf = build_model(spec, torch.float32)
+    hf.gradient_checkpointing_enable()
+    config = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+              "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"]}}}
+    engine, _, _, _ = deepspeed.initialize(model=hf, model_parameters=[p for p in hf.parameters() if p.requires_grad],
+                                           config=config)
+    ids = batch(spec).to(engine.device)
+
+    def step(_):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return timed(spec, step, torch.cuda.synchronize)
+
+
+def run_published(spec: dict) -> dict:
+    import importlib
+
+    peer = spec["peer_path"]
+    spec_found = importlib.util.find_spec("roundpipe")
+    origin = spec_found.origin if spec_found else None
+    if not origin or not Path(origin).resolve().is_relative_to(Path(peer).resolve()):
+        raise RuntimeError(f"isolation: 'roundpipe' resolves to {origin}, not under the peer folder {peer}")
+    import torch
+
+    import roundpipe as published  # the peer (checked above), never ours
+
+    hf = build_model(spec, torch.bfloat16)
+    hf.gradient_checkpointing_enable()
+    m = spec.get("microbatches") or 2
+    model = published.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, use_sequential_preset=True,
+                                              model_run_config=published.RoundPipeRunConfig(num_microbatch=m))
+    opt = published.optim.Adam(model.optim_parameters(), lr=spec["lr"])
+    ids = batch(spec)
+    mask = torch.ones_like(ids)
+
+    def step(_):
+        loss = model.forward_backward(input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": ids,
+                                                    "return_logits": False},
+                                      loss_fn=lambda outputs, _labels: outputs.loss / m)
+        model.step(lambda: (opt.step(), opt.zero_grad(), None)[-1])
+        return loss.detach().float().cpu()
+
+    def finish():
+        model.synchronize()
+        torch.cuda.synchronize()
+
+    return timed(spec, step, finish)
+
+
+def run_maxseq(spec: dict) -> dict:
+    """Bisection over sequence lengths (batch 1, multiples of `grain`) for the longest at which ours trains
+    one full step under the cap; stops at `budget_s` with the bracket found so far.  Each probe wraps the
+    model afresh (the engine plans at its first call and keeps that plan for later, longer calls)."""
+    import torch
+
+    sys.path.insert(0, str(REPO_ROOT))
+    import roundpipe as rp
+
+    cuda = spec["device"] == "cuda"
+    hf = build_model(spec, torch.float32)
+    options = {"devices": ["cuda:0"] if cuda else ["cpu"], "device_memory": spec["cap"]}
+    if cuda:
+        options["compute_dtype"] = torch.bfloat16
+    vocab, grain = spec["hf_config"]["vocab_size"], spec["grain"]
+    deadline = time.perf_counter() + spec["budget_s"]
+    tried: dict[int, str] = {}
+
+    def fits(t: int) -> bool:
+        ids = torch.randint(0, vocab, (1, t), generator=torch.Generator().manual_seed(t))
+        model = rp.hf.wrap(hf, **options)
+        try:
+            model.forward_backward(input_ids=ids, labels=ids)
+            model.step(rp.optim.AdamW(model.parameters(), lr=spec["lr"]), asynchronous=False)
+            tried[t] = "ok"
+            return True
+        except (ValueError, torch.OutOfMemoryError) as exc:   # the planner's refusal, or the allocator's
+            tried[t] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            return False
+        finally:
+            model.close()
+            if cuda:
+                torch.cuda.empty_cache()
+
+    lo, hi = spec["seq_min"], spec["seq_max"]
+    if not fits(lo):
+        out = {"seq_len": 0, "search": f"even {lo} does not train: {tried[lo]}"}
+    elif fits(hi):
+        out = {"seq_len": hi, "search": f">= {hi} (the search's top)"}
+    else:
+        while hi - lo > grain and time.perf_counter() < deadline:
+            mid = (lo + hi) // 2 // grain * grain
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        out = {"seq_len": lo, "search": f"fits {lo}, not {hi}" + ("" if hi - lo <= grain else " (budget out)")}
+    out["probes"] = len(tried)
+    return out
+
+
+def run_prediction(spec: dict) -> dict:
+    """The planner's longest sequence under the cap (rp.hf.max_seq_len: meta device, no GPU)."""
+    import torch
+
+    sys.path.insert(0, str(REPO_ROOT))
+    from transformers import AutoConfig
+
+    import roundpipe as rp
+
+    torch.set_num_threads(1)
+    cfg = AutoConfig.for_model(**spec["hf_config"])
+    dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
+    fit = rp.hf.max_seq_len(cfg, device_memory=spec["cap"], dtype=dtype)
+    return {"seq_len": fit.seq_len, "search": f"predicted; binding: {fit.binding.name}"}
+
+
+RUNNERS = {"ours-sync": run_ours, "ours-async": run_ours, "torch": run_torch, "fsdp2-offload": run_fsdp2,
+           "deepspeed-zero-offload": run_deepspeed, "roundpipe-0.1.1": run_published, "ours-maxseq": run_maxseq,
+           "ours-predicted": run_prediction}
+
+
+def run(spec: dict) -> dict:
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    cap_device(spec)
+    out = RUNNERS[spec["provider"]](spec)
+    if spec["device"] == "cuda":
+        out["device_peak"] = torch.cuda.max_memory_allocated(0)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    try:
+        out = run(spec)
+    except Exception as exc:   # noqa: BLE001 -- any failure of a provider is its row's reason, never the run's end
+        traceback.print_exc()
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        kind = "out of memory" if "OutOfMemory" in type(exc).__name__ else type(exc).__name__
+        out = {"error": f"{kind}: {first}"}
+    out["peak_rss"] = _peak_rss()
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv))

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Ours against every peer on one GPU held to 24 GiB (bench/gpu_bench.py), packed for a GPU machine without network.
+#
+#   bash scripts/gpu-bench.sh                   # GPU machine: < 9 min; rows in bench/results/gpu-<date>/
+#   bash scripts/gpu-bench.sh --dry --out DIR   # anywhere: CPU workers, tiny configs, < 1 min (the test suite runs it)
+#
+# Any other argument goes to bench/gpu_bench.py (--budget, --timeout, --only, --cap-gib, ...; --help).
+# Prerequisites are checked first and every missing one is listed with its fix before anything runs
+# (exit 3): Python with torch, transformers and peft; for a GPU run also a CUDA GPU seen by torch and
+# our native core, built in place here when it does not import (a C++ compiler, setuptools and pybind11,
+# taken from .whl/ as scripts/gpu-check.sh does when missing).  Peers come from .whl/peers/<peer>/
+# (filled by scripts/fetch-peers.sh on a machine that reaches PyPI; .whl/ is git-ignored and travels
+# with the working tree): each folder is installed with --no-index --no-deps into its own --target
+# folder under $PEERS (default /tmp/roundpipe-peers), which only that peer's subprocess puts on its
+# PYTHONPATH.  A peer without wheels, or whose install fails, gets a row saying so; nothing stops the run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+PEERS=${PEERS:-/tmp/roundpipe-peers}
+export PYTHONUNBUFFERED=1
+dry=false
+for a in "$@"; do [ "$a" = --dry ] && dry=true; done
+
+# ---- prerequisites: every missing one is listed, with its fix, before anything runs
+missing=()
+importable() { "$PY" -c "import $1" >/dev/null 2>&1; }
+from_wheelhouse() {   # from_wheelhouse MODULE: MODULE's wheel from .whl/ into a side folder (build deps only)
+    local target=/tmp/roundpipe-build-deps
+    ls .whl/"$1"-*.whl >/dev/null 2>&1 || return 1
+    "$PY" -m pip install -q --no-index --no-deps --target "$target" .whl/"$1"-*.whl || return 1
+    export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+    importable "$1"
+}
+if ! command -v "$PY" >/dev/null 2>&1; then
+    echo "gpu-bench: cannot start: no Python at '$PY' (set PYTHON=/path/to/python)" >&2
+    exit 3
+fi
+for module in torch transformers peft; do
+    importable "$module" || missing+=("$module is not importable by $PY: point PYTHON at the environment that has it
+    (on the GPU machine: the image's python3; pip cannot download here)")
+done
+build=false
+if ! $dry && importable torch; then
+    gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null \
+           || echo 0)
+    if [ "$gpus" -lt 1 ]; then
+        missing+=("no CUDA GPU visible to torch: run this on the GPU machine, or use --dry on CPU workers")
+    fi
+    if ! "$PY" -c 'import roundpipe._C' >/dev/null 2>&1; then
+        build=true
+        CXX_BIN=${CXX:-c++}
+        command -v "$CXX_BIN" >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 \
+            || missing+=("no C++ compiler ($CXX_BIN or g++; set CXX): our native core roundpipe._C is built in place")
+        for module in setuptools pybind11; do
+            importable "$module" || from_wheelhouse "$module" || missing+=("$module is not importable and has no
+    wheel in .whl/ (the native core's build needs it): 'pip download $module -d .whl' where PyPI is reachable")
+        done
+    fi
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "gpu-bench: cannot start; missing:" >&2
+    printf '  - %s\n' "${missing[@]}" >&2
+    exit 3
+fi
+
+if $build; then   # in place, against this machine's torch; nothing is installed into the environment
+    echo "== building roundpipe._C in place (limit 240 s)"
+    timeout 240 "$PY" setup.py -q build_ext --inplace >/tmp/roundpipe-build.log 2>&1 \
+        || { echo "gpu-bench: the native core did not build (/tmp/roundpipe-build.log):" >&2
+             tail -n 20 /tmp/roundpipe-build.log >&2; exit 1; }
+fi
+
+# ---- peers: each wheel folder into its own --target folder (a failure leaves it out: its row says why)
+mkdir -p "$PEERS"
+for dir in .whl/peers/*/; do
+    [ -d "$dir" ] || continue
+    name=$(basename "$dir")
+    ls "$dir"*.whl >/dev/null 2>&1 || continue
+    target="$PEERS/$name"
+    # installed already, or failed with these very wheels (the log is newer than every wheel): not again
+    newer=$(find "$dir" -name '*.whl' -newer "$PEERS/$name.install.log" 2>/dev/null | head -n 1)
+    if [ ! -f "$target/.installed" ] && { [ ! -f "$PEERS/$name.install.log" ] || [ -n "$newer" ]; }; then
+        rm -rf "$target"
+        if "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$target" "$dir"*.whl \
+                >"$PEERS/$name.install.log" 2>&1; then
+            touch "$target/.installed"
+        else
+            echo "== peer $name did not install ($PEERS/$name.install.log); its rows will say so"
+            rm -rf "$target"
+        fi
+    fi
+done
+
+exec "$PY" bench/gpu_bench.py --peers "$PEERS" "$@"
