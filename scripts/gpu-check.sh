@@ -35,19 +35,8 @@ failed=()
 
 # ---- prerequisites: every missing one is listed, with its fix, before anything runs
 missing=()
-importable() { "$PY" -c "import $1" >/dev/null 2>&1; }
-from_wheelhouse() {   # from_wheelhouse MODULE: installs MODULE's wheel from .whl/ into a side folder
-    local target=/tmp/roundpipe-build-deps
-    ls .whl/"$1"-*.whl >/dev/null 2>&1 || return 1
-    "$PY" -m pip install -q --no-index --no-deps --target "$target" .whl/"$1"-*.whl || return 1
-    export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
-    importable "$1"
-}
-
-if ! command -v "$PY" >/dev/null 2>&1; then
-    echo "gpu-check: cannot start: no Python at '$PY' (set PYTHON=/path/to/python)" >&2
-    exit 3
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/prereq.sh"
+require_python gpu-check
 gpus=0
 if ! importable torch; then
     missing+=("torch is not importable by $PY: point PYTHON at the machine's CUDA build of torch;
