@@ -22,6 +22,8 @@ import warnings
 
 import torch
 
+from roundpipe.core.checks import is_int
+
 try:
     import triton
     import triton.language as tl
@@ -157,7 +159,7 @@ def _arg_key(a):
     (i32/i64/u64), whether it is 1 (then a constant) and whether it divides by 16."""
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, int) and not isinstance(a, bool):
+    if is_int(a):
         return (_int_type(a), a == 1, a % 16 == 0)
     return type(a).__name__
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from roundpipe.core.checks import is_int
+
 ModelType = Literal["llama", "qwen3", "qwen3_moe"]
 MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 QK_NORM = ("qwen3", "qwen3_moe")   # families with an RMSNorm on each head's queries and keys
@@ -131,7 +133,7 @@ class DecoderShape:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import resource
 
+from roundpipe.core.checks import is_number
+
 # The environment of the host-bytes-per-parameter runs (bench/memory.py's slope rows, tests/engine/test_memory_host.py):
 # glibc's mmap threshold fixed at 1 MiB, so the CPU workers' released "device" buffers go back to the system at
 # once instead of staying in their threads' malloc heaps; and MALLOC_PERTURB_, with which glibc fills every block
@@ -72,7 +74,7 @@ class HostPeak:
         import threading
         if not callable(held):
             raise TypeError(f"held must be a callable returning bytes, got {type(held).__name__}")
-        if not isinstance(period, (int, float)) or isinstance(period, bool) or not period > 0:
+        if not is_number(period) or not period > 0:
             raise ValueError(f"period={period!r} must be a number of seconds > 0")
         self.held, self.period, self.peak = held, float(period), 0
         self._stop = threading.Event()

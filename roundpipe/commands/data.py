@@ -25,6 +25,8 @@ from typing import Iterator, Literal
 
 import torch
 
+from roundpipe.core.checks import is_int
+
 VOCAB_SIZE = 256
 # Installed packages are not the standard library; caches are not sources.
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -117,7 +119,7 @@ class ByteCorpus:
                 steps: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yields `steps` (or endless) batches of T+1-byte windows at seeded random offsets."""
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if steps is not None and (not isinstance(steps, int) or steps < 0):
             raise ValueError(f"steps={steps!r} must be a non-negative int or None")

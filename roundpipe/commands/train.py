@@ -26,6 +26,7 @@ import torch
 
 from roundpipe.commands.data import ByteCorpus
 from roundpipe.commands.train_loops import DTYPES, OPTIMIZERS, lr_at, make_engine, make_optimizer
+from roundpipe.core.checks import is_int
 from roundpipe.models.tiny_decoder import PRESETS, DecoderConfig, build_layers, loss_fn
 from roundpipe.workers import parse_devices
 
@@ -75,7 +76,7 @@ class TrainConfig:
             if value is None and name != "steps":
                 continue
             lowest = 0 if name == "warmup" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+            if not is_int(value) or value < lowest:
                 raise ValueError(f"{name}={value!r} must be an int >= {lowest}")
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
                                                    and math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from roundpipe.core.checks import is_int
 from roundpipe.core.tree import tree_leaves
 from roundpipe.engine.dry_run import RATES, dry_run_costs
 from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective
@@ -79,11 +80,11 @@ class PlanningConfig:
             raise ValueError(f"PlanningConfig.threshold={self.threshold!r} must be a number > 0")
         for name in ("warmup", "profile"):
             v = getattr(self, name)
-            if not (v is None and name == "profile") and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            if not (v is None and name == "profile") and (not is_int(v) or v < 0):
                 raise ValueError(f"PlanningConfig.{name}={v!r} must be an int >= 0"
                                  + (" or None" if name == "profile" else ""))
         mb = self.memory_budget
-        if not (mb is None or mb == "device" or (isinstance(mb, int) and not isinstance(mb, bool) and mb > 0)):
+        if not (mb is None or mb == "device" or (is_int(mb) and mb > 0)):
             raise ValueError(f"PlanningConfig.memory_budget={mb!r} must be an int > 0 (bytes), 'device' or None")
         if not isinstance(self.alpha, (int, float)) or not 0 < self.alpha <= 1:
             raise ValueError(f"PlanningConfig.alpha={self.alpha!r} must be in (0, 1]")

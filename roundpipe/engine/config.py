@@ -30,6 +30,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
+from roundpipe.core.checks import is_int
 from roundpipe.engine.autoplan import PlanningConfig
 from roundpipe.engine.calls import batchnorm as batchnorm_stats
 from roundpipe.engine.calls.precision import Precision
@@ -106,7 +107,7 @@ class EngineConfig:
         devices = parse_devices(self.devices)   # errors name the entry
         for name in ("num_microbatches", "microbatches_per_round"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise ValueError(f"{name}={v!r} must be None or an int >= 1")
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={self.loss_reduction!r} must be 'mean' (microbatch losses weighted by "

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from roundpipe.core.checks import is_int
 from roundpipe.planner.memory import worker_peaks
 
 MIN_RESERVE = 512 << 20
@@ -31,7 +32,7 @@ RESERVE_FRACTION = 0.05
 
 
 def _is_bytes(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+    return is_int(v) and v > 0
 
 
 def resolve_caps(device_memory: Any, devices: Sequence[torch.device]) -> dict[str, int | None]:
@@ -52,7 +53,7 @@ def resolve_caps(device_memory: Any, devices: Sequence[torch.device]) -> dict[st
             else:
                 caps[name] = None
         return caps
-    if isinstance(device_memory, int) and not isinstance(device_memory, bool):
+    if is_int(device_memory):
         if device_memory <= 0:
             raise ValueError(f"device_memory={device_memory!r} must be an int > 0 (bytes)")
         return {name: device_memory for name, _ in workers}

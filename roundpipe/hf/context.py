@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.core.checks import is_int
 from roundpipe.planner.plan import Plan
 from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, QWEN3_32B
 
@@ -116,7 +117,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise TypeError(f"{name}={value!r} must be an int")
     if value < minimum:
         raise ValueError(f"{name}={value!r} must be >= {minimum}")

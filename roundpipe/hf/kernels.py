@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roundpipe.core.checks import is_number
 from roundpipe.kernels import _triton, apply_rope, rms_norm, swiglu
 from roundpipe.kernels.rms_norm import MAX_HIDDEN, rms_norm_ref
 from roundpipe.kernels.rope import apply_rope_ref
@@ -63,7 +64,7 @@ _ROPE_NAME = "apply_rotary_pos_emb"  # the global HF attention forwards call
 def _eps(module: nn.Module) -> float | None:
     for name in ("variance_epsilon", "eps"):
         value = getattr(module, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        if is_number(value) and value > 0:
             return float(value)
     return None
 

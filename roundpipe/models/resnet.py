@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roundpipe.core.checks import is_int
+
 
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
@@ -45,7 +47,7 @@ def resnet18_layers(num_classes: int = 10, width: int = 64, seed: int = 0) -> li
     """ResNet-18 for 32x32 inputs as 10 layers (stem, 8 blocks, head), initialised from `seed`
     (the caller's RNG state is left as it was)."""
     for name, v in (("num_classes", num_classes), ("width", width)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"{name}={v!r} must be an int >= 1")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -63,7 +65,7 @@ def resnet18_layers(num_classes: int = 10, width: int = 64, seed: int = 0) -> li
 
 def synthetic_cifar(n: int, num_classes: int = 10, seed: int = 0, noise: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
     """n CIFAR-shaped images [n, 3, 32, 32] and their labels: class patterns plus noise."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"n={n!r} must be an int >= 1")
     g = torch.Generator().manual_seed(seed)
     coarse = torch.randn(num_classes, 3, 4, 4, generator=torch.Generator().manual_seed(12345))

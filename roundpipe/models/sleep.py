@@ -13,6 +13,8 @@ import time
 import torch
 from torch import nn
 
+from roundpipe.core.checks import is_number
+
 
 class _Sleep(torch.autograd.Function):
     @staticmethod
@@ -33,7 +35,7 @@ class SleepLayer(nn.Module):
     def __init__(self, width: int = 8, fwd_s: float = 2e-3, bwd_s: float = 4e-3):
         super().__init__()
         for name, v in (("fwd_s", fwd_s), ("bwd_s", bwd_s)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+            if not is_number(v) or not v >= 0:
                 raise ValueError(f"{name}={v!r} must be a number of seconds >= 0")
         self.fc = nn.Linear(width, width)
         self.fwd_s, self.bwd_s = float(fwd_s), float(bwd_s)

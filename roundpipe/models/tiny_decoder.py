@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roundpipe.core.checks import is_int
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -45,7 +47,7 @@ class DecoderConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden", "layers", "heads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads} "

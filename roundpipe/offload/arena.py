@@ -29,6 +29,7 @@ from typing import Literal, Sequence
 import torch
 
 from roundpipe import _native
+from roundpipe.core.checks import is_int
 from roundpipe.offload.fences import check_fence, stream_fence
 
 
@@ -63,7 +64,7 @@ class ArenaConfig:
     def __post_init__(self):
         for name in ("chunk_bytes", "alignment", "limit_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes={self.chunk_bytes} must be >= 4096")
@@ -75,7 +76,7 @@ class ArenaConfig:
         if self.backend not in ("auto", "cuda", "host"):
             raise ValueError(f"backend={self.backend!r} must be 'auto', 'cuda' or 'host'")
         d = self.home_device
-        if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+        if d is not None and (not is_int(d)):
             raise TypeError(f"home_device must be None or a CUDA device index (int), got {type(d).__name__}")
         if d is not None and d < 0:
             raise ValueError(f"home_device={d} must be None or a CUDA device index >= 0")
@@ -141,7 +142,7 @@ class HostArena:
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         if not isinstance(shape, torch.Size):
             dims = (shape,) if isinstance(shape, int) else shape
-            if not isinstance(dims, (tuple, list)) or not all(isinstance(d, int) and not isinstance(d, bool)
+            if not isinstance(dims, (tuple, list)) or not all(is_int(d)
                                                               for d in dims):
                 raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
             shape = torch.Size(dims)
@@ -206,7 +207,7 @@ class HostArena:
 
     def reserve(self, nbytes: int) -> None:
         """Adds one chunk of nbytes (e.g. the whole model's size, to be carved exactly)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        if not is_int(nbytes):
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes <= 0:
             raise ValueError(f"nbytes={nbytes!r} must be a positive int")

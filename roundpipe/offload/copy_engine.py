@@ -36,6 +36,7 @@ from typing import Iterable, Sequence
 import torch
 
 from roundpipe import _native
+from roundpipe.core.checks import is_int
 from roundpipe.offload.arena import HostArena
 from roundpipe.offload.fences import check_fence
 
@@ -59,7 +60,7 @@ def _queue(value: "Queue | str") -> Queue:
 
 
 def _check_tag(tag: object) -> None:
-    if isinstance(tag, bool) or not isinstance(tag, int):
+    if not is_int(tag):
         raise TypeError(f"tag must be an int, got {type(tag).__name__}")
     if not -(2**63) <= tag < 2**63:
         raise ValueError(f"tag={tag} must fit in 64 bits (signed)")
@@ -77,11 +78,11 @@ def pack_lpt(sizes: Sequence[int], windows: int, align: int = 256) -> list[list[
     """
     sizes = list(sizes)
     for i, s in enumerate(sizes):
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        if not is_int(s) or s < 0:
             raise ValueError(f"sizes[{i}]={s!r} must be a non-negative int")
-    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+    if not is_int(windows) or windows < 1:
         raise ValueError(f"windows={windows!r} must be an int >= 1")
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+    if not is_int(align) or align < 1:
         raise ValueError(f"align={align!r} must be an int >= 1")
     return _native.require().pack_lpt(sizes, windows, align)
 
@@ -99,7 +100,7 @@ class CopyEngine:
                  streams: "Sequence[torch.cuda.Stream] | None" = None):
         C = _native.require()
         self.device = torch.device(device)
-        if isinstance(threads_per_copy, bool) or not isinstance(threads_per_copy, int) or threads_per_copy < 1:
+        if not is_int(threads_per_copy) or threads_per_copy < 1:
             raise ValueError(f"threads_per_copy={threads_per_copy!r} must be an int >= 1")
         if self.device.type == "cpu":
             if streams is not None:

@@ -55,6 +55,7 @@ from typing import Literal, Sequence
 import torch
 
 from roundpipe import _native
+from roundpipe.core.checks import is_int
 from roundpipe.offload.arena import ArenaConfig, HostArena
 
 ALIGNMENT = 4096  # O_DIRECT: buffer addresses, file offsets and lengths in these units
@@ -93,7 +94,7 @@ def free_bytes(path: str | os.PathLike) -> int:
 
 def check_free_space(path: str | os.PathLike, needed: int, what: str = "the offloaded state") -> None:
     """ValueError naming the bytes needed and available when `path`'s file system has less than `needed` free."""
-    if isinstance(needed, bool) or not isinstance(needed, int):
+    if not is_int(needed):
         raise TypeError(f"needed must be an int, got {type(needed).__name__}")
     if needed < 0:
         raise ValueError(f"needed={needed} must be >= 0")
@@ -124,7 +125,7 @@ class NVMeConfig:
     def __post_init__(self):
         for name in ("threads", "chunk_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if not 1 <= self.threads <= 64:
             raise ValueError(f"threads={self.threads} must be in [1, 64]")
@@ -214,7 +215,7 @@ class NVMeStore:
         """A new region of nbytes in a preallocated file; StorageError when the disk cannot hold it."""
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        if not is_int(nbytes):
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes} must be >= 0")
@@ -323,7 +324,7 @@ class NVMeStore:
             raise ValueError(f"{arg} must be a dense CPU tensor, got device {t.device}, layout {t.layout}")
         if not t.is_contiguous():
             raise ValueError(f"{arg} (shape {tuple(t.shape)}, strides {t.stride()}) must be contiguous")
-        if isinstance(offset, bool) or not isinstance(offset, int):
+        if not is_int(offset):
             raise TypeError(f"offset must be an int, got {type(offset).__name__}")
         if offset < 0 or offset % ALIGNMENT or offset > region.nbytes:
             raise ValueError(f"offset={offset} must be a multiple of {ALIGNMENT} within region {region.name!r} "

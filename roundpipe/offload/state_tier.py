@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import torch
 
+from roundpipe.core.checks import is_int
 from roundpipe.offload.masters import LazyMaster, MasterLayout, master_layout, movable_bytes, placeholder
 from roundpipe.offload.masters import view as master_view
 from roundpipe.offload.nvme import NVMeConfig, NVMeStore, check_free_space, file_bytes
@@ -141,7 +142,7 @@ class StateTier:
         kept = self.fixed["masters"] - movable_bytes(host)   # masters that are their own upload copies stay
         need = self.fixed["upload_copies"] + self.fixed["gradients"] + kept
         if host_memory is not None:
-            if isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory <= 0:
+            if not is_int(host_memory) or host_memory <= 0:
                 raise ValueError(f"host_memory={host_memory!r} must be None or a number of bytes > 0")
             if host_memory < need:
                 own = (f" + masters that are their own upload copies (the workers read them) {kept}" if kept else "")
@@ -155,7 +156,7 @@ class StateTier:
         directory = os.fspath(directory)
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise ValueError(f"offload_dir={directory!r} exists and is not a directory")
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
+        if not is_int(slots) or slots < 2:
             raise ValueError(f"slots={slots!r} must be an int >= 2 (one updated, one read ahead or written)")
         try:
             self.store = NVMeStore(directory, config, _test_hooks=_test_hooks)

@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from roundpipe import _native
+from roundpipe.core.checks import is_int
 from roundpipe.optim import blockwise
 from roundpipe.optim.base import Buffers, FusedOptimizer, native_buffers, native_ok, torch_grad
 from roundpipe.optim.fused import AdamConfig, adam_step, adam_step_torch
@@ -64,7 +65,7 @@ class Adam8bitConfig(AdamConfig):
             raise ValueError("amsgrad=True: 8-bit Adam does not support AMSGrad (nor does bitsandbytes); use "
                              "roundpipe.optim.AdamW(amsgrad=True)")
         size = self.min_8bit_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        if not is_int(size) or size < 0:
             raise ValueError(f"min_8bit_size={size!r} must be an int >= 0 (parameters with fewer elements keep "
                              "fp32 states)")
 

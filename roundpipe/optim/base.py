@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from roundpipe import _native
-from roundpipe.core.checks import check_number
+from roundpipe.core.checks import check_number, is_number
 from roundpipe.hostops import NATIVE_DTYPES, check_host_tensor
 from roundpipe.optim.gradients import grad_sumsq
 from roundpipe.optim.rounding import check_rounding, round_bf16_, round_key
@@ -59,7 +59,7 @@ def check_betas(betas: object) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
     for i, beta in enumerate(betas):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+        if not is_number(beta) or not 0.0 <= beta < 1.0:
             raise ValueError(f"betas[{i}]={beta!r} must be a number in [0, 1)")
 
 
@@ -374,7 +374,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"upload has {len(upload)} entries but params has {len(params)}; they must match")
         _check_clip_coef(clip_coef)
         rounding = self._rounding(rounding)
-        if isinstance(predict, bool) or not isinstance(predict, (int, float)) or not (0 <= predict < math.inf):
+        if not is_number(predict) or not (0 <= predict < math.inf):
             raise ValueError(f"predict={predict!r} must be a finite number >= 0")
         grads = [p.grad for p in params] if grads is None else list(grads)
         if len(grads) != len(params):

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import torch
 
 from roundpipe import _native
+from roundpipe.core.checks import is_number
 from roundpipe.optim.base import (
     Buffers,
     FusedOptimizer,
@@ -47,7 +48,7 @@ class SGDConfig:
     def __post_init__(self) -> None:
         for name in ("lr", "momentum", "weight_decay"):
             check_nonneg(name, getattr(self, name))
-        if isinstance(self.dampening, bool) or not isinstance(self.dampening, (int, float)) \
+        if not is_number(self.dampening) \
                 or not math.isfinite(self.dampening):
             raise ValueError(f"dampening={self.dampening!r} must be a finite number")
         check_flags(self, "nesterov", "maximize")

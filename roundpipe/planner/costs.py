@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from roundpipe.core.checks import is_number
 from roundpipe.planner.memory import LayerMemory, backward_bytes, forward_bytes, layer_memory
 
 # fp32 gradient accumulators next to bf16/fp16 weights: 4 bytes per 2-byte parameter.
@@ -50,7 +51,7 @@ class LayerCost:
             v = getattr(self, name)
             if name == "grad_bytes" and v is None:
                 continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+            if not is_number(v) or not v >= 0:
                 raise ValueError(f"LayerCost.{name}={v!r} must be a number >= 0")
 
     @property

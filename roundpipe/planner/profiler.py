@@ -25,6 +25,7 @@ import threading
 from dataclasses import replace
 from typing import Literal, Sequence
 
+from roundpipe.core.checks import is_int
 from roundpipe.planner.costs import LayerCost, check_costs
 
 Phase = Literal["forward", "backward", "fused"]
@@ -50,7 +51,7 @@ class Profiler:
         return len(self.estimates)
 
     def _layers(self, layers: range | int) -> range:
-        if isinstance(layers, int) and not isinstance(layers, bool):
+        if is_int(layers):
             layers = range(layers, layers + 1)
         if not isinstance(layers, range) or layers.step != 1 or len(layers) == 0:
             raise TypeError(f"layers={layers!r} must be a layer index or a non-empty range of consecutive layers")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.core.checks import check_number
+from roundpipe.core.checks import check_number, is_int
 
 BUCKET_BYTES = 25 << 20   # the engine's default (DDP's bucket_cap_mb=25)
 MIB = 1 << 20
@@ -46,7 +46,7 @@ class AllReduce:
     bucket_bytes: int = BUCKET_BYTES
 
     def __post_init__(self):
-        if not isinstance(self.ranks, int) or isinstance(self.ranks, bool) or self.ranks < 1:
+        if not is_int(self.ranks) or self.ranks < 1:
             raise ValueError(f"ranks={self.ranks!r} must be an int >= 1 (data-parallel processes)")
         grads = tuple(check_number(f"grad_bytes[{i}]", v) for i, v in enumerate(self.grad_bytes))
         if len(grads) < 2:
@@ -54,7 +54,7 @@ class AllReduce:
         object.__setattr__(self, "grad_bytes", grads)
         object.__setattr__(self, "bandwidth_gbps", check_number("bandwidth_gbps", self.bandwidth_gbps, positive=True))
         object.__setattr__(self, "latency_us", check_number("latency_us", self.latency_us))
-        if not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool) or self.bucket_bytes < 1:
+        if not is_int(self.bucket_bytes) or self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={self.bucket_bytes!r} must be an int >= 1")
 
     @classmethod

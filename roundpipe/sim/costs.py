@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.core.checks import check_number
+from roundpipe.core.checks import check_number, is_int, is_number
 from roundpipe.planner.costs import LayerCost
 from roundpipe.planner.plan import Plan
 
@@ -57,7 +57,7 @@ class Costs:
         for name in ("head_fwd", "head_bwd", "comm"):
             object.__setattr__(self, name, _check_nonneg(name, getattr(self, name)))
         w = self.w_fraction
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w <= 1:
+        if not is_number(w) or not 0 <= w <= 1:
             raise ValueError(f"w_fraction={w!r} must be a number in [0, 1] (the weight-gradient share of a backward)")
         object.__setattr__(self, "w_fraction", float(w))
         if not isinstance(self.recompute, bool):
@@ -125,7 +125,7 @@ def check_sizes(name: str, sizes: Sequence[int], total: int, allow_empty_first: 
     """Validates a list of stage sizes that must sum to `total` layers."""
     sizes = list(sizes)
     for i, s in enumerate(sizes):
-        if not isinstance(s, int) or isinstance(s, bool) or s < (0 if allow_empty_first and i == 0 else 1):
+        if not is_int(s) or s < (0 if allow_empty_first and i == 0 else 1):
             raise ValueError(f"{name}[{i}]={s!r} must be an int >= {0 if allow_empty_first and i == 0 else 1}")
     if sum(sizes) != total:
         raise ValueError(f"{name}={sizes} covers {sum(sizes)} layers but the model has {total}")

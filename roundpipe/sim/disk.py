@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.core.checks import check_number
+from roundpipe.core.checks import check_number, is_int
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Disk:
         object.__setattr__(self, "layer_bytes", layer)
         for name in ("read_gbps", "write_gbps"):
             object.__setattr__(self, name, check_number(name, getattr(self, name), positive=True))
-        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 2:
+        if not is_int(self.slots) or self.slots < 2:
             raise ValueError(f"slots={self.slots!r} must be an int >= 2 (one updated, one read ahead or written)")
 
     @classmethod

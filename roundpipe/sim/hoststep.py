@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from roundpipe.core.checks import check_number
+from roundpipe.core.checks import check_number, is_int
 from roundpipe.sim.disk import Disk
 
 POLICIES = ("whole", "per-layer")
@@ -85,7 +85,7 @@ class HostStep:
     def uniform(cls, layers: int, params: float, rate: float, head_params: float = 0.0,
                 policy: Literal["whole", "per-layer"] = "per-layer", disk: Disk | None = None) -> "HostStep":
         """`params` for each of `layers` layers, `head_params` for the LM head."""
-        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        if not is_int(layers) or layers < 1:
             raise ValueError(f"layers={layers!r} must be an int >= 1")
         return cls((params,) * layers + (head_params,), rate, policy, disk)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from roundpipe.core.checks import is_int
 from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs
 from roundpipe.sim.simulate import Result, simulate
@@ -56,7 +57,7 @@ def data_parallel(schedule: str, costs: Costs, workers: int, microbatches: int, 
     `workers` and `microbatches` are per rank; `microbatch_size` (samples) only scales samples_per_s."""
     if not isinstance(allreduce, AllReduce):
         raise TypeError(f"allreduce={allreduce!r} must be a roundpipe.sim.AllReduce")
-    if not isinstance(microbatch_size, int) or isinstance(microbatch_size, bool) or microbatch_size < 1:
+    if not is_int(microbatch_size) or microbatch_size < 1:
         raise ValueError(f"microbatch_size={microbatch_size!r} must be an int >= 1 (samples per microbatch)")
     single = simulate(schedule, costs, workers, microbatches, **kwargs)
     ranked = simulate(schedule, costs, workers, microbatches, allreduce=allreduce, **kwargs)

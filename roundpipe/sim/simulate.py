@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from roundpipe.core.checks import is_int
 from roundpipe.planner.plan import Plan
 from roundpipe.sim.allreduce import AllReduce
 from roundpipe.sim.costs import Costs, sizes_from_plan
@@ -101,7 +102,7 @@ def simulate(schedule: str, costs: Costs, workers: int, microbatches: int,
         raise TypeError(f"costs={costs!r} must be a roundpipe.sim.Costs")
     for name, v in (("workers", workers), ("microbatches", microbatches), ("chunks", chunks),
                     ("iterations", iterations)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"{name}={v!r} must be an int >= 1")
     if allreduce is not None and not isinstance(allreduce, AllReduce):
         raise TypeError(f"allreduce={allreduce!r} must be a roundpipe.sim.AllReduce or None")

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from roundpipe.core.checks import check_number
+from roundpipe.core.checks import check_number, is_int
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Uploads:
     @classmethod
     def uniform(cls, layers: int, layer_bytes: float, gbps: float, head_bytes: float = 0.0,
                 activation_bytes: float = 0.0, host_gbps: float | None = None) -> "Uploads":
-        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        if not is_int(layers) or layers < 1:
             raise ValueError(f"layers={layers!r} must be an int >= 1")
         return cls((layer_bytes,) * layers, gbps, head_bytes, activation_bytes, host_gbps)
 

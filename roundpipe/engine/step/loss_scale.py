@@ -43,6 +43,8 @@ from typing import Callable
 
 import torch
 
+from roundpipe.core.checks import is_int, is_number
+
 
 @dataclasses.dataclass(frozen=True)
 class LossScale:
@@ -57,13 +59,13 @@ class LossScale:
     def __post_init__(self):
         for name, lo in (("init_scale", 0.0), ("growth_factor", 1.0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= lo:
+            if not is_number(v) or not math.isfinite(v) or v <= lo:
                 raise ValueError(f"LossScale.{name}={v!r} must be a finite number > {lo:g}")
         b = self.backoff_factor
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
+        if not is_number(b) or not 0 < b < 1:
             raise ValueError(f"LossScale.backoff_factor={b!r} must be a number in (0, 1)")
         g = self.growth_interval
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        if not is_int(g) or g < 1:
             raise ValueError(f"LossScale.growth_interval={g!r} must be an int >= 1")
         if not isinstance(self.enabled, bool):
             raise TypeError(f"LossScale.enabled must be True or False, got {self.enabled!r}")
@@ -72,7 +74,7 @@ class LossScale:
 def inverse_scale(scale: float) -> float:
     """The factor that unscales a gradient, as torch.amp.GradScaler.unscale_ computes it: the
     reciprocal of the fp32 scale in float64, rounded to fp32 (exactly 1 / scale for a power of two)."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+    if not is_number(scale) or not 0 < scale < math.inf:
         raise ValueError(f"scale={scale!r} must be a finite number > 0 (a loss scale)")
     return float(torch.tensor(scale, dtype=torch.float32).double().reciprocal().float())
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from roundpipe.core.checks import is_number
 from roundpipe.engine.step.async_step import StepFns
 from roundpipe.engine.step.host_state import HostState
 
@@ -65,7 +66,7 @@ def check_step_args(asynchronous: Any, lr_scheduler: Any, max_grad_norm: Any, op
                              "the same optimizer")
     if max_grad_norm is None:
         return None
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+    if not is_number(max_grad_norm) \
             or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or a finite number > 0")
     return float(max_grad_norm)

@@ -31,6 +31,8 @@ import math
 
 import torch
 
+from roundpipe.core.checks import is_int, is_number
+
 
 @dataclasses.dataclass(frozen=True)
 class StalenessCompensation:
@@ -44,14 +46,14 @@ class StalenessCompensation:
     def __post_init__(self):
         for name in ("predict", "delay"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_number(v) or not math.isfinite(v):
                 raise ValueError(f"StalenessCompensation.{name}={v!r} must be a finite number")
         if self.predict < 0:
             raise ValueError(f"StalenessCompensation.predict={self.predict!r} must be >= 0")
         if self.delay < 1:
             raise ValueError(f"StalenessCompensation.delay={self.delay!r} must be >= 1 (steps)")
         k = self.warmup_steps
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        if not is_int(k) or k < 0:
             raise ValueError(f"StalenessCompensation.warmup_steps={k!r} must be an int >= 0")
 
     def lr_factor(self, step: int) -> float:
