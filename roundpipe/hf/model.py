@@ -15,6 +15,7 @@ HF model's.  Training runs the engine with `loss_reduction="sum"` and HF's token
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -92,6 +93,26 @@ def _patch_kernels(hf_model: nn.Module, devices: list[torch.device]) -> int:
     return patch_kernels(hf_model, devices)
 
 
+def checkpointing_off(hf_model: nn.Module, asked_by: str | None = None) -> None:
+    """Turns HF's gradient checkpointing off on `hf_model` (on when `model.gradient_checkpointing_enable()` ran, or
+    when `asked_by`, e.g. TrainingArguments(gradient_checkpointing=True), asks for it), with one line saying so.
+
+    Why off: a backward stage of the engine reruns its layers' forward from the stage's input already (a stage
+    keeps no activations between its forward and its backward; one worker keeps them only when the planner found
+    that the whole batch fits, docs/planner.md), so HF's checkpointing inside a decoder layer is a second recompute
+    of the same forward for a memory saving the engine has made.  The input hook it added
+    (enable_input_require_grads) stays: it changes no parameter's gradient."""
+    on = any(getattr(m, "gradient_checkpointing", False) is True for m in hf_model.modules())
+    if on:
+        lm = causal_lm(hf_model)
+        # activation_checkpointing_disable: transformers >= 5.x's name; gradient_checkpointing_disable before it
+        (getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable)()
+    if on or asked_by:
+        warnings.warn(f"rp.hf: HF gradient checkpointing ({asked_by or 'gradient_checkpointing_enable()'}) turned "
+                      "off: the engine recomputes each layer's forward in its backward already (docs/hf.md)",
+                      stacklevel=3)
+
+
 class HFRoundPipe(RoundPipe):
     """A RoundPipe over a Hugging Face causal LM (built by `wrap`); HF names, loss and files."""
 
@@ -120,6 +141,7 @@ class HFRoundPipe(RoundPipe):
         # every engine option checked before the model is cut, quantized or patched
         config = EngineConfig(devices=devices, num_microbatches=num_microbatches, compute_dtype=compute_dtype,
                               plan=plan, loss_reduction="sum", **roundpipe_kwargs)
+        checkpointing_off(hf_model)
         layers = cut_layers(hf_model, quant)
         self.hf_model = hf_model
         self.kernels_patched = _patch_kernels(hf_model, config.worker_devices)

@@ -25,6 +25,10 @@ schedule, logging, callbacks, saving.  What changes:
 - `bf16=True` / `fp16=True` become the precision policy (compute_dtype bf16 / fp16 with autocast,
   fp16 with the engine's dynamic loss scaling); the Trainer's copy of `args` has them off so that
   accelerate adds no autocast or GradScaler of its own.  Neither: fp32, as transformers trains.
+- HF's gradient checkpointing (`gradient_checkpointing=True`, SFTConfig's default) is turned off, with one
+  line: the engine's backward stages recompute the forward already (roundpipe.hf.model.checkpointing_off).
+- the model is wrapped after the Trainer's own __init__, so that an adapter it adds (TRL's `peft_config=`)
+  is what the RoundPipe trains.
 - checkpoints (`save_steps`, `resume_from_checkpoint`) hold a `roundpipe/` folder written by
   `model.save_checkpoint` (masters, optimizer, schedule, RNG): a resumed run equals an
   uninterrupted one bit for bit.
@@ -47,9 +51,11 @@ from torch import nn
 
 from roundpipe.hf import trainer_optim
 from roundpipe.hf.loss import count_items, shift_labels
-from roundpipe.hf.model import WRAP_OPTIONS, HFRoundPipe, wrap
+from roundpipe.hf.model import WRAP_OPTIONS, HFRoundPipe, checkpointing_off, wrap
 
 CHECKPOINT_DIR = "roundpipe"   # the engine's checkpoint inside a Trainer checkpoint folder
+# TrainingArguments' switches for HF's gradient checkpointing (transformers 5.x's name first, then its old alias)
+CHECKPOINTING_ARGS = ("activation_checkpointing", "gradient_checkpointing")
 
 
 def precision_of(args) -> torch.dtype:
@@ -73,28 +79,49 @@ class TrainerMixin:
         wrap_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in WRAP_OPTIONS}
         if args is None:
             args = transformers.TrainingArguments(output_dir="tmp_trainer")
-        self.rp_model = self._wrapped(model, args, devices, wrap_kwargs)
+        wrapped = self._checked(model, args, devices, wrap_kwargs, kwargs.get("peft_config"))
         self.asynchronous = asynchronous
         self._engine_scheduler = None
         self._issued_lr: float | None = None
-        # the Trainer's copy: batches on the CPU, no autocast/GradScaler of accelerate's (the policy does it)
+        # HF's gradient checkpointing gives way to the engine's recompute (model.checkpointing_off): one line says so
+        asked = [k for k in CHECKPOINTING_ARGS if getattr(args, k, None)]
+        hf_model = model.hf_model if wrapped else model
+        if asked or not wrapped:
+            checkpointing_off(hf_model, f"TrainingArguments({asked[-1]}=True)" if asked else None)
+        # the Trainer's copy: batches on the CPU, no autocast/GradScaler of accelerate's (the policy does it), and
+        # no checkpointing for Trainer.train (or TRL) to turn on
         changes = {k: v for k, v in (("use_cpu", True), ("bf16", False), ("fp16", False)) if getattr(args, k) != v}
+        changes.update({k: False for k in CHECKPOINTING_ARGS if hasattr(args, k)} if asked else {})
         args = dataclasses.replace(args, **changes) if changes else args
-        super().__init__(self.rp_model.hf_model, args, *trainer_args, **kwargs)
+        super().__init__(hf_model, args, *trainer_args, **kwargs)
         self.place_model_on_device = False
+        if wrapped:
+            self.rp_model = model
+        else:
+            # wrapped after the Trainer's __init__: TRL's peft_config= puts its adapter around the model there
+            # (SFTTrainer.__init__, seeded by args.seed), and the RoundPipe must train that adapter.  The RNG is
+            # left as the Trainer's set_seed left it, so that shuffling and dropout are transformers.Trainer's.
+            with torch.random.fork_rng(devices=[]):
+                self.rp_model = wrap(self.model, devices, **wrap_kwargs)
 
     @staticmethod
-    def _wrapped(model, args, devices, wrap_kwargs: dict) -> HFRoundPipe:
+    def _checked(model, args, devices, wrap_kwargs: dict, peft_config) -> bool:
+        """Checks model and the wrap options against args before the Trainer's __init__ runs (which would load a
+        string as a hub id); sets wrap_kwargs' compute_dtype from bf16/fp16.  True when model is wrapped already."""
         dtype = precision_of(args)
         flag = "bf16=True" if args.bf16 else "fp16=True" if args.fp16 else None
         if isinstance(model, HFRoundPipe):
             if devices is not None or wrap_kwargs:
                 raise TypeError(f"model is already wrapped by rp.hf.wrap; give devices/{sorted(wrap_kwargs)} to "
                                 "rp.hf.wrap, or pass the unwrapped model here")
+            if peft_config is not None:
+                raise TypeError("peft_config= with a model already wrapped by rp.hf.wrap: the adapter would be put "
+                                "around the model after the RoundPipe was built; pass the unwrapped model (wrapped "
+                                "here after the adapter), or wrap peft.get_peft_model(model, peft_config)")
             if flag is not None and model.compute_dtype != dtype:
                 raise ValueError(f"TrainingArguments({flag}) but the wrapped model computes in {model.compute_dtype}; "
                                  f"wrap it with compute_dtype={dtype}, or pass the unwrapped model here")
-            return model
+            return True
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers causal LM, a PEFT model around one or a model wrapped by "
                             f"rp.hf.wrap, got {type(model).__name__}")
@@ -103,7 +130,7 @@ class TrainerMixin:
             wrap_kwargs["compute_dtype"] = dtype
         elif flag is not None and given != dtype:
             raise ValueError(f"TrainingArguments({flag}) and compute_dtype={given} disagree; give one of them")
-        return wrap(model, devices, **wrap_kwargs)
+        return False
 
     def _move_model_to_device(self, model, device) -> None:
         """The HF model is the RoundPipe's host master: it stays where it is."""

@@ -309,3 +309,36 @@ def test_a_group_without_counted_tokens_gives_zero_loss(tmp_path):
         trainer.train()
         assert [h["loss"] for h in logged(trainer)] == [0.0, 0.0]
         assert all(torch.isfinite(p).all() for p in trainer.rp_model.parameters())
+
+
+@pytest.mark.parametrize("how", ["args", "model"])
+def test_gradient_checkpointing_gives_way_to_the_engines_recompute(tmp_path, how):
+    """TrainingArguments(gradient_checkpointing=True), or model.gradient_checkpointing_enable() before rp.hf.wrap: HF's
+    checkpointing is turned off with one line saying that the engine recomputes already, the planner's dry run runs
+    (no fallback warning), and the losses equal ours without checkpointing and transformers.Trainer's with it."""
+    hf = tiny()
+    ref_model = copy.deepcopy(hf)
+    ref = transformers.Trainer(model=ref_model, args=args(tmp_path / "ref", gradient_checkpointing=True),
+                               train_dataset=dataset())
+    ref.train()
+    plain = rp.hf.Trainer(model=copy.deepcopy(hf), args=args(tmp_path / "plain"), train_dataset=dataset(),
+                          devices=["cpu", "cpu"])
+    with plain.rp_model:
+        plain.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "args":
+            trainer = rp.hf.Trainer(model=hf, args=args(tmp_path / "rp", gradient_checkpointing=True),
+                                    train_dataset=dataset(), devices=["cpu", "cpu"])
+        else:
+            hf.gradient_checkpointing_enable()
+            trainer = rp.hf.Trainer(model=rp.hf.wrap(hf, devices=["cpu", "cpu"]), args=args(tmp_path / "rp"),
+                                    train_dataset=dataset())
+        with trainer.rp_model:
+            trainer.train()
+            compare(trainer, ref, ref_model)
+    messages = [str(w.message) for w in caught]
+    assert sum("recomputes" in m for m in messages) == 1, messages
+    assert not any("dry run" in m for m in messages), messages
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in hf.modules())
+    assert [h["loss"] for h in logged(trainer)] == [h["loss"] for h in logged(plain)]
