@@ -26,6 +26,14 @@ class SFT(rp.hf.TrainerMixin, trl.SFTTrainer):
     """The one class a TRL script defines."""
 
 
+
+def assert_same_losses(trainer, ref, steps=3):
+    """Our logged losses equal TRL's, step for step (three logged steps by default)."""
+    ours = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    theirs = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    assert len(ours) == len(theirs) == steps
+    assert ours == pytest.approx(theirs, rel=1e-5)
+
 def test_sft_trainer_mixin_equals_trl(tmp_path):
     """A tiny SFT run (text rows tokenized by TRL, accumulation 2, linear schedule): the same logged losses and
     final weights as trl.SFTTrainer, with the optimizer's fused roundpipe.optim version."""
@@ -40,10 +48,7 @@ def test_sft_trainer_mixin_equals_trl(tmp_path):
                   devices=["cpu", "cpu"])
     with trainer.rp_model:
         trainer.train()
-        ours = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        theirs = [h["loss"] for h in ref.state.log_history if "loss" in h]
-        assert len(ours) == len(theirs) == 3
-        assert ours == pytest.approx(theirs, rel=1e-5)
+        assert_same_losses(trainer, ref)
         assert isinstance(trainer.optimizer.optimizer, rp.optim.AdamW)
         # atol: Adam divides by sqrt(v), so where a gradient is near 0 the fp32 summation order (2 workers, the
         # fused linear + cross-entropy) moves an update by up to ~2e-5 (measured); a wrong step moves it ~1e-2
@@ -72,10 +77,7 @@ def test_sft_peft_config_equals_trl(tmp_path):
     assert isinstance(trainer.rp_model.hf_model, peft.PeftModel) and trainer.rp_model.hf_model is trainer.model
     with trainer.rp_model:
         trainer.train()
-        ours = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        theirs = [h["loss"] for h in ref.state.log_history if "loss" in h]
-        assert len(ours) == len(theirs) == 3
-        assert ours == pytest.approx(theirs, rel=1e-5)
+        assert_same_losses(trainer, ref)
         adapter = {n: p for n, p in trainer.rp_model.named_parameters() if p.requires_grad}
         ref_adapter = {n: p for n, p in ref.model.named_parameters() if p.requires_grad}
         assert sorted(adapter) == sorted(ref_adapter) and all("lora_" in n for n in adapter)
