@@ -13,7 +13,7 @@ def test_quick_smallest_size_prints_three_tables(capsys):
     out = capsys.readouterr().out
     for name in ("offload_alloc", "offload_bandwidth", "offload_footprint"):
         assert f"== {name}" in out
-    assert "64 KiB" in out and "qwen3-4b" in out
+    assert "64 KiB" in out and "Qwen3-4B" in out   # the named shape (roundpipe/shapes.py)
     if "NO GPU" in out:
         assert "roundpipe engine" in out
 
