@@ -60,7 +60,7 @@ CHILD = Path(__file__).with_name("gpu_providers.py")
 PROVIDERS = ("ours-sync", "ours-async", "torch", "fsdp2-offload", "deepspeed-zero-offload", "roundpipe-0.1.1")
 PEERS = ("fsdp2-offload", "deepspeed-zero-offload", "roundpipe-0.1.1")
 PEER_FOLDERS = {"deepspeed-zero-offload": ("deepspeed", "deepspeed"), "roundpipe-0.1.1": ("roundpipe-0.1.1", "roundpipe")}
-# Host bytes per trainable parameter (DESIGN.md section 6): fp32 master 4 + Adam m, v 8 + upload copy
+# Host bytes per trainable parameter (docs/architecture.md, host-resident state): fp32 master 4 + Adam m, v 8 + upload copy
 # and gradient landing; 8-bit state with bf16 masters ~6; FSDP2's offload keeps fp32 params, grads and
 # Adam state on the host (16); DeepSpeed's fp32 partitions and 0.1.1's fp32 optimizer copies likewise.
 HOST_BYTES = {"ours": 18.0, "ours-8bit": 7.0, "torch": 4.0, "fsdp2-offload": 16.0, "deepspeed-zero-offload": 18.0,

@@ -15,14 +15,14 @@
 #                                 a compiled wheel: fetched for the GPU machine's Python, $PEER_PYTHON)
 #   .whl/peers/liger-kernel/      liger-kernel (pure Python over Triton), for kernel comparisons
 #
-# What the GPU image already holds (/work/.library/device/KINDS.md: torch, transformers, peft, numpy,
+# What the GPU image already holds (the lent GPU machine's image: torch, transformers, peft, numpy,
 # msgpack, psutil, ninja, nvidia-ml-py, einops, ...) is not fetched: a second copy would shadow it.
 # .whl/ is git-ignored (/.whl/ in .gitignore); the wheels are never committed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-PEER_PYTHON=${PEER_PYTHON:-3.12}              # the GPU machine's Python (KINDS.md: 3.12.3)
+PEER_PYTHON=${PEER_PYTHON:-3.12}              # the GPU machine's Python (3.12.3 on the lent image)
 ROUNDPIPE_PEER=${ROUNDPIPE_PEER:-0.1.1}
 DEEPSPEED=${DEEPSPEED:-0.19.8}
 LIGER=${LIGER:-0.8.5}
