@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe.core.checks import is_int
+from roundpipe.core.checks import check_int
 from roundpipe.planner.plan import Plan
 from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, QWEN3_32B
 
@@ -114,14 +114,6 @@ def _unit(n: int) -> tuple[str, int]:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not is_int(value):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    return value
 
 
 def load_config(config: Any):
@@ -295,8 +287,8 @@ def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.
     config: a transformers config, a dict with model_type, a shape name in SHAPES, a config.json path or
     a folder holding one.  workers: the worker count the plan is made for (it does not move the limit).
     dtype: the compute dtype (bf16 on GPU workers, fp32 on CPU workers by default)."""
-    _check_int("device_memory", device_memory, 1)
-    _check_int("workers", workers, 1)
+    check_int("device_memory", device_memory, 1)
+    check_int("workers", workers, 1)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype={dtype!r} must be a floating torch.dtype (torch.bfloat16, torch.float16, torch.float32)")
     name = config.lower() if isinstance(config, str) and config.lower() in SHAPES else None
