@@ -140,6 +140,53 @@ class _FusedAttentionBytes(TorchFunctionMode):
         return out
 
 
+def _returns_tensors(func: Any) -> bool:
+    return any(str(r.type).startswith(("Tensor", "Optional[Tensor]", "List[Tensor]")) for r in func._schema.returns)
+
+
+class SmallDataOnCpu(TorchDispatchMode):
+    """The meta-device dry run with the sample's integer and boolean tensors kept real, on the CPU.
+
+    A layer may branch on its inputs' values: transformers' mask builders ask whether an
+    attention mask pads anything (`.all()`, then `.item()`), a MoE router counts tokens per
+    expert.  On the meta device that is "Tensor.item() cannot be called on meta tensors", and the
+    planner fell back to parameter counts (tests/hf/test_hf_meta_dry_run.py).  Under this mode an op
+    whose tensor inputs all lie on the CPU runs there for real while its outputs stay small
+    (`LIMIT` bytes: masks [batch, seq], positions, counts); a larger output ([batch, 1, T, T]
+    causal masks) is kept as its meta shape, and an op with any meta input runs on the meta
+    device, its CPU inputs moved there.  Entered below the dry run's counting modes, so they see
+    every op as the layer made it; CPU tensors are not counted (a few bytes per token)."""
+
+    LIMIT = 1 << 22
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:   # as FlopCount: no torch._dynamo import
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) and not v.is_meta else v
+        if not tensors or any(t.is_meta for t in tensors):
+            if not tensors:
+                return func(*args, **kwargs)
+            return func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        if not _returns_tensors(func):   # .item(), sizes, devices: the real answer
+            return func(*args, **kwargs)
+        try:
+            shaped = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        except (RuntimeError, NotImplementedError):   # a data-dependent shape (nonzero): small inputs, run it
+            return func(*args, **kwargs)
+        produced = [t for t in tree_leaves(shaped) if isinstance(t, torch.Tensor)]
+        if sum(t.numel() * t.element_size() for t in produced) > self.LIMIT:
+            return shaped
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+            if any(t.is_floating_point() for t in produced):   # weights and activations go to the meta device
+                return shaped
+            kwargs = dict(kwargs, device="cpu")   # `mask.to(embeds.device)`: the values stay
+        return func(*args, **kwargs)
+
+
 def dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: torch.dtype,
                   rates: tuple[float, float], device: str, loss: tuple[Callable, Any] | None = None) -> list[LayerCost]:
     """Size-based costs from one forward of the first microbatch through copies of the layers.
@@ -148,11 +195,21 @@ def dry_run_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype
     weights are cast to; rates: (FLOP/s, bytes/s), e.g. RATES["cuda"]; device: "meta" (shapes only)
     or "cpu" (the caller restores the RNG and picks the math attention backend, autoplan
     `size_costs`); loss: (loss_fn, labels) of a training call, measured on the last layer."""
+    if device != "meta":
+        return _dry_run(layers, sample, dtype, rates, device, loss)
+    with SmallDataOnCpu():   # token ids and masks keep their values: data-dependent branches can run
+        return _dry_run(layers, sample, dtype, rates, device, loss)
+
+
+def _dry_run(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: torch.dtype,
+             rates: tuple[float, float], device: str, loss: tuple[Callable, Any] | None) -> list[LayerCost]:
     flop_rate, byte_rate = rates
 
     def to_device(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
+        if device == "meta" and not t.is_floating_point():   # ids, masks: real values (SmallDataOnCpu)
+            return t.detach().to("cpu", copy=True)
         copied = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
         return copied.requires_grad_(t.requires_grad and copied.is_floating_point())
     x = tree_map(to_device, sample)
