@@ -16,7 +16,10 @@ The training flags of `roundpipe train` work as they do there: --max-grad-norm, 
 
 --lora RANK trains a PEFT LoRA adapter (alpha 2 x RANK, every Linear of the decoder, no dropout)
 with the base frozen, and --save writes the adapter; --quantize nf4|fp4 with it keeps the frozen
-base 4-bit (QLoRA: roundpipe/hf/quantize.py).  A bitsandbytes 4-bit checkpoint is read as stored.
+base 4-bit (QLoRA: roundpipe/hf/quantize.py).  A bitsandbytes 4-bit checkpoint is read as stored
+(--quantize then changes nothing, and says so in a warning); the `model:` line names the base's 4-bit
+type as loaded.  Without --lora, --save of a 4-bit checkpoint writes it in bitsandbytes' format
+(transformers and `rp.hf.from_pretrained` load it, the packed base bitwise as read).
 
     roundpipe train --hf ./my-model --data ./notes --steps 100 --save ./my-model-tuned
     roundpipe train --hf ./my-model --lora 16 --quantize nf4 --save ./my-adapter
@@ -134,6 +137,7 @@ def train_hf(cfg, save: str | None = None) -> dict:
 
     import roundpipe as rp
     from roundpipe.commands.train_loops import engine_options, lr_at, make_optimizer
+    from roundpipe.hf.quantize import base_types
 
     check_hf_flags(cfg)
     try:
@@ -147,7 +151,8 @@ def train_hf(cfg, save: str | None = None) -> dict:
         model.train()   # from_pretrained leaves a model in eval mode, as transformers does
         n_params = sum(p.numel() for p in model.parameters()) + model.host.quantized_numel
         n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        base = f", base {cfg.quantize}" if cfg.quantize else ""
+        types = base_types(model.hf_model)   # what the base is, not what --quantize asked (hf/quantize.py)
+        base = f", base {'+'.join(types)}" if types else ""
         print(f"model: {cfg.hf} ({model.config.model_type}, {n_params / 1e6:.2f}M parameters, "
               f"{n_trained / 1e6:.2f}M trained{base})\n"
               f"data:  {corpus.source}\n"

@@ -9,11 +9,20 @@ microbatch of b sequences of T tokens with hidden size H:
     Decoder  Activation -> Activation (hidden replaced)
     Head     Activation -> logits [b, T, V]                 (no autograd: forward-only calls)
                         -> (normed hidden [b, T, H], W)     (autograd: the fused tail's loss_fn)
+                        -> (normed hidden, W, coef * aux)   (autograd, with the router loss on)
 
 `masks` maps an attention type ("full_attention", "sliding_attention") to the mask the HF model
 builds for this microbatch with its own mask functions (None where attention is plainly causal);
 cos/sin are the model's rotary embeddings for the microbatch's positions.  The decoder layers
 read masks and cos/sin detached: they depend on no parameter, so no gradient is sent back for them.
+
+With the router loss on (an MoE model with config.output_router_logits, presets.py `Router`) the
+Activation also carries the microbatch's attention_mask [b, T] (or None) and `router`, the loss's
+running sums (roundpipe/hf/loss.py `RouterStats`: probs [E] fp32 with its gradient, counts [E + 1]
+int64); each Decoder adds its routers' logits to them, read by a forward hook that lives only for
+that call on the module running it (each worker runs its own replica, so no hook is shared between
+threads, and the user's model keeps no hook), and the Head turns them into coef * aux.  Without it
+both are None.
 
 The head returns its weight rather than logits under autograd so that the loss runs through
 `roundpipe.kernels.linear_cross_entropy` and never materialises the [b, T, V] logits; the
@@ -28,6 +37,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from roundpipe.hf.loss import RouterStats, add_router_logits, empty_router_stats, load_balancing_loss
+from roundpipe.hf.presets import Router
+
 
 class Activation(NamedTuple):
     hidden: torch.Tensor
@@ -35,6 +47,8 @@ class Activation(NamedTuple):
     position_ids: torch.Tensor
     cos: torch.Tensor | None
     sin: torch.Tensor | None
+    attention_mask: torch.Tensor | None = None   # [b, T], carried only for the router loss
+    router: RouterStats | None = None
 
 
 def _mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids) -> dict:
@@ -53,12 +67,14 @@ def _mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids) -> dict:
 class Embed(nn.Module):
     """Token embedding, position ids, this microbatch's attention masks and rotary embeddings."""
 
-    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module | None, config, attention_types: list[str]):
+    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module | None, config, attention_types: list[str],
+                 router: Router | None = None):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
         self.config = config
         self.attention_types = sorted(set(attention_types))
+        self.router = router
 
     def _masks(self, embeds: torch.Tensor, attention_mask, position_ids) -> dict:
         from transformers import masking_utils
@@ -87,7 +103,10 @@ class Embed(nn.Module):
         cos = sin = None
         if self.rotary_emb is not None:
             cos, sin = self.rotary_emb(hidden, position_ids)
-        return Activation(hidden, masks, position_ids, cos, sin)
+        if self.router is None:
+            return Activation(hidden, masks, position_ids, cos, sin)
+        stats = empty_router_stats(self.router.num_experts, hidden.device)
+        return Activation(hidden, masks, position_ids, cos, sin, attention_mask, stats)
 
 
 def _detached(t):
@@ -95,12 +114,16 @@ def _detached(t):
 
 
 class Decoder(nn.Module):
-    """One HF decoder layer, called as the HF model calls it."""
+    """One HF decoder layer, called as the HF model calls it (adding its routers' sums to x.router)."""
 
-    def __init__(self, layer: nn.Module, attention_type: str):
+    def __init__(self, layer: nn.Module, attention_type: str, router: Router | None = None):
         super().__init__()
         self.layer = layer
         self.attention_type = attention_type
+        self.router = router
+        # by name: a replica (a deep copy of this layer) finds its own router modules
+        self.router_names = [] if router is None else \
+            [n for n, m in layer.named_modules() if isinstance(m, router.classes)]
 
     def forward(self, x: Activation) -> Activation:
         x = Activation(*x)
@@ -108,10 +131,26 @@ class Decoder(nn.Module):
                                   "position_ids": x.position_ids}
         if x.cos is not None:
             kwargs["position_embeddings"] = (_detached(x.cos), _detached(x.sin))
-        out = self.layer(x.hidden, **kwargs)
+        logits: list[torch.Tensor] = []
+        index = self.router.index if self.router is not None else 0
+
+        def record(module, args, output):
+            logits.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+        hooks = [self.layer.get_submodule(n).register_forward_hook(record) for n in self.router_names]
+        try:
+            out = self.layer(x.hidden, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
         if isinstance(out, (tuple, list)):   # older transformers return (hidden, ...)
             out = out[0]
-        return x._replace(hidden=out)
+        if self.router is None or x.router is None:
+            return x._replace(hidden=out)
+        stats, mask = RouterStats(*x.router), _detached(x.attention_mask)
+        for t in logits:
+            stats = add_router_logits(stats, t, self.router.top_k, mask)
+        return x._replace(hidden=out, router=stats)
 
 
 def fusable_head(lm_head: nn.Module) -> bool:
@@ -123,18 +162,22 @@ class Head(nn.Module):
     """Final norm + LM head: logits without autograd, (normed hidden, head weight) with it.
 
     A head the fused loss cannot read (a bias, a LoRA-wrapped head) gives (logits, None) under
-    autograd instead; the loss then takes the cross-entropy of those logits."""
+    autograd instead; the loss then takes the cross-entropy of those logits.  With the router loss
+    on, a third element: coef * the microbatch's load-balancing loss (loss.py)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, router: Router | None = None):
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.fused = fusable_head(lm_head)
+        self.router = router
 
     def forward(self, x: Activation):
-        h = self.norm(Activation(*x).hidden)
+        x = Activation(*x)
+        h = self.norm(x.hidden)
         if not torch.is_grad_enabled():
             return self.lm_head(h)
-        if self.fused:
-            return h, self.lm_head.weight
-        return self.lm_head(h), None
+        out = (h, self.lm_head.weight) if self.fused else (self.lm_head(h), None)
+        if self.router is None or x.router is None:
+            return out
+        return (*out, load_balancing_loss(RouterStats(*x.router)) * self.router.coef)

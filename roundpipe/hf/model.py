@@ -26,7 +26,17 @@ from roundpipe.engine.model import RoundPipe
 from roundpipe.hf.layers import Decoder, Embed, Head
 from roundpipe.hf.loss import TokenLoss, count_items, shift_labels
 from roundpipe.hf.presets import PRESETS, causal_lm, find_parts
-from roundpipe.hf.quantize import HF_OPTIONS, QuantizeConfig, is_bnb_4bit, load_bnb_checkpoint, quantize_decoder
+from roundpipe.hf.quantize import (
+    HF_OPTIONS,
+    QuantizeConfig,
+    bnb_save_state,
+    check_headers,
+    check_layers,
+    checkpoint_files,
+    is_bnb_4bit,
+    load_bnb_checkpoint,
+    quantize_decoder,
+)
 
 # every keyword rp.hf.wrap (and rp.hf.Trainer, which passes them to it) takes besides the model: the engine's
 # options (EngineConfig's fields; loss_reduction among them, which wrap refuses) and wrap's own (QuantizeConfig's)
@@ -39,9 +49,10 @@ def cut_layers(hf_model: nn.Module, quant: QuantizeConfig | None = None) -> list
     quant = quant if quant is not None else QuantizeConfig()
     parts = find_parts(hf_model)
     quantize_decoder(hf_model, parts.layers, quant)   # before the layers see the modules
-    layers: list[nn.Module] = [Embed(parts.embed_tokens, parts.rotary_emb, parts.config, parts.attention_types)]
-    layers += [Decoder(layer, kind) for layer, kind in zip(parts.layers, parts.attention_types)]
-    layers.append(Head(parts.norm, parts.lm_head))
+    layers: list[nn.Module] = [Embed(parts.embed_tokens, parts.rotary_emb, parts.config, parts.attention_types,
+                                     parts.router)]
+    layers += [Decoder(layer, kind, parts.router) for layer, kind in zip(parts.layers, parts.attention_types)]
+    layers.append(Head(parts.norm, parts.lm_head, parts.router))
     covered = {id(p) for layer in layers for p in layer.parameters()}
     for name, p in hf_model.named_parameters():
         if id(p) not in covered:
@@ -184,12 +195,14 @@ class HFRoundPipe(RoundPipe):
         if shifted.shape != input_ids.shape:
             raise ValueError(f"labels have shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}; they must match")
         items = count_items(shifted, num_items_in_batch)
+        batch = input_ids.shape[0]   # a router loss (MoE) is weighted by each microbatch's share (hf/loss.py)
         if self.dp is not None and num_items_in_batch is None:
             # the token mean over every rank's batch: each rank divides by the ranks' total count, and
             # the ranks' gradients are summed (loss_reduction="sum"); the loss returned is this rank's own mean
             total = self.dp.sum_over_ranks(items)
-            return super().forward_backward(labels=shifted, loss_fn=TokenLoss(total), **inputs) * (total / items)
-        return super().forward_backward(labels=shifted, loss_fn=TokenLoss(items), **inputs)
+            loss_fn = TokenLoss(total, batch, aux_share=items / total)
+            return super().forward_backward(labels=shifted, loss_fn=loss_fn, **inputs) * (total / items)
+        return super().forward_backward(labels=shifted, loss_fn=TokenLoss(items, batch), **inputs)
 
     def __call__(self, input_ids=None, attention_mask=None, *, position_ids=None, **kwargs) -> torch.Tensor:
         """Forward only: logits [batch, seq_len, vocab] on the CPU."""
@@ -200,14 +213,38 @@ class HFRoundPipe(RoundPipe):
     # ---- files
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """The HF model's save_pretrained (safetensors, HF names; a PEFT model writes its adapter)
-        with the masters as they are after every pending step."""
+        with the masters as they are after every pending step.
+
+        A model with a 4-bit base and no adapter writes what transformers writes for a model it loaded with
+        bitsandbytes 4-bit: bitsandbytes' tensors and `quantization_config` in config.json (hf/quantize.py,
+        `bnb_save_state`), a folder that transformers + bitsandbytes and rp.hf.from_pretrained load, the packed
+        base bitwise as it was; a 4-bit base with no bitsandbytes form is a ValueError before anything is written."""
         self.synchronize()
         if self.offload is not None and self.offload.placeholders:
             raise ValueError("save_pretrained: some fp32 masters live in offload_dir (host_memory too small for them), "
                              "and the HF model holds placeholders for them; save with save_checkpoint (streamed), or "
                              "close() this model (which reads the masters back into the HF model) and call "
                              "hf_model.save_pretrained")
-        self.hf_model.save_pretrained(save_directory, **kwargs)
+        adapter_only = hasattr(self.hf_model, "peft_config") or getattr(self.hf_model, "_hf_peft_config_loaded", False)
+        saved = None if adapter_only else bnb_save_state(self.hf_model)
+        if saved is None:
+            self.hf_model.save_pretrained(save_directory, **kwargs)
+            return
+        if "state_dict" in kwargs:
+            raise TypeError("save_pretrained: state_dict= cannot be given for a model with a 4-bit base: the tensors "
+                            "written are the model's own, its 4-bit layers in bitsandbytes' format")
+        state, quantization_config = saved
+        config = causal_lm(self.hf_model).config
+        had = "quantization_config" in config.__dict__
+        before = config.__dict__.get("quantization_config")
+        config.quantization_config = quantization_config   # written into config.json, then taken back
+        try:
+            self.hf_model.save_pretrained(save_directory, state_dict=state, **kwargs)
+        finally:
+            if had:
+                config.quantization_config = before
+            else:
+                del config.quantization_config
 
 
 def launched_group():
@@ -244,7 +281,7 @@ def launched_group():
 def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
          compute_dtype: torch.dtype | None = None, plan=None, *, quantize: str | QuantizeConfig | None = None,
          double_quant: bool = True, **roundpipe_kwargs: Any) -> HFRoundPipe:
-    """A RoundPipe over a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or any decoder
+    """A RoundPipe over a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-OSS or any decoder
     with embeddings, a list of decoder layers, a final norm and an LM head), or a PEFT model around one.
 
     The HF model must be on the CPU; it becomes the host master (its trainable parameters turn fp32 in
@@ -282,10 +319,16 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", 
     if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r} must be 'auto' or a floating torch.dtype")
     quant = QuantizeConfig(quantize, double_quant)   # checked before anything is loaded; wrap takes it as it is
-    config = AutoConfig.from_pretrained(path)
+    files = checkpoint_files(path)   # the folder may come from anywhere: its files are checked before they are read
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"{os.path.join(path, 'config.json')}: transformers cannot read it "
+                         f"({type(e).__name__}: {str(e)[:300]})") from None
     if is_bnb_4bit(config):
         hf_model = load_bnb_checkpoint(path, config, dtype, peft_config)
     else:
+        check_layers(config, check_headers(files), path)
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         if peft_config is not None:
             import peft

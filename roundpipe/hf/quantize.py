@@ -18,12 +18,19 @@ worker just before each product, never downloaded back (roundpipe/engine/step/ho
     4-bit checkpoint       `load_bnb_checkpoint` reads a folder bitsandbytes' save_pretrained
                            wrote (quant-state keys) without bitsandbytes: a meta-device skeleton,
                            QuantLinear from the stored states, the rest assigned as stored
+
+And one way out: `bnb_save_state` gives what transformers' save_pretrained writes for a bitsandbytes
+4-bit model (HFRoundPipe.save_pretrained of a model without an adapter), so the folder loads both here and
+in transformers.  Every folder read is checked first (`checkpoint_files`): it may come from anywhere.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
+import stat
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +38,7 @@ import torch
 from torch import nn
 
 from roundpipe.quant import QuantExperts, QuantLinear, convert_bnb_model, quantize_model, state_from_state_dict
+from roundpipe.quant.bnb import STAT_SUFFIXES, to_state_dict
 from roundpipe.quant.convert import ADAPTER_PARTS
 from roundpipe.quant.experts import fused_expert_weights
 
@@ -99,12 +107,16 @@ def quantize_decoder(hf_model: nn.Module, layers: list[nn.Module], options: Quan
     quantize, double_quant = options.quantize, options.double_quant
     names = {id(m): n for n, m in hf_model.named_modules()}
     convert_bnb_model(hf_model)
+    made = 0
     if quantize is not None:
         for layer in layers:
-            _quantize_experts(layer, quantize, double_quant)
+            made += _quantize_experts(layer, quantize, double_quant)
             _unquantizable(layer, names.get(id(layer), ""))
-            quantize_model(layer, quantize, double_quant, skip=())
+            made += quantize_model(layer, quantize, double_quant, skip=())
     held = sum(isinstance(m, (QuantLinear, QuantExperts)) for layer in layers for m in layer.modules())
+    if quantize is not None and made == 0 and held:
+        warnings.warn(f"quantize={quantize!r} is ignored: the frozen Linears of the decoder layers are 4-bit already "
+                      f"({', '.join(base_types(hf_model))}, as loaded) and are kept as they are", stacklevel=4)
     if quantize is not None and held == 0:
         trained = next((f"{names.get(id(layer), '')}.{n}" for layer in layers for n, m in layer.named_modules()
                         if type(m) is nn.Linear and m.weight.requires_grad), None)
@@ -113,6 +125,108 @@ def quantize_decoder(hf_model: nn.Module, layers: list[nn.Module], options: Quan
                          + "; freeze the base first (model.requires_grad_(False)) or wrap a PEFT model "
                          "(peft.get_peft_model), whose base layers are frozen")
     return held
+
+
+def base_types(model: nn.Module) -> list[str]:
+    """The 4-bit types the model's quantized layers hold (sorted; empty when none is 4-bit)."""
+    return sorted({m.quant_type for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))})
+
+
+# ---- a checkpoint folder from anywhere -------------------------------------------------------------------------
+# A folder handed to rp.hf.from_pretrained may come from an untrusted source.  Before transformers or the reader
+# below sees it: every file read must be a regular file inside the folder (a symlink may point into a Hugging Face
+# hub cache's blobs/ next to a snapshot, nowhere else); config.json, generation_config.json and the shard index must
+# be JSON objects of at most MAX_JSON_BYTES; the shard index may name only the folder's own *.safetensors files.
+# safetensors headers are checked by the reader that reads them (TensorFile here, the safetensors library's
+# safe_open for transformers), whose errors become a ValueError naming the file.
+
+MAX_JSON_BYTES = 16 << 20   # a causal LM's config.json is a few KB; its shard index a few hundred KB
+JSON_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+
+
+def _inside(folder: Path, path: Path) -> Path:
+    """path with its symlinks resolved: a regular file inside folder (or a hub cache's blobs/), else ValueError."""
+    try:
+        real = path.resolve(strict=True)
+    except (OSError, RuntimeError) as e:   # a dangling link, a loop
+        raise ValueError(f"{path}: cannot be opened ({e})") from None
+    roots = [folder]
+    if folder.parent.name == "snapshots":   # ~/.cache/huggingface/hub/models--x/snapshots/<rev>/f -> ../../blobs/<hash>
+        roots.append(folder.parent.parent / "blobs")
+    if not any(real.is_relative_to(root) for root in roots):
+        raise ValueError(f"{path}: a symlink to {real}, outside the folder {folder}; a checkpoint's files must be "
+                         "inside its folder")
+    if not stat.S_ISREG(real.stat().st_mode):
+        raise ValueError(f"{path}: not a regular file (a FIFO, device or directory)")
+    return real
+
+
+def read_json(folder: Path, name: str) -> dict | None:
+    """The JSON object in folder/name (None when there is no such file), checked: size, nesting, an object."""
+    path = folder / name
+    if not path.exists() and not path.is_symlink():
+        return None
+    real = _inside(folder, path)
+    size = real.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {size} bytes; a {name} of more than {MAX_JSON_BYTES} bytes is not one anyone wrote")
+    with open(real, "rb") as f:
+        raw = f.read(MAX_JSON_BYTES + 1)
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{path}: the JSON nests too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The folder's *.safetensors files, after the checks above (config.json must be there)."""
+    folder = Path(path).resolve()
+    if read_json(folder, "config.json") is None:
+        raise ValueError(f"{str(path)!r} has no config.json; give a folder written by save_pretrained")
+    read_json(folder, "generation_config.json")
+    index = read_json(folder, "model.safetensors.index.json")
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        _inside(folder, f)
+    if index is not None:
+        weight_map = index.get("weight_map")
+        names = {f.name for f in files}
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{folder / 'model.safetensors.index.json'}: weight_map is {type(weight_map).__name__}, "
+                             "not an object of tensor -> file")
+        for key, file in weight_map.items():
+            if not isinstance(file, str) or file not in names:
+                raise ValueError(f"{folder / 'model.safetensors.index.json'}: weight_map[{key[:80]!r}] = {file!r} is not "
+                                 f"one of the folder's *.safetensors files")
+    return files
+
+
+def check_headers(files: list[Path]) -> int:
+    """Opens each safetensors file's header with the safetensors library (what transformers reads it with): its
+    errors as a ValueError naming the file; returns how many tensors the files hold."""
+    from safetensors import SafetensorError, safe_open
+    count = 0
+    for f in files:
+        try:
+            with safe_open(f, "pt") as opened:
+                count += len(opened.keys())
+        except SafetensorError as e:
+            raise ValueError(f"{f}: not a valid safetensors file ({e})") from None
+    return count
+
+
+def check_layers(config, tensors: int, path) -> None:
+    """ValueError when config.json claims more decoder layers than the files hold tensors (each layer holds some):
+    building them would take forever before any tensor is read."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > max(tensors, 1):
+        raise ValueError(f"{Path(path) / 'config.json'}: num_hidden_layers={layers}, but the checkpoint holds only "
+                         f"{tensors} tensors")
 
 
 # ---- reading a bitsandbytes 4-bit checkpoint ---------------------------------------------------------------
@@ -126,85 +240,202 @@ def is_bnb_4bit(config) -> bool:
     return qc.get("quant_method") == "bitsandbytes" and bool(qc.get("load_in_4bit"))
 
 
-def _compute_dtype(config) -> torch.dtype | None:
+def _compute_dtype(config, path) -> torch.dtype | None:
     qc = config.quantization_config
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     name = qc.get("bnb_4bit_compute_dtype")
-    return getattr(torch, name.removeprefix("torch.")) if isinstance(name, str) else name
+    if name is None:
+        return None
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else name
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{Path(path) / 'config.json'}: quantization_config.bnb_4bit_compute_dtype={name!r} is not a "
+                         "floating torch dtype")
+    return dtype
+
+
+def _read_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """Every tensor of the files (read by the checked reader, TensorFile) and the file each came from."""
+    from roundpipe.engine.state.tensor_file import TensorFile
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
+    for f in files:
+        with TensorFile(str(f)) as opened:
+            for key in opened.entries:
+                if key in tensors:
+                    raise ValueError(f"{f}: tensor {key!r} is in {where[key]} too")
+                tensors[key], where[key] = opened.read(key), f
+    return tensors, where
+
+
+def _placeholders(model: nn.Module, quantized: set[str], dtype: torch.dtype) -> list[nn.Parameter]:
+    """Gives every meta `weight` of the skeleton a CPU stand-in of its shape that costs one value (a zero-stride
+    view): uint8 for a stored 4-bit weight (bitsandbytes' Linear4bit holds uint8), else `dtype`.  PEFT creates a
+    LoRA adapter on the CPU, draws its initial values there and then moves it to its base layer's device: over a
+    meta base the drawn values would be lost.  Over these stand-ins the adapters keep the values PEFT drew, the
+    same draws in the same order as get_peft_model over transformers' bitsandbytes model; the stand-ins are
+    replaced by the stored tensors before anything reads them, and a stand-in left over is an error."""
+    stand_ins = []
+    for name, module in model.named_modules():
+        p = module._parameters.get("weight")
+        if p is None or not p.is_meta:
+            continue
+        four_bit = f"{name}.weight" in quantized
+        value = torch.zeros((), dtype=torch.uint8 if four_bit else dtype).expand(p.shape)
+        module._parameters["weight"] = nn.Parameter(value, requires_grad=p.requires_grad and not four_bit)
+        stand_ins.append(module._parameters["weight"])
+    return stand_ins
 
 
 def load_bnb_checkpoint(path: str | os.PathLike, config, dtype: torch.dtype | str = "auto",
                         peft_config=None) -> nn.Module:
     """A causal LM from a folder of bitsandbytes 4-bit safetensors (transformers' save_pretrained of a model
     loaded with BitsAndBytesConfig(load_in_4bit=True)), its 4-bit Linears as QuantLinear over the stored
-    bytes; with `peft_config`, that PEFT adapter around it (get_peft_model's, freshly initialised)."""
-    from safetensors.torch import load_file
+    bytes; with `peft_config`, that PEFT adapter around it (get_peft_model's, initialised as over transformers'
+    own bitsandbytes model with the same seed).  Every malformed tensor, key or shape is a ValueError naming
+    the file and the tensor."""
     from transformers import AutoModelForCausalLM
 
-    files = sorted(Path(path).glob("*.safetensors"))
+    _check_peft_init(peft_config)
+    files = checkpoint_files(path)
     if not files:
         raise ValueError(f"{str(path)!r} has no *.safetensors files; a 4-bit checkpoint is read from safetensors")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(f))
-    quantized = sorted({k.split(".quant_state.bitsandbytes__")[0] for k in tensors if ".quant_state.bitsandbytes__" in k})
+    tensors, where = _read_tensors(files)
+    check_layers(config, len(tensors), path)
+    quantized = {k.split(".quant_state.bitsandbytes__")[0] for k in tensors if ".quant_state.bitsandbytes__" in k}
+    quantized |= {k.rpartition(".")[0] for k in tensors if k.endswith(tuple(f".{s}" for s in STAT_SUFFIXES))}
+    states = {}
+    for weight in sorted(quantized):
+        try:
+            states[weight] = state_from_state_dict(tensors, weight)
+        except ValueError as e:
+            raise ValueError(f"{where.get(weight, Path(path))}: {e}") from None
     plain = {k: v for k, v in tensors.items() if not any(k == q or k.startswith(q + ".") for q in quantized)}
     if dtype == "auto":
         dtype = next((t.dtype for t in plain.values() if t.is_floating_point()), torch.float32)
     plain = {k: v.to(dtype) if v.is_floating_point() else v for k, v in plain.items()}
     config = copy.deepcopy(config)
-    compute_dtype = _compute_dtype(config)
+    compute_dtype = _compute_dtype(config, path)
     del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    stand_ins = _placeholders(model, quantized, dtype)
     top = model
     if peft_config is not None:
         import peft
-        top = peft.get_peft_model(model, peft_config)   # adapters around the meta Linears, initialised below
-    for weight in quantized:
-        name = weight.removesuffix(".weight")
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        owner = getattr(parent, child)
-        if hasattr(owner, "base_layer"):   # a PEFT adapter: its base layer is the stored Linear
-            parent, child, owner = owner, "base_layer", owner.base_layer
-        if not isinstance(owner, nn.Linear):
-            raise TypeError(f"{str(path)!r}: 4-bit weight {weight!r} is of a {type(owner).__name__}, not a Linear")
-        bias = plain.pop(f"{name}.bias", None)
-        setattr(parent, child, QuantLinear(state_from_state_dict(tensors, weight), bias, compute_dtype))
-    own = set(model.state_dict())
+        top = peft.get_peft_model(model, peft_config)   # the adapters drawn on the CPU, over the stand-ins
+    for weight, state in states.items():
+        parent, child, owner = _stored_linear(model, weight, where[weight] if weight in where else Path(path))
+        if tuple(state.shape) != (owner.out_features, owner.in_features):
+            raise ValueError(f"{where.get(weight, Path(path))}: 4-bit weight {weight!r} has shape {list(state.shape)} "
+                             f"but {type(model).__name__} (config.json) has [{owner.out_features}, {owner.in_features}]")
+        bias = plain.pop(f"{weight.removesuffix('.weight')}.bias", None)
+        setattr(parent, child, QuantLinear(state, bias, compute_dtype))
+    own = model.state_dict()
     renamed = {}
     for k, v in plain.items():   # a PEFT adapter moved its Linear's tensors under .base_layer
         head, _, leaf = k.rpartition(".")
-        renamed[k if k in own or f"{head}.base_layer.{leaf}" not in own else f"{head}.base_layer.{leaf}"] = v
-    unexpected = model.load_state_dict(renamed, strict=False, assign=True).unexpected_keys
-    if unexpected:
-        raise ValueError(f"{str(path)!r}: tensors {unexpected[:5]} are not in {type(model).__name__}")
+        name = k if k in own or f"{head}.base_layer.{leaf}" not in own else f"{head}.base_layer.{leaf}"
+        if name not in own:
+            raise ValueError(f"{where[k]}: tensor {k!r} is not in {type(model).__name__} (config.json)")
+        if tuple(own[name].shape) != tuple(v.shape) or own[name].is_floating_point() != v.is_floating_point():
+            hint = (" (a packed 4-bit weight without its statistics and quant_state?)"
+                    if v.dtype == torch.uint8 else "")
+            raise ValueError(f"{where[k]}: tensor {k!r} is {v.dtype} {list(v.shape)} but {type(model).__name__} "
+                             f"(config.json) has {own[name].dtype} {list(own[name].shape)}{hint}")
+        renamed[name] = v
+    model.load_state_dict(renamed, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    _materialize(model, peft_config)
+    _materialize(model, stand_ins)
     return top
 
 
-def _materialize(model: nn.Module, peft_config) -> None:
-    """The tensors the checkpoint does not hold, off the meta device: non-persistent buffers (rotary tables:
-    transformers' _init_weights computes them) and fresh PEFT adapters (their own initialisation)."""
-    for name, module in model.named_modules():
+def _check_peft_init(peft_config) -> None:
+    """ValueError for a LoRA initialisation that reads the base weight (PiSSA, OLoRA, CorDA, LoftQ, EVA) or DoRA:
+    the 4-bit reader builds the adapters before the stored weights are in place."""
+    if peft_config is None:
+        return
+    init = getattr(peft_config, "init_lora_weights", True)
+    if not (isinstance(init, bool) or init in ("gaussian", "orthogonal")) or getattr(peft_config, "use_dora", False):
+        what = "use_dora=True" if getattr(peft_config, "use_dora", False) else f"init_lora_weights={init!r}"
+        raise ValueError(f"peft_config: {what} initialises the adapter from the base weight, which a 4-bit checkpoint "
+                         "read by roundpipe does not have when the adapter is built; use init_lora_weights=True, False, "
+                         "'gaussian' or 'orthogonal' (or load the folder with transformers + bitsandbytes and wrap it)")
+
+
+def _stored_linear(model: nn.Module, weight: str, file: Path) -> tuple[nn.Module, str, nn.Linear]:
+    """(parent, attribute, the Linear) that 4-bit weight `weight` belongs to (a PEFT adapter's base layer)."""
+    name = weight.removesuffix(".weight")
+    parent_name, _, child = name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name) if parent_name else model
+        owner = getattr(parent, child) if weight.endswith(".weight") else None
+    except AttributeError:
+        owner = None
+    if hasattr(owner, "base_layer"):   # a PEFT adapter: its base layer is the stored Linear
+        parent, child, owner = owner, "base_layer", owner.base_layer
+    if not isinstance(owner, nn.Linear):
+        what = f"of a {type(owner).__name__}" if owner is not None else f"names no Linear of {type(model).__name__}"
+        raise ValueError(f"{file}: 4-bit weight {weight!r} {what} (config.json); only Linear weights are stored 4-bit")
+    return parent, child, owner
+
+
+def _materialize(model: nn.Module, stand_ins: list[nn.Parameter]) -> None:
+    """The tensors the checkpoint does not hold, off the meta device (non-persistent buffers such as rotary tables:
+    transformers' _init_weights computes them); ValueError naming a weight the checkpoint left without a value."""
+    for module in model.modules():
         meta_buffers = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
-        adapter = peft_config is not None and bool(set(name.split(".")) & ADAPTER_PARTS)
-        meta_params = [n for n, p in module.named_parameters(recurse=False) if p.is_meta and adapter]
         for n in meta_buffers:
             module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
-        for n in meta_params:
-            p = module._parameters[n]
-            module._parameters[n] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
         if meta_buffers:
             model._init_weights(module)
-    if peft_config is not None:
-        for module in model.modules():
-            if hasattr(module, "reset_lora_parameters") and hasattr(module, "lora_A"):
-                for adapter in module.lora_A:
-                    module.reset_lora_parameters(adapter, peft_config.init_lora_weights)
-    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    left_ids = {id(p) for p in stand_ins}
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta or id(t) in left_ids]
     if left:
         raise ValueError(f"the checkpoint holds no value for {left[:5]}; is it a complete save_pretrained folder?")
+
+
+# ---- writing one ---------------------------------------------------------------------------------------------
+
+def bnb_save_state(hf_model: nn.Module) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """The state dict and config.json `quantization_config` that transformers' save_pretrained writes for this
+    model loaded with BitsAndBytesConfig(load_in_4bit=True): each QuantLinear's weight under bitsandbytes' keys
+    (roundpipe.quant.to_state_dict: packed uint8 [n/2, 1], absmax, quant_map, nested_*, the quant-state JSON),
+    every other tensor as the model holds it; None when the model holds no 4-bit layer.
+
+    ValueError when the 4-bit layers cannot be written so: fused MoE experts (QuantExperts; bitsandbytes stores
+    Linear weights only), or layers that differ in 4-bit type, double quantization or compute dtype (one
+    BitsAndBytesConfig describes them all)."""
+    quant = {n: m for n, m in hf_model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))}
+    if not quant:
+        return None
+    from transformers import BitsAndBytesConfig
+    experts = [n for n, m in quant.items() if isinstance(m, QuantExperts)]
+    if experts:
+        raise ValueError(f"save_pretrained: {experts[0]} holds fused MoE expert tensors 4-bit (QuantExperts), which "
+                         "bitsandbytes' checkpoint format has no form for (it stores Linear weights only), so no folder "
+                         "transformers or rp.hf.from_pretrained could load would come of it; save with save_checkpoint, "
+                         "or train a PEFT adapter over the base (save_pretrained then writes the adapter)")
+    kinds = {}
+    for n, m in quant.items():
+        kinds.setdefault((m.quant_type, m.nested_absmax is not None, m.compute_dtype), n)
+    if len(kinds) > 1:
+        (a, first), (b, second) = list(kinds.items())[:2]
+        raise ValueError(f"save_pretrained: {first} is 4-bit (quant_type, double_quant, compute_dtype) = {a} but "
+                         f"{second} is {b}; a bitsandbytes checkpoint's quantization_config describes every 4-bit "
+                         "layer with one of each, so this model has no bitsandbytes form; save with save_checkpoint")
+    (quant_type, double_quant, compute_dtype), = kinds
+    state = hf_model.state_dict()
+    for name, m in quant.items():
+        prefix = f"{name}." if name else ""
+        for buffer in m._buffers:
+            state.pop(prefix + buffer, None)
+        state.update(to_state_dict(m.quant_state, prefix + "weight"))
+    # Linears that stay as they are (the LM head, trainable ones): bitsandbytes must not quantize them at load
+    skip = [n for n, m in hf_model.named_modules() if type(m) is nn.Linear]
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype,
+                                llm_int8_skip_modules=skip).to_dict()
+    if compute_dtype is None:   # QuantLinear computes in its input's dtype; transformers reads null as float32
+        config["bnb_4bit_compute_dtype"] = None
+    return state, config

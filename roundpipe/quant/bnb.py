@@ -16,6 +16,7 @@ a weight named P (bitsandbytes' QuantState.as_dict(packed=True)):
 from __future__ import annotations
 
 import json
+import math
 from typing import Mapping
 
 import torch
@@ -34,7 +35,7 @@ def _check_code(quant_map: torch.Tensor, quant_type: str, where: str) -> None:
 
 
 def _dtype(name: str, where: str) -> torch.dtype:
-    if name not in _NAMED_DTYPES:
+    if not isinstance(name, str) or name not in _NAMED_DTYPES:
         raise ValueError(f"{where}={name!r} is not one of {tuple(_NAMED_DTYPES)}")
     return _NAMED_DTYPES[name]
 
@@ -72,27 +73,111 @@ def from_bnb(weight) -> Quant4State:
                        offset=qs.offset.float().reshape(()), nested_blocksize=qs.state2.blocksize, **common)
 
 
+# the tensors a 4-bit weight P has besides P itself, each a key "P.<suffix>"
+STAT_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+# bitsandbytes' JSON blob is ~170 bytes; a longer one is not a quant state anyone wrote
+MAX_QUANT_STATE_BYTES = 4096
+
+
+def _quant_state_keys(name: str) -> list[str]:
+    return [f"{name}.quant_state.bitsandbytes__{t}" for t in QUANT_TYPES]
+
+
+def _field(tensors: Mapping[str, torch.Tensor], key: str, dtypes: tuple[torch.dtype, ...],
+           numel: int | None = None, finite: bool = True) -> torch.Tensor:
+    """tensors[key] flat, checked: present, one of `dtypes`, `numel` values (when given), finite (when asked)."""
+    if key not in tensors:
+        raise ValueError(f"the key {key!r} is missing")
+    t = tensors[key]
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+        what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{key!r} is {what}; expected {' or '.join(str(d) for d in dtypes)}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{key!r} has {t.numel()} values; expected {numel}")
+    if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{key!r} holds NaN or infinite values")
+    return t.reshape(-1)
+
+
+def _meta(blob: torch.Tensor, key: str) -> dict:
+    """The JSON object of a quant-state blob, its fields checked for type (values are checked by Quant4State)."""
+    if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() > MAX_QUANT_STATE_BYTES:
+        raise ValueError(f"{key!r} is {blob.dtype} {list(blob.shape)}; expected uint8 [n] of at most "
+                         f"{MAX_QUANT_STATE_BYTES} bytes (JSON text)")
+    try:
+        meta = json.loads(bytes(blob.cpu().numpy()).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ValueError(f"{key!r} is not JSON text (bitsandbytes' quant state)") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{key!r} is a JSON {type(meta).__name__}, not an object")
+    ints = ("blocksize", "nested_blocksize")
+    for field in ("quant_type", "blocksize", "dtype", "shape"):
+        if field not in meta:
+            raise ValueError(f"{key!r} has no {field!r}")
+    for field in ints:
+        if field in meta and (type(meta[field]) is not int or meta[field] < 1):
+            raise ValueError(f"{key!r}: {field}={meta[field]!r} must be a positive integer")
+    shape = meta["shape"]
+    if not isinstance(shape, list) or not shape or not all(type(d) is int and d >= 1 for d in shape):
+        raise ValueError(f"{key!r}: shape={shape!r} must be a list of positive integers")
+    offset = meta.get("nested_offset", 0.0)
+    if type(offset) not in (int, float) or not math.isfinite(offset):
+        raise ValueError(f"{key!r}: nested_offset={offset!r} must be a finite number")
+    return meta
+
+
 def state_from_state_dict(tensors: Mapping[str, torch.Tensor], name: str) -> Quant4State:
     """The Quant4State of weight `name` (e.g. 'model.layers.0.mlp.up_proj.weight') in a bitsandbytes 4-bit
-    checkpoint's tensors (a safetensors file's dict, or a Linear4bit module's state_dict)."""
-    meta_keys = [f"{name}.quant_state.bitsandbytes__{t}" for t in QUANT_TYPES if
-                 f"{name}.quant_state.bitsandbytes__{t}" in tensors]
-    if name not in tensors or len(meta_keys) != 1:
+    checkpoint's tensors (a safetensors file's dict, or a Linear4bit module's state_dict).
+
+    KeyError when `name` is no 4-bit weight there (none of its keys); ValueError naming the weight and the key
+    when it is one but a key is missing or holds what bitsandbytes never writes (a wrong dtype or size, NaN
+    statistics, a quant state that is not JSON or claims a shape its packed bytes do not hold): checkpoints
+    come from anywhere, and nothing is allocated from what they claim."""
+    meta_keys = [k for k in _quant_state_keys(name) if k in tensors]
+    stats = [f"{name}.{s}" for s in STAT_SUFFIXES if f"{name}.{s}" in tensors]
+    if not meta_keys and not stats:
         raise KeyError(f"{name!r} is not a bitsandbytes 4-bit weight here: expected keys {name!r} and one of "
-                       f"{[f'{name}.quant_state.bitsandbytes__{t}' for t in QUANT_TYPES]}")
-    meta = json.loads(bytes(tensors[meta_keys[0]].cpu().numpy()).decode("utf-8"))
+                       f"{_quant_state_keys(name)}")
+    try:
+        if not meta_keys:
+            raise ValueError(f"the key {_quant_state_keys(name)[0]!r} (or {_quant_state_keys(name)[1]!r}, "
+                             f"bitsandbytes' quant state) is missing, though {stats[0]!r} is there")
+        if len(meta_keys) > 1:
+            raise ValueError(f"both {meta_keys[0]!r} and {meta_keys[1]!r} are there; a weight has one 4-bit type")
+        return _state(tensors, name, meta_keys[0])
+    except ValueError as e:
+        raise ValueError(f"4-bit weight {name!r}: {e}") from None
+
+
+def _state(tensors: Mapping[str, torch.Tensor], name: str, meta_key: str) -> Quant4State:
+    meta = _meta(tensors[meta_key], meta_key)
     quant_type = check_quant_type(meta["quant_type"])
-    _check_code(tensors[f"{name}.quant_map"], quant_type, f"{name}.quant_map")
-    common = dict(data=tensors[name].view(torch.uint8).reshape(-1), shape=meta["shape"],
-                  dtype=_dtype(meta["dtype"], f"{name} dtype"), quant_type=quant_type,
-                  absmax=tensors[f"{name}.absmax"], blocksize=meta["blocksize"])
-    if "nested_absmax" not in meta and f"{name}.nested_absmax" not in tensors:
+    if meta_key != f"{name}.quant_state.bitsandbytes__{quant_type}":
+        raise ValueError(f"{meta_key!r} says quant_type={quant_type!r}")
+    data = _field(tensors, name, (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32),
+                  finite=False)
+    if data.dtype != torch.uint8:   # bnb_4bit_quant_storage: the same bytes in another storage dtype
+        data = data.view(torch.uint8)
+    numel = math.prod(meta["shape"])
+    if numel not in (2 * data.numel(), 2 * data.numel() - 1):
+        raise ValueError(f"{meta_key!r} claims shape {meta['shape']} ({numel} values) but {name!r} packs "
+                         f"{2 * data.numel()} (uint8 [{data.numel()}], two a byte)")
+    _check_code(_field(tensors, f"{name}.quant_map", (torch.float32,), 16), quant_type, f"{name}.quant_map")
+    nested = "nested_offset" in meta or f"{name}.nested_absmax" in tensors
+    absmax = _field(tensors, f"{name}.absmax", (torch.uint8,) if nested else (torch.float32,))
+    common = dict(data=data, shape=meta["shape"], dtype=_dtype(meta["dtype"], f"{meta_key} dtype"),
+                  quant_type=quant_type, absmax=absmax, blocksize=meta["blocksize"])
+    if not nested:
         return Quant4State(**common)
-    _dtype(meta["nested_dtype"], f"{name} nested_dtype")
+    for field in ("nested_blocksize", "nested_dtype", "nested_offset"):
+        if field not in meta:
+            raise ValueError(f"{meta_key!r} has no {field!r}, though {name!r} is double-quantized")
+    _dtype(meta["nested_dtype"], f"{meta_key} nested_dtype")
     if meta["nested_dtype"] != "float32":
         raise ValueError(f"{name} nested_dtype={meta['nested_dtype']!r} is not supported; expected 'float32'")
-    return Quant4State(nested_absmax=tensors[f"{name}.nested_absmax"],
-                       nested_code=tensors[f"{name}.nested_quant_map"],
+    return Quant4State(nested_absmax=_field(tensors, f"{name}.nested_absmax", (torch.float32,)),
+                       nested_code=_field(tensors, f"{name}.nested_quant_map", (torch.float32,), 256),
                        offset=torch.tensor(float(meta["nested_offset"]), dtype=torch.float32),
                        nested_blocksize=meta["nested_blocksize"], **common)
 
