@@ -332,3 +332,41 @@ def test_a_bad_grads_unscaled_record_in_a_checkpoint_is_named(tmp_path):
     with rp_model() as model:
         with pytest.raises(ValueError, match=r"grads_unscaled=\[1.0, -2.0, None\] must be a list of 3 entries"):
             model.load_checkpoint(tmp_path / "c")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_checkpoint_loads_into_a_model_that_has_already_stepped(tmp_path, asynchronous):
+    """load_checkpoint into a model that issued steps before: the scale history is placed after its own
+    steps (it was placed at step 0, and the next step waited forever for a scale no step would record;
+    found by tests/engine/test_soak_features.py).  Training on from the load equals a fresh model's."""
+    import threading
+    data = batches(5)
+    path = tmp_path / "ckpt"
+
+    def train(model, opt, batch):
+        model.forward_backward(batch[0], labels=batch[1], loss_fn=F.mse_loss)
+        model.step(opt, asynchronous=asynchronous)
+
+    def run(steps_before):
+        with rp_model() as model:
+            opt = make_sgd("rp", model.parameters())
+            if steps_before is None:
+                train(model, opt, data[0])
+                model.save_checkpoint(path, opt)
+                return None
+            for x in data[1:1 + steps_before]:
+                train(model, opt, x)
+            model.load_checkpoint(path, opt)
+            for x in data[3:]:
+                train(model, opt, x)
+            model.synchronize()
+            return snapshot(model), model.loss_scale
+    run(None)
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(stepped=run(2)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "the step after load_checkpoint waited forever for its loss scale"
+    fresh = run(0)
+    assert box["stepped"][1] == fresh[1]
+    assert all(torch.equal(a, b) for a, b in zip(box["stepped"][0], fresh[0]))

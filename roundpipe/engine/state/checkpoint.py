@@ -58,14 +58,26 @@ written before the fingerprints load without the check.
 Files are written to a temporary directory beside the target and renamed into
 place; loading checks every file's size against the manifest, every tensor's
 name, shape and dtype against the model, and the format version before it
-changes anything, with a ValueError naming the file and the mismatch.
+changes anything, with a ValueError naming the file and the mismatch.  A save
+killed mid-way leaves its temporary directory: the next save or load of the
+path removes it once its writer is dead (clean_crashed, below).  Checkpoints
+may come from elsewhere: the manifest's fields are type-checked, its files must
+be regular files inside the directory, the tensor files' headers are checked
+against their real sizes before anything is allocated (tensor_file.py), and
+the RNG state, the aliases and the optimizer's and scheduler's own
+load_state_dict are tried before the model changes.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import stat
+import zipfile
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +97,8 @@ RoundPipe = Any
 FORMAT = "roundpipe-checkpoint"
 VERSION = 1
 MANIFEST = "checkpoint.json"
+OWNER = ".writer.json"      # in a save's temporary folder: who writes it (clean_crashed, below)
+REPLACED = ".replaced"      # in a save's temporary folder: the checkpoint it replaces, during the swap
 
 
 def _saved_state(model: "RoundPipe") -> dict[str, torch.Tensor]:
@@ -196,8 +210,10 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
     if rank == 0:
         try:
             os.makedirs(parent, exist_ok=True)
+            clean_crashed(path)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
+            _write_owner(tmp)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
             error = e
     if dp is not None:
@@ -210,7 +226,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
         error = e
     if not (dp.all_true(error is None) if dp is not None else error is None):
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp, path)
         if error is not None:
             raise error
         raise RuntimeError(f"save_checkpoint: another rank failed to write its part of {path!r}; nothing was saved")
@@ -234,15 +250,10 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            old = None
-            if os.path.exists(path):
-                old = os.path.join(parent, f".{os.path.basename(path)}.old-{os.getpid()}")
-                os.rename(path, old)
-            os.rename(tmp, path)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            _replace(tmp, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            _discard(tmp, path)
         raise
     finally:
         if dp is not None:
@@ -258,6 +269,120 @@ def _scaler_state(model: "RoundPipe", pending: "StepRecord | None") -> dict | No
     if pending is not None and not pending.whole:
         state["history"].pop("0", None)
     return state
+
+
+# ---- a save's temporary folder, and what a save killed mid-way leaves of it
+#
+#   .<name>.tmp-<pid>   one process's save (.<name>.tmp: a data-parallel one, written by every rank)
+#     .writer.json        {"host", "pid"} of the process that made it (rank 0's)
+#     .replaced/          the checkpoint it replaces, from the first rename until it is removed
+#
+# A save renames <name> into .replaced, the folder to <name>, then removes .replaced and the owner
+# file.  Killed before the first rename, the folder is junk; between the renames, <name> is missing
+# and .replaced goes back (the save never returned, so the old checkpoint stands); after, only
+# .replaced and .writer.json inside <name> are left.  clean_crashed removes these once the writer
+# is dead: on this host (its owner file's host; without one, a writer killed before writing it,
+# the pid in the folder's name) and not a live pid (os.kill(pid, 0)), so a save in progress, here or
+# on another host sharing the filesystem, is never touched.
+
+
+def _pid_dead(pid: int) -> bool:
+    """No process has this pid (os.kill(pid, 0) -> ProcessLookupError); one we may not signal lives."""
+    if os.name == "nt":   # os.kill there terminates the process: nothing is judged dead
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):   # PermissionError: another user's process
+        return False
+    return False
+
+
+def _is_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
+
+
+def _write_owner(folder: str) -> None:
+    with open(os.path.join(folder, OWNER), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
+
+
+def _owner(folder: str) -> tuple[str, int] | None:
+    """(host, pid) from a folder's owner file, None without a readable one (a link is not read)."""
+    try:
+        fd = os.open(os.path.join(folder, OWNER), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) |
+                     getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            got = json.loads(f.read(4096)) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(got, dict) and isinstance(got.get("host"), str) and _is_int(got.get("pid")) and got["pid"] > 0:
+        return got["host"], got["pid"]
+    return None
+
+
+def _crashed(folder: str, name_pid: int | None) -> bool:
+    """The process that wrote `folder` is dead (see above); False whenever that cannot be told."""
+    owner = _owner(folder)
+    if owner is not None:
+        host, pid = owner
+        if host != socket.gethostname() or (name_pid is not None and pid != name_pid):
+            return False
+    elif name_pid is None:
+        return False
+    else:
+        pid = name_pid
+    return pid != os.getpid() and _pid_dead(pid)
+
+
+def _discard(folder: str, path: str) -> None:
+    """Removes a save's temporary folder, first putting back the checkpoint it was replacing."""
+    replaced = os.path.join(folder, REPLACED)
+    if os.path.lexists(replaced) and not os.path.lexists(path):
+        try:
+            os.rename(replaced, path)
+        except OSError:
+            return   # left whole: it holds the only copy of the old checkpoint
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _replace(tmp: str, path: str) -> None:
+    """Moves the finished folder to `path`, replacing what is there (the two renames above)."""
+    if os.path.lexists(path):
+        os.rename(path, os.path.join(tmp, REPLACED))
+    os.rename(tmp, path)
+    _remove_leftovers(path)
+
+
+def _remove_leftovers(path: str) -> None:
+    replaced = os.path.join(path, REPLACED)
+    if _is_dir(replaced):
+        shutil.rmtree(replaced, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        if os.path.lexists(replaced):
+            os.remove(replaced)   # a link that stood at the path
+        os.remove(os.path.join(path, OWNER))
+
+
+def clean_crashed(path: str) -> None:
+    """Removes what saves of `path` killed mid-way left beside and inside it; only the exact names
+    above, only real folders (never through a link), only when their writer is dead.  Errors are
+    ignored: cleaning up never fails a save or a load."""
+    parent, name = os.path.split(os.path.abspath(path))
+    pattern = re.compile(rf"\.{re.escape(name)}\.tmp(?:-([1-9][0-9]{{0,9}}))?")
+    try:
+        entries = [e for e in os.scandir(parent) if pattern.fullmatch(e.name)]
+    except OSError:
+        return
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            name_pid = pattern.fullmatch(entry.name).group(1)
+            if entry.is_dir(follow_symlinks=False) and _crashed(entry.path, int(name_pid) if name_pid else None):
+                _discard(entry.path, path)
+    with contextlib.suppress(OSError):
+        if _is_dir(path) and _crashed(path, None):
+            _remove_leftovers(path)
 
 
 def checked_path(path: Any, what: str) -> str:
@@ -335,31 +460,127 @@ def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any
     return sizes
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and abs(v) < float("inf")
+
+
+def _is_count(v: Any) -> bool:
+    return _is_int(v) and v >= 0
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_history(v: Any) -> bool:   # loss_scale.history: relative step -> [scale, growth tracker]
+    return isinstance(v, dict) and all(
+        re.fullmatch(r"-?[0-9]{1,18}", k) and isinstance(e, list) and len(e) == 2 and _is_number(e[0]) and e[0] > 0
+        and _is_count(e[1]) for k, e in v.items())
+
+
+# manifest field -> (check, what it must be, default when absent: _REQUIRED if it must be there)
+_REQUIRED = object()
+_FIELDS = {
+    "files": (lambda v: isinstance(v, dict) and all(_is_count(s) for s in v.values()),
+              "an object of file name -> size in bytes", _REQUIRED),
+    "world_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1", 1),
+    "num_layers": (_is_count, "an integer >= 0", _REQUIRED),
+    "master_dtype": (lambda v: isinstance(v, str), "a dtype's name", str(torch.float32)),
+    "calls": (_is_count, "an integer >= 0", _REQUIRED),
+    "steps": (_is_count, "an integer >= 0", _REQUIRED),
+    "calls_since_step": (_is_count, "an integer >= 0", _REQUIRED),
+    "grads_pending": (_is_bool, "true or false", _REQUIRED),
+    "latest_asynchronous": (_is_bool, "true or false", _REQUIRED),
+    "extra": (lambda v: isinstance(v, dict), "an object", {}),
+    "pending_step": (lambda v: v is None or isinstance(v, dict), "null or an object", _REQUIRED),
+    "loss_scale": (lambda v: v is None or (isinstance(v, dict) and _is_history(v.get("history"))
+                                           and _is_count(v.get("skipped"))),
+                   "null or {history: {step: [scale > 0, count]}, skipped: count}", _REQUIRED),
+    "constants": (lambda v: v is None or (isinstance(v, dict) and all(
+        isinstance(c, dict) and _is_count(c.get("layer")) and isinstance(c.get("fingerprint"), str)
+        for c in v.values())), "null or an object of name -> {layer, fingerprint}", None),
+}
+_STEP_FIELDS = {
+    "kind": (lambda v: v in ("copy", "update"), '"copy" or "update"'),
+    "window": (_is_count, "an integer >= 0"),
+    "max_grad_norm": (lambda v: v is None or (_is_number(v) and v >= 0), "null or a number >= 0"),
+    "scale_used": (_is_int, "an integer"),
+    "skipped": (_is_bool, "true or false"),
+    "predict": (_is_number, "a number"),
+    "lr_factor": (_is_number, "a number"),
+}
+
+
+def _bad(mpath: str, field: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"load_checkpoint: {mpath}: {field} is {tensor_file.short(value)}; expected {expected} "
+                      "(a corrupt or hand-edited checkpoint)")
+
+
+def _check_fields(manifest: dict, mpath: str) -> None:
+    """Every field load_checkpoint reads has its type and range (defaults filled in for older ones)."""
+    for key, (ok, expected, default) in _FIELDS.items():
+        if key not in manifest:
+            if default is _REQUIRED:
+                raise ValueError(f"load_checkpoint: {mpath} has no field {key!r} (not written by save_checkpoint?)")
+            manifest[key] = default
+        if not ok(manifest[key]):
+            raise _bad(mpath, key, manifest[key], expected)
+    step = manifest["pending_step"]
+    for key, (ok, expected) in _STEP_FIELDS.items() if step is not None else ():
+        if not ok(step.get(key)):
+            raise _bad(mpath, f"pending_step.{key}", step.get(key), expected)
+
+
+def _member(path: str, name: Any) -> str:
+    """The path of a file the checkpoint names: a plain name, a regular file, inside the folder
+    once links are followed (a checkpoint from elsewhere must not make us read outside it)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or os.path.basename(name) != name \
+            or (os.altsep and os.altsep in name):
+        raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)} lists the file {tensor_file.short(name)}; "
+                         "a checkpoint's files are plain names inside its folder")
+    fpath, folder = os.path.join(path, name), os.path.realpath(path)
+    real = os.path.realpath(fpath)
+    if os.path.commonpath([real, folder]) != folder:
+        raise ValueError(f"load_checkpoint: {fpath} is a link to {real}, outside the checkpoint folder {path!r}")
+    if not os.path.lexists(fpath):
+        raise ValueError(f"load_checkpoint: {fpath} is missing (" + ("the manifest lists it)" if name != MANIFEST else
+                         "not a roundpipe checkpoint, or not completely written)"))
+    if not (os.path.exists(fpath) and stat.S_ISREG(os.stat(fpath).st_mode)):
+        raise ValueError(f"load_checkpoint: {fpath} is not a regular file (a dangling link, FIFO, device or folder)")
+    return fpath
+
+
 def read_manifest(path: str) -> dict:
-    """The checked manifest: format, version and every file present with its recorded size."""
+    """The checked manifest: format, version, every field's type, every file present, inside the
+    folder and of its recorded size."""
     path = os.fspath(path)
-    mpath = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise ValueError(f"load_checkpoint: {path!r} is not a directory (a checkpoint is one, written by "
                          "save_checkpoint)")
-    if not os.path.exists(mpath):
-        raise ValueError(f"load_checkpoint: {mpath} is missing; {path!r} is not a roundpipe checkpoint or was "
-                         "not completely written")
+    mpath = _member(path, MANIFEST)
+    with os.fdopen(tensor_file.open_regular(mpath, "the manifest"), "rb") as f:
+        raw = f.read(tensor_file.MAX_HEADER + 1)
+    if len(raw) > tensor_file.MAX_HEADER:
+        raise ValueError(f"load_checkpoint: {mpath} is over {tensor_file.MAX_HEADER} bytes; not a manifest")
     try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        manifest = json.loads(raw, object_pairs_hook=tensor_file.no_duplicates)
+    except RecursionError:
+        raise ValueError(f"load_checkpoint: {mpath} nests too deeply to be a manifest") from None
+    except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"load_checkpoint: {mpath} is not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"load_checkpoint: {mpath} is not a roundpipe checkpoint manifest (format "
-                         f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+                         f"{tensor_file.short(manifest.get('format') if isinstance(manifest, dict) else None)})")
     if manifest.get("version") != VERSION:
-        raise ValueError(f"load_checkpoint: {mpath} has format version {manifest.get('version')!r}; this roundpipe "
-                         f"reads version {VERSION}")
+        raise ValueError(f"load_checkpoint: {mpath} has format version {tensor_file.short(manifest.get('version'))}; "
+                         f"this roundpipe reads version {VERSION}")
+    _check_fields(manifest, mpath)
     for name, size in manifest["files"].items():
-        fpath = os.path.join(path, name)
-        if not os.path.exists(fpath):
-            raise ValueError(f"load_checkpoint: {fpath} is missing (the manifest lists it)")
+        fpath = _member(path, name)
         got = os.path.getsize(fpath)
         if got != size:
             raise ValueError(f"load_checkpoint: {fpath} has {got} bytes but the manifest says {size} (truncated or "
@@ -368,6 +589,17 @@ def read_manifest(path: str) -> dict:
 
 
 def _load_obj(path: str) -> Any:
+    """torch.load with weights_only (no code runs), of a zip whose members are stored as torch.save
+    stores them: a compressed member could unpack to far more than the file (a zip bomb)."""
+    size = os.path.getsize(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = next((i for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED or i.file_size > size), None)
+    except Exception as e:   # noqa: BLE001 - zipfile raises many kinds (BadZipFile, NotImplementedError, ...)
+        raise ValueError(f"load_checkpoint: {path} is not a torch.save zip file ({type(e).__name__}: {e})") from None
+    if bad is not None:
+        raise ValueError(f"load_checkpoint: {path}: member {tensor_file.short(bad.filename)} is compressed or claims "
+                         f"{bad.file_size} bytes in a file of {size}; torch.save stores its members as they are")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:   # noqa: BLE001 - any unpickling failure: name the file
@@ -377,6 +609,7 @@ def _load_obj(path: str) -> Any:
 def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> dict:
     """Restores a checkpoint into a drained model (every check before any change)."""
     path = checked_path(path, "load_checkpoint")
+    clean_crashed(path)
     manifest = read_manifest(path)
     files = manifest["files"]
     rank, world = (model.dp.rank, model.dp.world) if model.dp is not None else (0, 1)
@@ -386,6 +619,10 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
                          f"{world}; each rank's unapplied gradients and RNG state are its own, so a checkpoint resumes "
                          f"on the same number of ranks (to change it, load with that many, synchronize(), and save "
                          f"model.state_dict() and the optimizer's state_dict() for a fresh start)")
+    for name in ("model.safetensors", engine_file(rank, world)):
+        if name not in files:
+            raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)}: files does not list {name}, which "
+                             "every checkpoint of this run holds")
     for name, obj, fname in (("optimizer", optimizer, opt_file), ("lr_scheduler", lr_scheduler, "lr_scheduler.pt")):
         if obj is not None and fname not in files:
             raise ValueError(f"load_checkpoint: {name} was given but {os.path.join(path, fname)} does not exist "
@@ -409,30 +646,37 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
         model.shards.adopt(optimizer)   # its groups hold this rank's slices, as the saved state does
     opt_state = _load_obj(os.path.join(path, opt_file)) if optimizer is not None else None
     sched_state = _load_obj(os.path.join(path, "lr_scheduler.pt")) if lr_scheduler is not None else None
-    with TensorFile(os.path.join(path, "model.safetensors")) as mf, \
-            TensorFile(os.path.join(path, engine_file(rank, world))) as ef:
-        aliases = json.loads(mf.metadata.get("aliases", "{}"))
+    with contextlib.ExitStack() as opened:
+        mf = opened.enter_context(TensorFile(os.path.join(path, "model.safetensors")))
+        ef = opened.enter_context(TensorFile(os.path.join(path, engine_file(rank, world))))
+        uf = opened.enter_context(TensorFile(os.path.join(path, "upload.safetensors"))) \
+            if "upload.safetensors" in files else None
+        aliases = _check_aliases(model, mf)
         state = {n: t for n, t in _saved_state(model).items() if n not in aliases}
         for name, t in state.items():
             mf.check(name, t.dtype, tuple(t.shape))
         extra = sorted(set(mf.entries) - set(state))
         if extra:
             raise ValueError(f"{mf.path}: tensors {extra[:5]} are not in the model (a checkpoint of another model?)")
+        for name, upload in _uploads(model) if uf is not None else ():
+            uf.check(name, upload.dtype, tuple(upload.shape), "the upload copy's")
         grads = _check_grads(model, ef)
+        rng = _check_rng(ef)
         unscaled = _check_unscaled(manifest, os.path.join(path, MANIFEST))
         if opt_state is not None:
             _check_optimizer(optimizer, opt_state, os.path.join(path, opt_file))
             offload_meta = state_tier.read_meta(path, optimizer) if state_tier.BIN in files else None
             if model.offload is not None:
                 model.offload.bind(optimizer)
-        if (manifest["loss_scale"] is None) != (model.scaler is None):   # the last check
+        if (manifest["loss_scale"] is None) != (model.scaler is None):
             raise ValueError(f"load_checkpoint: the checkpoint {'has no' if manifest['loss_scale'] is None else 'has'} "
                              f"loss-scaling state but this model {'scales' if model.scaler else 'does not scale'} its "
                              f"loss (compute_dtype={model.compute_dtype}); build it with the same precision policy")
+        _load_states(path, (lr_scheduler, sched_state, "lr_scheduler.pt"), (optimizer, opt_state, opt_file))
         # ---- every check passed: restore
         model.run_state.latest_asynchronous = manifest["latest_asynchronous"]
         if model.scaler is not None:   # indices relative to the last issued step, a pending one re-issued below
-            model.scaler.load(manifest["loss_scale"], 1 if step is not None else 0)
+            model.scaler.load(manifest["loss_scale"], model.sync.steps_issued + (1 if step is not None else 0))
         on_disk = model.offload.masters_on_disk(state) if model.offload is not None else {}
         with torch.no_grad():
             for name, t in state.items():
@@ -447,19 +691,15 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
             host.refresh(l)
         if on_disk:   # streamed into their files a layer at a time, upload copies rewritten from them
             model.offload.load_masters(mf.read_into, on_disk)
-        if "upload.safetensors" in files:   # before any step could rewrite them: gates are closed
-            with TensorFile(os.path.join(path, "upload.safetensors")) as uf:
-                for name, upload in _uploads(model):
-                    uf.read_into(name, upload)
-        if opt_state is not None:
-            optimizer.load_state_dict(opt_state)
+        if uf is not None:   # before any step could rewrite them: gates are closed
+            for name, upload in _uploads(model):
+                uf.read_into(name, upload)
+        if opt_state is not None:   # loaded above
             if model.offload is not None:
                 model.offload.reset()
             if offload_meta is not None:
                 state_tier.load(path, offload_meta, optimizer, model.offload)
-        if sched_state is not None:
-            lr_scheduler.load_state_dict(sched_state)
-        torch.set_rng_state(ef.read("rng.cpu"))
+        torch.set_rng_state(rng)
         cuda = sorted(n for n in ef.entries if n.startswith("rng.cuda."))
         if cuda and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([ef.read(n) for n in cuda])
@@ -480,6 +720,58 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
     return manifest["extra"]
 
 
+def _load_states(path: str, *given: tuple[Any, Any, str]) -> None:
+    """The last check: the (scheduler, optimizer)'s own load_state_dict accepts its saved state; any
+    error is a ValueError naming the file, the scheduler put back (its state is small; an optimizer
+    that refuses its state has not replaced it: torch's and roundpipe's check before they assign)."""
+    done = []
+    for obj, state, name in given:
+        if state is None:
+            continue
+        backup = obj.state_dict()
+        try:
+            obj.load_state_dict(state)
+        except Exception as e:   # noqa: BLE001 - whatever the object's own loader raises: name the file
+            for prev, prev_backup in done:
+                prev.load_state_dict(prev_backup)
+            raise ValueError(f"load_checkpoint: {os.path.join(path, name)}: load_state_dict refused it "
+                             f"({type(e).__name__}: {tensor_file.short(str(e))})") from None
+        done.append((obj, backup))
+
+
+def _check_aliases(model: "RoundPipe", mf: TensorFile) -> dict[str, str]:
+    """The file's `aliases` (name -> the name it is stored under): each a tensor this model shares too
+    (one left out of the file would otherwise keep whatever it held)."""
+    try:
+        aliases = json.loads(mf.metadata.get("aliases", "{}"), object_pairs_hook=tensor_file.no_duplicates)
+    except (ValueError, RecursionError):
+        aliases = None
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise ValueError(f"{mf.path}: __metadata__.aliases is {tensor_file.short(mf.metadata['aliases'])}; expected "
+                         "a JSON object of tensor name -> the name it is stored under")
+    mine = _unique_state(model)[1]
+    for name, target in aliases.items():
+        if mine.get(name) != target:
+            raise ValueError(f"{mf.path}: __metadata__.aliases stores {tensor_file.short(name)} as "
+                             f"{tensor_file.short(target)}, but in this model they are not one shared tensor")
+    return aliases
+
+
+def _check_rng(ef: TensorFile) -> torch.Tensor:
+    """The saved CPU generator state, tried on a new generator (torch refuses an invalid mt19937 state)."""
+    ref = torch.get_rng_state()
+    ef.check("rng.cpu", ref.dtype, tuple(ref.shape), "the CPU generator state's")
+    state = ef.read("rng.cpu")
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError as e:
+        raise ValueError(f"{ef.path}: tensor 'rng.cpu' is not a CPU generator state ({e})") from None
+    for name, (dtype, shape, _, _) in ef.entries.items():
+        if name.startswith("rng.cuda.") and (dtype != torch.uint8 or len(shape) != 1):
+            raise ValueError(f"{ef.path}: tensor {name!r} is {dtype} {list(shape)}; a CUDA generator state is 1-D uint8")
+    return state
+
+
 def _check_grads(model: "RoundPipe", ef: TensorFile) -> dict[tuple[str, int, int], str]:
     """(kind, layer, index) -> name of every gradient in engine.safetensors, checked against the model."""
     names = {}
@@ -496,8 +788,10 @@ def _check_grads(model: "RoundPipe", ef: TensorFile) -> dict[tuple[str, int, int
                              "checkpoint of another model, or parameters frozen differently?)")
         kind, l, j = names[name]
         p = model.host.layers[l].params[j]
-        if shape != tuple(p.shape) or not dtype.is_floating_point:
-            raise ValueError(f"{ef.path}: gradient {name!r} is {dtype} {list(shape)}; the parameter is {list(p.shape)}")
+        if shape != tuple(p.shape) or dtype not in (torch.float32, torch.bfloat16, torch.float16) or \
+                (kind == "step" and dtype == torch.float32 and p.dtype != torch.float32):
+            raise ValueError(f"{ef.path}: gradient {name!r} is {dtype} {list(shape)}; the parameter is {p.dtype} "
+                             f"{list(p.shape)} (its gradient: its shape, fp32 or the compute dtype)")
         out[(kind, l, j)] = name
     return out
 
@@ -509,7 +803,13 @@ def _check_optimizer(optimizer: Any, state: Any, fpath: str) -> None:
     groups = getattr(optimizer, "param_groups", None)
     if groups is None:
         return
-    saved = [len(g["params"]) for g in state["param_groups"]]
+    saved_groups, per_param = state["param_groups"], state.get("state", {})
+    if not (isinstance(saved_groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                   for g in saved_groups)
+            and isinstance(per_param, dict) and all(isinstance(s, dict) for s in per_param.values())):
+        raise ValueError(f"load_checkpoint: {fpath}: param_groups or state is not of an optimizer's state_dict "
+                         "(param_groups: a list of groups with a params list; state: index -> an object)")
+    saved = [len(g["params"]) for g in saved_groups]
     mine = [len(g["params"]) for g in groups]
     if saved != mine:
         raise ValueError(f"load_checkpoint: {fpath} has parameter groups of sizes {saved}; the optimizer's are {mine}")
@@ -520,7 +820,7 @@ def _check_optimizer(optimizer: Any, state: Any, fpath: str) -> None:
             raise ValueError(f"load_checkpoint: {fpath}: {e}") from None
         return
     params = [p for g in groups for p in g["params"]]
-    for i, s in state.get("state", {}).items():
+    for i, s in per_param.items():
         for k, v in s.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(i, int) and i < len(params) \
                     and v.shape != params[i].shape:
