@@ -252,3 +252,32 @@ def test_train_cli_master_dtype_flag():
     assert cfg.master_dtype == "bf16" and cfg.optim == "adamw8bit"
     with pytest.raises(ValueError, match="master_dtype='fp16'"):
         TrainConfig(master_dtype="fp16")
+
+
+@native
+def test_bf16_masters_resume_accumulated_fp32_gradients_from_a_checkpoint(tmp_path):
+    """Two calls without a step sum their bf16 gradients into an fp32 p.grad (a bf16 master takes one);
+    a checkpoint then holds it, and loading it was refused ("gradient ... is torch.float32; the parameter
+    is torch.bfloat16"; found by tests/engine/test_soak_features.py).  The resumed run equals the unbroken one."""
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(12, 64, generator=g), torch.randint(0, 4, (12,), generator=g)) for _ in range(3)]
+
+    def run(resume):
+        with rp.RoundPipe(model_layers(), devices=["cpu"] * 2, num_microbatches=3, compute_dtype=torch.bfloat16,
+                          master_dtype=torch.bfloat16) as model:
+            opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+            if resume:
+                model.load_checkpoint(str(tmp_path / "ck"), opt)
+            else:
+                for x, y in data[:2]:
+                    model.forward_backward(x, labels=y, loss_fn=F.cross_entropy)
+                model.synchronize()
+                assert any(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+                model.save_checkpoint(str(tmp_path / "ck"), opt)
+            model.step(opt, asynchronous=False)
+            model.forward_backward(*data[2][:1], labels=data[2][1], loss_fn=F.cross_entropy)
+            model.step(opt, asynchronous=False)
+            return {k: v.clone() for k, v in model.state_dict().items()}
+    unbroken = run(resume=False)
+    resumed = run(resume=True)
+    assert all(torch.equal(unbroken[k], resumed[k]) for k in unbroken)

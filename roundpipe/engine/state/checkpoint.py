@@ -789,7 +789,8 @@ def _check_grads(model: "RoundPipe", ef: TensorFile) -> dict[tuple[str, int, int
         kind, l, j = names[name]
         p = model.host.layers[l].params[j]
         if shape != tuple(p.shape) or dtype not in (torch.float32, torch.bfloat16, torch.float16) or \
-                (kind == "step" and dtype == torch.float32 and p.dtype != torch.float32):
+                (kind == "step" and dtype == torch.float32 and getattr(p, "grad_dtype", p.dtype) not in
+                 (None, torch.float32)):   # an fp32 p.grad where the parameter takes one (bf16 masters do)
             raise ValueError(f"{ef.path}: gradient {name!r} is {dtype} {list(shape)}; the parameter is {p.dtype} "
                              f"{list(p.shape)} (its gradient: its shape, fp32 or the compute dtype)")
         out[(kind, l, j)] = name
