@@ -31,6 +31,7 @@ _LAZY = {
     "LossScale": "roundpipe.engine.step.loss_scale",
     "StalenessCompensation": "roundpipe.engine.step.staleness",
     "hf": "roundpipe.hf",
+    "RoundPipeStalled": "roundpipe.core.errors",
 }
 
 native_available = _native.available

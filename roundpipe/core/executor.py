@@ -28,6 +28,11 @@ asynchronous step pending (tests/core/test_exit.py).  So no engine thread may ou
 closes its stale window, so a pending asynchronous step runs instead of waiting
 for a call that never comes).  Work submitted after a stop raises RuntimeError
 instead of waiting forever for a thread that is gone.
+
+Stall reports.  A blocking wait of the engine says what it waits for (`waiting_for`: a
+hand-off board key, the CPU workers' turn) while it blocks; `engine_stacks` formats every
+engine thread's current stack under its name with that, for the stall watchdog
+(roundpipe/engine/calls/dispatcher.py).
 """
 from __future__ import annotations
 
@@ -37,8 +42,10 @@ import os
 import queue
 import signal
 import sys
+import sysconfig
 import threading
 import time
+import traceback
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -53,6 +60,67 @@ _registry_lock = threading.RLock()   # re-entrant: a collection inside a holder 
 _running: "weakref.WeakSet[SerialExecutor]" = weakref.WeakSet()   # a running thread keeps its executor alive
 _owners: dict[int, tuple[Callable[[], None], list["SerialExecutor"]]] = {}
 _owner_keys = itertools.count()
+
+
+_waits: dict[int, str] = {}   # thread ident -> what it blocks on now (waiting_for)
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_PACKAGES = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], "site-packages", "dist-packages")
+
+
+def _stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB) and not any(p in filename for p in _PACKAGES)
+
+
+class waiting_for:  # noqa: N801 - used as a context manager, like a function
+    """`with waiting_for("what"):` marks the calling thread as blocked on `what` for the body, so a
+    stall report names it (a plain class: ~0.3 us, entered only when a wait really blocks)."""
+
+    __slots__ = ("what", "ident", "prev")
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> None:
+        self.ident = threading.get_ident()
+        self.prev = _waits.get(self.ident)
+        _waits[self.ident] = self.what
+
+    def __exit__(self, *exc) -> None:
+        if self.prev is None:
+            _waits.pop(self.ident, None)
+        else:
+            _waits[self.ident] = self.prev
+
+
+def waits_of(ident: int | None) -> str | None:
+    """What thread `ident` is blocked on (`waiting_for`), or None."""
+    return None if ident is None else _waits.get(ident)
+
+
+def innermost(ident: int | None) -> str | None:
+    """Thread `ident`'s innermost frame outside the standard library ("file:line in function"), or None."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    while frame is not None and _stdlib(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def engine_stacks() -> str:
+    """Every running engine thread's current stack under its name (sys._current_frames): a stall's evidence."""
+    frames = sys._current_frames()
+    with _registry_lock:
+        executors = sorted(_running, key=lambda e: e.name)
+    parts = []
+    for e in executors:
+        frame = frames.get(e.ident) if e.ident is not None else None
+        if frame is None:
+            continue
+        what = _waits.get(e.ident)
+        head = f"thread {e.name!r}" + (f", waiting for {what}" if what else "")
+        parts.append(f"{head}:\n{''.join(traceback.format_stack(frame))}")
+    return "\n".join(parts)
 
 
 def engine_thread() -> str | None:
@@ -98,6 +166,11 @@ class SerialExecutor:
     @property
     def name(self) -> str:
         return self._thread.name
+
+    @property
+    def ident(self) -> int | None:
+        """The thread's identifier (sys._current_frames' key), None before it started."""
+        return self._thread.ident
 
     def _loop(self) -> None:
         _local.name = self._thread.name

@@ -26,6 +26,7 @@ once in `__post_init__`.  The config is frozen: a checked config cannot be chang
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -97,6 +98,11 @@ class EngineConfig:
     host_memory: int | None = None
     """Bytes of training state kept in RAM with offload_dir (the rest goes to disk); None: every layer's optimizer
     state on disk."""
+    stall_timeout: float | None = None
+    """Seconds with no progress of any busy worker (a stage or microbatch ending) after which a waiting call raises
+    RoundPipeStalled naming the stuck worker, its stage and microbatch, with every engine thread's stack; the
+    model then takes no more calls.  None (default): off, wait as long as it takes.  Give more than the longest
+    stage-microbatch compute and the longest optimizer step (docs/semantics.md, "Stalled workers")."""
 
     # derived in __post_init__
     worker_devices: list[torch.device] = _derived()
@@ -139,6 +145,7 @@ class EngineConfig:
                              "does not fit goes); give both, or neither")
         if self.offload_dir is not None and self.shard_optimizer:
             raise ValueError("offload_dir= and shard_optimizer=True are not supported together")
+        check_stall_timeout(self.stall_timeout)
         if self.compensation is not None and not isinstance(self.compensation, StalenessCompensation):
             raise TypeError(f"compensation must be a roundpipe.StalenessCompensation or None, got "
                             f"{type(self.compensation).__name__}")
@@ -166,6 +173,18 @@ class EngineConfig:
 
 
 ENGINE_OPTIONS: tuple[str, ...] = EngineConfig.field_names()
+
+
+def check_stall_timeout(value: Any) -> None:
+    """TypeError/ValueError unless `value` is None or a finite number of seconds > 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"stall_timeout={value!r} must be None (off) or a number of seconds, "
+                        f"got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"stall_timeout={value!r} must be a finite number of seconds > 0 (None switches the "
+                         "stall watchdog off)")
 
 
 def engine_config(config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:

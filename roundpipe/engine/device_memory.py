@@ -16,6 +16,11 @@ prefetches next and, for a backward stage, the fp32 gradients of its trainable
 parameters; a ValueError names the first stage that cannot fit, the bytes and the
 cap.  Activations are on top of that floor; the worker's ledger
 (roundpipe/workers/ledger.py) records what was really held.
+
+At run time a capped CPU worker's ledger enforces the cap (Worker.set_cap): an allocation
+past it raises torch.OutOfMemoryError, as a GPU's allocator does at the device's limit.  The
+error reaches the caller with a note naming the worker, the stage, the plan's predicted peak
+(`PeakPredictions`) and the cap (roundpipe/engine/calls/dispatcher.py); the call has no effect.
 """
 from __future__ import annotations
 
@@ -115,6 +120,8 @@ class PeakPredictions:
         self.workers = workers
         self.caps = caps
         self.peaks: dict[str, int] = {}   # worker name -> predicted peak since the last reset()
+        for w in workers:   # named in out-of-memory errors; a CPU worker's ledger enforces it
+            w.set_cap(caps.get(w.name))
 
     def check(self, sched, host, autoplan, sample: tuple[tuple, dict], loss) -> None:
         """Before any work of a call: its stages against the caps (ValueError), then its predicted peaks,

@@ -24,6 +24,13 @@ A `Handoff` carries an activation or gradient between two stage runs.  The
 host copy lives in (pinned) host memory; when the consumer runs on the
 producer's device the device tensors are handed over directly and the host
 round trip is skipped.
+
+Progress and faults.  A worker keeps what the stall watchdog of
+roundpipe/engine/calls/dispatcher.py reads: the stage it runs, how many of its
+microbatches finished and when it last made progress (a stage began or ended, a
+compute span or a microbatch ended, a download landed).  `inject_oom(kind)` is a
+test seam: the next allocation of that part of the work fails with
+torch.OutOfMemoryError, as a full device would make it (tests/engine/test_device_oom.py).
 """
 from __future__ import annotations
 
@@ -45,6 +52,10 @@ from roundpipe.workers.transfers import Bulk, Transfers
 
 Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
 Owns = Callable[[torch.Tensor], bool]
+
+# inject_oom's kinds: the compute span parts by their key's first letter (Worker.compute_span), and the copies
+OOM_KINDS = ("forward", "backward", "loss", "upload", "download")
+_SPAN_KINDS = {"f": "forward", "b": "backward", "l": "loss"}
 
 # Layers of a stage-microbatch that took longer than this last time are real compute: they
 # run outside the worker's turn, beside another worker's (see roundpipe/workers/cpu.py).
@@ -131,20 +142,80 @@ class Worker(ABC):
         self.host_alloc = alloc or _plain_alloc
         self.host_owns = owns or (lambda t: alloc is None)   # without an allocator: plain memory is all there is
         self.copies = Transfers(device)
+        self.copies.on_microbatch = self._microbatch_done
         self.ledger = DeviceLedger()   # device bytes this worker holds (roundpipe/workers/ledger.py)
+        self.device_cap: int | None = None   # its device_memory cap (set_cap), named in out-of-memory errors
         self._thread = SerialExecutor(f"roundpipe-{name}")
         self._completer = SerialExecutor(f"roundpipe-{name}-completer", idle_release_s=0)
         self._landings = 0     # download callbacks queued on the completion thread
         self._landings_lock = threading.Lock()
+        self._oom: str | None = None   # inject_oom's kind, until it fired
+        # What the stall watchdog reads: plain attributes written by this worker's threads and read
+        # racily by a waiting caller (a stale value can only delay a report by one poll).
+        self.progress_at = time.monotonic()   # the last progress (module docstring)
+        self.stage: Any = None        # the stage task it runs (the dispatcher's StageTask), None between stages
+        self.stage_mbs_done = 0       # microbatches of that stage finished
+        self.computing: Hashable | None = None   # the key of the compute span running, if any
+        self.stalled = False          # given up by the watchdog: takes no more work, close() does not join it
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Runs fn on this worker's thread after everything submitted before (fn handles its errors)."""
+        if self.stalled:
+            raise RuntimeError(f"worker {self.name} stalled (a stage that made no progress for stall_timeout "
+                               "seconds) and takes no more work; close this RoundPipe and build a new one")
         self._thread.submit(fn)
 
     def close(self) -> None:
+        if self.stalled:   # its thread may never return: stop it without waiting (it exits if it ever does)
+            self._thread.stop()
+            self._completer.stop()
+            return
         self._thread.close()
         self._completer.close()
         self.copies.synchronize()
+
+    @property
+    def thread_ident(self) -> int | None:
+        """The identifier of the thread running its stages (sys._current_frames' key)."""
+        return self._thread.ident
+
+    def set_cap(self, cap: int | None) -> None:
+        """Its device_memory cap in bytes (None: none), named in out-of-memory errors; a CPU worker's ledger
+        enforces it (roundpipe/workers/cpu.py), a GPU's allocator enforces the device's own limit."""
+        self.device_cap = cap
+
+    # ---- progress (the stall watchdog) and the out-of-memory test seam
+    def begin_stage(self, task: Any) -> None:
+        """The dispatcher starts a stage task here."""
+        self.stage, self.stage_mbs_done, self.progress_at = task, 0, time.monotonic()
+
+    def end_stage(self) -> None:
+        self.stage, self.progress_at = None, time.monotonic()
+
+    def _microbatch_done(self) -> None:
+        self.stage_mbs_done += 1
+        self.progress_at = time.monotonic()
+
+    def inject_oom(self, kind: str | None) -> None:
+        """Test seam: the next allocation of `kind` on this worker raises torch.OutOfMemoryError (None disarms).
+
+        "forward", "backward", "loss": the first new storage of the next compute span of that part (a
+        forward, a recompute and the fused tail's forward count as forward; the worker must record
+        workspace, as a capped CPU worker does, else the span fails as it begins); "upload": the next
+        device buffer an upload makes (weights or a stage input); "download": the next download of
+        gradients or buffers, before its copies.  Fires once."""
+        if kind is not None and kind not in OOM_KINDS:
+            raise ValueError(f"inject_oom kind={kind!r} must be one of {OOM_KINDS} or None")
+        self._oom = kind
+        if kind is None:
+            self.ledger.fail_next(None)
+
+    def _injected(self, kind: str) -> bool:
+        """inject_oom(kind) was called and fires now (once)."""
+        if self._oom != kind:
+            return False
+        self._oom = None
+        return True
 
     def executors(self) -> list[SerialExecutor]:
         """The threads this worker owns (stopped by the model's finalizer if it is never closed)."""
@@ -211,6 +282,8 @@ class Worker(ABC):
 
     def _device_empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
         """`_empty`, registered in the ledger: uploads on param_up are weights, on act_up activations."""
+        if self._oom is not None and self._injected("upload"):
+            self.ledger.fail_next(f"injected into an upload on {queue}")
         return self.ledger.track(self._empty(shape, dtype, queue), "weights" if queue == "param_up" else "activations")
 
     def _alloc_fences(self) -> list:
@@ -382,6 +455,9 @@ class Worker(ABC):
 
     # ---- gradients and buffers back to the host
     def _download(self, values: list, windows: int, then: Callable[[list], None], urgent: bool = False) -> None:
+        if self._oom is not None and self._injected("download"):
+            raise torch.OutOfMemoryError(f"out of device memory (injected into a download of {len(values)} tensors "
+                                         f"on {self.name})")
         values = [None if t is None else t.contiguous() for t in values]
         compute = self._compute_fence()
         host = [None if t is None else self._to_host(t) for t in values]
@@ -403,6 +479,7 @@ class Worker(ABC):
                         f.wait()
                 then(host)
             finally:
+                self.progress_at = time.monotonic()
                 with self._landings_lock:
                     self._landings -= 1
         with self._landings_lock:
@@ -439,14 +516,16 @@ class Worker(ABC):
         self._completer.wait_idle(raise_errors=True)
 
     def abandon(self) -> None:
-        """After an aborted call: let copies and callbacks finish, dropping their errors."""
+        """After an aborted call: let copies and callbacks finish, dropping their errors, and let go of the
+        completed copies' buffers (the failed stage's weights and inputs die now, not at the next stage)."""
         self.copies.synchronize()
         self._completer.wait_idle()
         self._completer.discard_error()   # the call already failed with its first error
+        self.copies.release_completed()
 
 
 class _ComputeSpan:
-    __slots__ = ("w", "seconds", "key", "report", "yielded", "t0", "timer", "tracker")
+    __slots__ = ("w", "seconds", "key", "report", "yielded", "t0", "timer", "tracker", "armed")
 
     def __init__(self, w: Worker, seconds: dict, key: Hashable, report: Callable[[float, float], None] | None):
         self.w, self.seconds, self.key, self.report = w, seconds, key, report
@@ -454,13 +533,22 @@ class _ComputeSpan:
         self.tracker = None
 
     def __enter__(self) -> "_ComputeSpan":
+        w = self.w
+        self.armed = False
+        if w._oom is not None and w._injected(_SPAN_KINDS.get(self.key[0], "")):   # the test seam
+            if not w.records_workspace:
+                raise torch.OutOfMemoryError(f"out of device memory (injected into a {_SPAN_KINDS[self.key[0]]} "
+                                             f"compute on {w.name})")
+            w.ledger.fail_next(f"injected into a {_SPAN_KINDS[self.key[0]]} compute")
+            self.armed = True
         if self.yielded is not None:
             self.yielded.__enter__()
         testing.delay_point("compute")
-        self.timer = self.w.timer_start() if self.report is not None else None
-        self.tracker = self.w._workspace_tracker()
+        self.timer = w.timer_start() if self.report is not None else None
+        self.tracker = w._workspace_tracker()
         if self.tracker is not None:
             self.tracker.__enter__()
+        w.computing = self.key
         self.t0 = time.perf_counter()
         return self
 
@@ -479,6 +567,10 @@ class _ComputeSpan:
 
     def __exit__(self, *exc) -> None:
         self.seconds[self.key] = time.perf_counter() - self.t0
+        w = self.w
+        w.computing, w.progress_at = None, time.monotonic()
+        if self.armed and w.ledger.armed:   # the span made no new storage: the injection lapses with it
+            w.ledger.fail_next(None)
         if self.tracker is not None:
             self.tracker.__exit__(*exc)
             self.tracker = None

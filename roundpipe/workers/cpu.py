@@ -34,6 +34,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from roundpipe.core.executor import waiting_for
 from roundpipe.workers.base import Alloc, Owns, Worker
 from roundpipe.workers.ledger import WorkspaceTracker
 
@@ -45,9 +46,14 @@ class Turn:
         self._lock = threading.Lock()
         self._owner: int | None = None
 
+    def _acquire(self) -> None:
+        if not self._lock.acquire(blocking=False):   # contended: a stall report names the wait
+            with waiting_for("the CPU workers' turn (another CPU worker holds it)"):
+                self._lock.acquire()
+
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        self._lock.acquire()
+        self._acquire()
         self._owner = threading.get_ident()
         try:
             yield
@@ -66,7 +72,7 @@ class Turn:
         try:
             yield
         finally:
-            self._lock.acquire()
+            self._acquire()
             self._owner = threading.get_ident()
 
 
@@ -88,6 +94,11 @@ class CpuWorker(Worker):
 
     def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
+
+    def set_cap(self, cap: int | None) -> None:
+        """Its ledger is its device's memory: past the cap an allocation raises torch.OutOfMemoryError, as on a GPU."""
+        super().set_cap(cap)
+        self.ledger.cap = cap
 
     def _workspace_tracker(self) -> WorkspaceTracker | None:
         # Only when asked (Worker.records_workspace): the dispatch mode costs ~4-5 us per op, a

@@ -43,6 +43,14 @@ when registered; storages made outside a compute span or inside its `untracked()
 part (the engine's own copies: a non-contiguous output made contiguous for its
 download, the fp32 gradient accumulators) are registered by the engine under
 their categories or not at all.
+
+The cap.  With `cap` set (a CPU worker under `device_memory=`: the ledger is its
+device's memory) a new storage that would take the live total past it raises
+`torch.OutOfMemoryError`, the type a GPU's caching allocator raises, before it is
+counted: the allocation fails as it would on the device, mid-compute, and what the
+compute held so far dies with the failed stage (roundpipe/engine/calls/dispatcher.py).
+A CUDA worker's ledger has no cap: the allocator enforces the device's own limit.
+`fail_next()` is the test seam that makes the next new storage fail the same way.
 """
 from __future__ import annotations
 
@@ -69,6 +77,20 @@ class DeviceLedger:
         self.current = dict.fromkeys(CATEGORIES, 0)
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
+        self.cap: int | None = None   # enforced: a storage past it raises torch.OutOfMemoryError (see above)
+        self._fail: str | None = None  # fail_next(): why the next new storage fails
+
+    def fail_next(self, why: str | None = "injected") -> None:
+        """Test seam: the next new storage registered raises torch.OutOfMemoryError (None disarms).
+
+        Workers arm it for one part of their work (`Worker.inject_oom`); nothing else calls it."""
+        with self._lock:
+            self._fail = why
+
+    @property
+    def armed(self) -> bool:
+        """fail_next() was called and its failure has not happened yet."""
+        return self._fail is not None
 
     def _settle(self) -> None:
         """Applies the releases the callbacks queued (under the lock)."""
@@ -88,6 +110,8 @@ class DeviceLedger:
             self.current[old] -= nbytes
         else:
             nbytes = storage.nbytes()
+            if self.cap is not None or self._fail is not None:
+                self._check_room(category, nbytes)
             # weakref.ref with a callback: ~0.25 us against weakref.finalize's ~3.4 us (2-core CI VM)
             ref = weakref.ref(storage, lambda _, k=key, dead=self._dead: dead.append(k))
         self._live[key] = (category, nbytes, ref)
@@ -98,6 +122,19 @@ class DeviceLedger:
         total = cur["weights"] + cur["activations"] + cur["gradients"] + cur["workspace"]
         if total > self.peak_total:
             self.peak_total = total
+
+    def _check_room(self, category: str, nbytes: int) -> None:
+        """torch.OutOfMemoryError if `nbytes` more would pass the cap, or when a failure was injected."""
+        held = sum(self.current.values())
+        if self._fail is not None:
+            why, self._fail = self._fail, None
+            raise torch.OutOfMemoryError(
+                f"out of device memory ({why}): tried to allocate {nbytes:,} bytes of {category} with "
+                f"{held:,} bytes held" + (f" of a {self.cap:,}-byte cap" if self.cap is not None else ""))
+        if held + nbytes > self.cap:
+            raise torch.OutOfMemoryError(
+                f"out of device memory: tried to allocate {nbytes:,} bytes of {category} with {held:,} of the "
+                f"worker's {self.cap:,}-byte cap held ({', '.join(f'{k} {v:,}' for k, v in self.current.items())})")
 
     def track(self, t: torch.Tensor, category: str) -> torch.Tensor:
         """Registers t's storage under `category` until it dies (once per storage); returns t."""

@@ -100,6 +100,7 @@ class Transfers:
         self._act_downs: deque = deque()   # activation download fences not known complete, oldest first
         self._clocks: dict[str, _CopyClock] = {}
         self.on_copy: Callable[[str, int, float, float], None] | None = None   # see record_copies
+        self.on_microbatch: Callable[[], None] | None = None   # after each microbatch_done (the worker's progress)
 
     def record_copies(self, on_copy: Callable[[str, int, float, float], None] | None) -> None:
         """Reports every copy from now on as on_copy(queue, bytes, issued, completed) (None: stop).
@@ -247,6 +248,8 @@ class Transfers:
         self.pace()
         self.bound_activation_downloads()
         self.release_completed()
+        if self.on_microbatch is not None:
+            self.on_microbatch()
 
     def pace(self) -> None:
         """If no activation download released a held-back download window since the last pace,

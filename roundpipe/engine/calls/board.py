@@ -6,7 +6,10 @@ at `boundary`, ("grad", boundary, microbatch) the gradient with respect to it,
 value is put once with the number of consumers that will `get` it and is
 dropped after the last one, so host memory holds a stage input only until its
 backward stage has used it.  Every wait gives up with `Aborted` as soon as the
-call is aborted, so a failing worker never leaves another one blocked.
+call is aborted, so a failing worker never leaves another one blocked; the abort
+also drops every value still on the board (outputs kept on a device die with the
+failed call, not with the last reference to its context), and nothing is put after it.
+A blocked `get` names its key for stall reports (core/executor.py, `waiting_for`).
 """
 from __future__ import annotations
 
@@ -14,6 +17,20 @@ import threading
 from typing import Any, Hashable
 
 from roundpipe.core.errors import Aborted
+from roundpipe.core.executor import waiting_for
+
+
+def describe(key: Hashable) -> str:
+    """A board key in words: what a stage waiting for it waits for."""
+    if isinstance(key, tuple) and len(key) == 3:
+        kind, at, index = key
+        if kind == "act":
+            return f"the input of layer {at}, microbatch {index} (another stage's output)"
+        if kind == "grad":
+            return f"the gradient at layer {at}, microbatch {index} (from the backward stage after it)"
+        if kind == "buf":
+            return f"layer {at}'s buffers from round {index}'s forward"
+    return f"board entry {key!r}"
 
 
 class Board:
@@ -27,6 +44,8 @@ class Board:
         if consumers <= 0:
             return
         with self._cv:
+            if self._aborted:   # nobody takes it any more
+                return
             assert key not in self._items, f"{key} put twice"
             self._items[key] = [value, consumers]
             if self._waiters:
@@ -41,14 +60,17 @@ class Board:
 
     def get(self, key: Hashable) -> Any:
         with self._cv:
-            while key not in self._items:
-                if self._aborted:
-                    raise Aborted()
-                self._waiters += 1
-                try:
-                    self._cv.wait()
-                finally:
-                    self._waiters -= 1
+            if key in self._items:
+                return self._take(key)
+            with waiting_for(describe(key)):
+                while key not in self._items:
+                    if self._aborted:
+                        raise Aborted()
+                    self._waiters += 1
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._waiters -= 1
             return self._take(key)
 
     def poll(self, key: Hashable) -> tuple[bool, Any]:
@@ -61,7 +83,9 @@ class Board:
     def abort(self) -> None:
         with self._cv:
             self._aborted = True
+            items, self._items = self._items, {}
             self._cv.notify_all()
+        items.clear()   # outside the lock: the values' storages die here
 
     @property
     def aborted(self) -> bool:

@@ -23,13 +23,29 @@ protocol (roundpipe/engine/step/async_step.py).
 `default_plan` is the fixed rule used when planning is switched off
 (`PlanningConfig(enabled=False)`); by default the plan comes from the
 partitioner and follows the profiled costs (roundpipe/engine/autoplan.py).
+
+Failures (docs/semantics.md).  A worker's error fails the call and aborts its board;
+the caller re-raises it once every worker stopped.  A `torch.OutOfMemoryError` gets a
+note naming the worker, the stage, the microbatch, the plan's predicted peak and the
+cap, and the locals of the frames it passed through are cleared, so everything the
+failed stage held on the worker (weights, inputs, the autograd graph) dies before the
+caller sees it, not when the caller drops the exception.  The `Watchdog` turns a stall
+(no worker of a live call made progress for `stall_timeout` seconds) into
+`RoundPipeStalled` in the waiting caller, with every engine thread's stack; a stuck
+thread cannot be stopped, so its calls are given up (ended without effect) and the
+model takes no more calls.
 """
 from __future__ import annotations
 
 import threading
+import time
+import traceback
 from typing import Callable
 
-from roundpipe.core.errors import Aborted
+import torch
+
+from roundpipe.core.errors import Aborted, RoundPipeStalled
+from roundpipe.core.executor import engine_stacks, innermost, waits_of
 from roundpipe.engine.calls.context import CallContext
 from roundpipe.engine.calls.stage import Consumer, StageTask, run_stage
 from roundpipe.planner.plan import Plan
@@ -97,20 +113,153 @@ class Schedule:
         return [Consumer(w, kind != "B") for kind, r, w, _ in placed if r.start == b]
 
 
+_KIND_WORDS = {"F": "forward", "fused": "the fused tail: forward, loss and backward", "B": "recompute and backward"}
+_SPAN_WORDS = {"f": "forward (or recompute)", "b": "backward", "l": "loss_fn"}
+
+
+def stage_words(task: StageTask) -> str:
+    r = task.layers
+    return f"stage {task.label} ({_KIND_WORDS.get(task.kind, task.kind)} of layers {r.start}-{r.stop - 1})"
+
+
+def _microbatch(w: Worker, task: StageTask) -> str:
+    done = w.stage_mbs_done
+    return f"at microbatch {task.mbs[done]}" if done < len(task.mbs) else "after its last microbatch (the stage's end)"
+
+
+def _oom_note(w: Worker, task: StageTask | None, predicted: int | None) -> str:
+    where = (f"in {stage_words(task)}, {_microbatch(w, task)}" if task is not None
+             else "after its stages (its copies and gradient landings)")
+    pred = (f"the plan's predicted peak for this worker is {predicted:,} bytes" if predicted
+            else "no predicted peak (a fixed plan and no device_memory cap)")
+    cap = (f"its device_memory cap is {w.device_cap:,} bytes" if w.device_cap is not None
+           else "it has no device_memory cap (the device's own limit)")
+    return (f"[roundpipe] out of device memory on worker {w.name} {where}; {pred}, {cap}.  The call had no effect "
+            "and what the stage held on the worker was released: the model stays usable; retry with a smaller batch, "
+            "more microbatches (num_microbatches=) or a plan with smaller stages")
+
+
+def _release_frames(e: BaseException) -> None:
+    """Clears the locals of the finished frames an error (and the errors chained to it) passed through."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        traceback.clear_frames(x.__traceback__)
+        todo += [x.__cause__, x.__context__]
+
+
+class Watchdog:
+    """Raises RoundPipeStalled in a waiting caller when the engine stalls (EngineConfig.stall_timeout).
+
+    Progress is a worker's (Worker.progress_at): a stage began or ended, a compute span or a
+    microbatch ended, a download landed.  A caller's wait polls `check`: when none of the workers
+    still busy with a live call progressed for `timeout` seconds (since the wait began at the
+    earliest), every live call is aborted, the workers that are not stuck get a moment to stop,
+    and the calls are given up: ended without effect as a failed call is (their `on_end` runs on
+    the caller's thread), the workers still in them marked `stalled`.  Their threads cannot be
+    killed; the model takes no more calls and `close()` does not wait for them."""
+
+    GRACE_S = 2.0   # after the abort: the most the workers that are not stuck get to stop
+
+    def __init__(self, workers: list[Worker], timeout: float | None):
+        self.workers = {w.name: w for w in workers}
+        self.timeout = timeout
+        self.tripped: RoundPipeStalled | None = None
+        self._live: list[CallRun] = []   # calls started and not ended
+        self._lock = threading.Lock()
+
+    def add(self, run: "CallRun") -> None:
+        with self._lock:
+            self._live.append(run)
+
+    def remove(self, run: "CallRun") -> None:
+        with self._lock:
+            if run in self._live:
+                self._live.remove(run)
+
+    def check(self, run: "CallRun", since: float) -> None:
+        """RoundPipeStalled if the engine already stalled, or stalls now (see the class docstring)."""
+        if self.tripped is not None:
+            raise self.tripped
+        if self.timeout is None:
+            return
+        with self._lock:
+            runs = list(self._live)
+        busy = sorted({name for r in runs for name in r.busy_names()})
+        if not busy:
+            return
+        idle = time.monotonic() - max([since] + [self.workers[n].progress_at for n in busy])
+        if idle >= self.timeout:
+            self._trip(run, runs, busy, idle)
+
+    def _trip(self, run: "CallRun", runs: list["CallRun"], busy: list[str], idle: float) -> None:
+        exc = RoundPipeStalled(self.report(busy, idle))
+        self.tripped = exc
+        for r in runs:
+            if r is not run:   # calls still draining: raised as notes on this one, or by a sync point
+                r.fail(RoundPipeStalled(f"call aborted by an engine stall (stall_timeout={self.timeout} s) while it "
+                                        "ran; its gradients were dropped"))
+            r.ctx.board.abort()
+        deadline = time.monotonic() + min(self.timeout, self.GRACE_S)
+        for r in runs:
+            r.wait_until(deadline)
+        for r in runs:
+            for name in r.give_up():
+                self.workers[name].stalled = True
+        raise exc
+
+    def report(self, busy: list[str], idle: float) -> str:
+        """The stalled workers (those not waiting for another stage first), the others, every engine thread's stack."""
+        stuck, waiting = [], []
+        for name in busy:
+            w = self.workers[name]
+            what = waits_of(w.thread_ident)
+            task = w.stage
+            where = f"worker {name} in {stage_words(task)}, {_microbatch(w, task)}" if task is not None else \
+                f"worker {name} (between stages of its part of a call: copies and gradient landings)"
+            if what is not None:
+                waiting.append(f"{where}, waits for {what}")
+                continue
+            frame = innermost(w.thread_ident) or "an unknown place"
+            if w.computing is not None:
+                stuck.append(f"{where}, waits for its own {_SPAN_WORDS.get(w.computing[0], 'compute')} to return "
+                             f"(a layer, loss_fn or collective that blocks: {frame})")
+            else:
+                stuck.append(f"{where}, waits at {frame}")
+        first = stuck or waiting
+        lines = [f"the engine made no progress for {idle:.1f} s (stall_timeout={self.timeout} s): "
+                 + "; ".join(first)]
+        if stuck and waiting:
+            lines.append("waiting behind it: " + "; ".join(waiting))
+        lines.append("The call was aborted, but a thread that does not return cannot be stopped: this RoundPipe takes "
+                     "no more calls; close() it (it does not wait for the stuck worker) and build a new one.")
+        lines.append("Engine threads:\n" + engine_stacks())
+        return "\n".join(lines)
+
+
 class CallRun:
-    """One call's work on the workers: how many are still at it, the first error, the end.
+    """One call's work on the workers: which are still at it, the first error, the end.
 
     `on_end(run)` runs once, on the thread of the last worker to finish (or the caller's, when
-    work was never handed out); the call counts as finished only once it returned."""
+    work was never handed out or the watchdog gave the call up); the call counts as finished
+    only once it returned."""
 
-    def __init__(self, ctx: CallContext, workers: int, on_end: Callable[["CallRun"], None]):
+    def __init__(self, ctx: CallContext, workers: list[str], on_end: Callable[["CallRun"], None],
+                 watchdog: Watchdog | None = None):
         self.ctx = ctx
         self.cv = threading.Condition()
-        self.left = workers
+        self._busy = set(workers)   # workers whose part of the call has not ended
         self.ended = False
         self.error: BaseException | None = None
         self._on_end = on_end
         self._watchers: list["CallRun"] = []   # later calls waiting on this one's end or error
+        self.watchdog = watchdog
+        if watchdog is not None:
+            watchdog.add(self)
 
     def watch(self, earlier: "CallRun") -> None:
         """Wakes this run's `wait` when `earlier` fails or ends (its `until` may test them)."""
@@ -146,10 +295,17 @@ class CallRun:
             self.cv.notify_all()
         self._wake_watchers()
 
-    def done(self, count: int = 1) -> None:
+    def busy_names(self) -> list[str]:
         with self.cv:
-            self.left -= count
-            last = self.left == 0
+            return list(self._busy)
+
+    def done(self, *workers: str) -> None:
+        """These workers' parts ended (a part the watchdog gave up on may end later: ignored)."""
+        with self.cv:
+            if not self._busy:
+                return
+            self._busy.difference_update(workers)
+            last = not self._busy
         if last:
             try:
                 self._on_end(self)
@@ -157,7 +313,22 @@ class CallRun:
                 with self.cv:
                     self.ended = True
                     self.cv.notify_all()
+                if self.watchdog is not None:
+                    self.watchdog.remove(self)
                 self._wake_watchers()
+
+    def give_up(self) -> list[str]:
+        """Ends the call as if its workers still at it had stopped (the watchdog's last resort); returns them."""
+        left = self.busy_names()
+        if left:
+            self.done(*left)
+        return left
+
+    def wait_until(self, deadline: float) -> None:
+        """Until the end or the monotonic `deadline`, no watchdog."""
+        with self.cv:
+            while not self.ended and time.monotonic() < deadline:
+                self.cv.wait(0.02)
 
     def poke(self) -> None:
         """Wakes a `wait(until)` to test its condition again."""
@@ -165,24 +336,40 @@ class CallRun:
             self.cv.notify_all()
 
     def wait(self, until: Callable[[], bool] | None = None) -> None:
-        """Until the end, an error, or `until()`."""
-        with self.cv:
-            while not self.ended and self.error is None and not (until is not None and until()):
+        """Until the end, an error, or `until()`; RoundPipeStalled from the watchdog."""
+        since = time.monotonic()
+        while True:
+            with self.cv:
+                if self.ended or self.error is not None or (until is not None and until()):
+                    return
                 self.cv.wait(0.02)
+                if self.ended or self.error is not None or (until is not None and until()):
+                    return
+            if self.watchdog is not None:
+                self.watchdog.check(self, since)
 
     def wait_end(self) -> None:
-        with self.cv:
-            while not self.ended:
+        """Until the end; RoundPipeStalled from the watchdog (a call it gave up on has ended)."""
+        since = time.monotonic()
+        while True:
+            with self.cv:
+                if self.ended:
+                    return
                 self.cv.wait(0.1)
+                if self.ended:
+                    return
+            if self.watchdog is not None:
+                self.watchdog.check(self, since)
 
 
 class Dispatcher:
     """Owns the rotation g0 and runs each call's schedule on the workers."""
 
-    def __init__(self, workers: list[Worker]):
+    def __init__(self, workers: list[Worker], stall_timeout: float | None = None):
         self.workers = workers
         self.g0 = 0
         self._schedules: dict[tuple, Schedule] = {}
+        self.watchdog = Watchdog(workers, stall_timeout)
 
     def schedule(self, plan: Plan, training: bool, num_mb: int, round_size: int) -> Schedule:
         """The call's schedule; built once per (plan, mode, sizes, g0) since a run only reads it."""
@@ -197,16 +384,20 @@ class Dispatcher:
     def start(self, ctx: CallContext, sched: Schedule, on_end: Callable[[CallRun], None]) -> CallRun:
         """Hands every worker its slots of the call, behind whatever earlier calls left it; the
         rotation moves on at once, so the next call's slots continue where these stop."""
-        run = CallRun(ctx, len(self.workers), on_end)
+        if self.watchdog.tripped is not None:
+            raise RoundPipeStalled("this RoundPipe stalled earlier (a worker made no progress for stall_timeout "
+                                   "seconds) and takes no more calls; close it and build a new one") \
+                from self.watchdog.tripped
+        run = CallRun(ctx, [w.name for w in self.workers], on_end, self.watchdog)
         ctx.on_losses = run.poke
         submitted = 0
         try:
             for w in self.workers:
-                w.submit(self._work_fn(ctx, w, sched.tasks[w.name], run))
+                w.submit(self._work_fn(ctx, w, sched.tasks[w.name], run, sched.predicted.get(w.name)))
                 submitted += 1
         except BaseException:
             ctx.board.abort()   # Ctrl-C while handing out work: stop the workers that got it
-            run.done(len(self.workers) - submitted)
+            run.done(*[w.name for w in self.workers[submitted:]])
             run.wait_end()
             raise
         self.g0 = sched.next_g0 % len(self.workers)
@@ -228,25 +419,35 @@ class Dispatcher:
             raise run.error
 
     @staticmethod
-    def _work_fn(ctx: CallContext, w: Worker, tasks: list[StageTask], run: CallRun) -> Callable[[], None]:
+    def _work_fn(ctx: CallContext, w: Worker, tasks: list[StageTask], run: CallRun,
+                 predicted: int | None) -> Callable[[], None]:
+        """Worker w's part of the call; `predicted`: its predicted peak device bytes (for an out-of-memory note)."""
         def work() -> None:
+            pre = task = None
             try:
-                pre = None
                 for i, task in enumerate(tasks):
                     if ctx.board.aborted:
                         break
+                    w.begin_stage(task)
                     pre = run_stage(ctx, w, task, pre, tasks[i + 1] if i + 1 < len(tasks) else None)
+                    w.end_stage()
+                task = None
                 w.drain()
             except Aborted:
                 pass
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller by Dispatcher.wait
+                if isinstance(e, torch.OutOfMemoryError):
+                    e.add_note(_oom_note(w, task, predicted))
+                    _release_frames(e)   # the failed stage's tensors die now, not with the exception
                 run.fail(e)
                 ctx.board.abort()
             finally:
+                pre = task = None   # the prefetched weights die before the call counts as ended
+                w.end_stage()
                 if ctx.board.aborted:
                     try:
                         w.abandon()
                     except BaseException:  # noqa: BLE001 - the first error is already recorded
                         pass
-                run.done()
+                run.done(w.name)
         return work
