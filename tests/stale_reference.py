@@ -24,7 +24,7 @@ class StaleReference:
         self.window = 0           # training calls still reading self.prev
         self.calls_since = 0
 
-    def forward_backward(self, x, y):
+    def forward_backward(self, x, y, return_outputs=False):
         model = self.cur
         if self.window > 0:
             self.window -= 1
@@ -32,18 +32,27 @@ class StaleReference:
             model = self.stale
         self.calls_since += 1
         params = [p for p in model.parameters() if p.requires_grad]
-        loss = self.loss_fn(model(x), y)
+        out = model(x)
+        loss = self.loss_fn(out, y)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         for p, g in zip([p for p in self.cur.parameters() if p.requires_grad], grads):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
-        return loss.detach()
+        return (loss.detach(), out.detach()) if return_outputs else loss.detach()
 
-    def step(self, asynchronous):
+    def composed(self, x, y):
+        """`loss_fn(model(x), y).backward()` through a composed call: its forward is a sync point, and its
+        backward a training call on the newest weights."""
+        self.flush()
+        return self.forward_backward(x, y, return_outputs=True)
+
+    def step(self, asynchronous, max_grad_norm=...):
+        """max_grad_norm: this step's clipping (default: the constructor's)."""
+        max_grad_norm = self.max_grad_norm if max_grad_norm is ... else max_grad_norm
         self.prev = copy.deepcopy(self.cur.state_dict())
-        if self.max_grad_norm is not None:
+        if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in self.cur.parameters() if p.grad is not None],
-                                           self.max_grad_norm)
+                                           max_grad_norm)
         self.opt.step()
         if self.sched is not None:
             self.sched.step()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable, Iterator
 
@@ -28,13 +29,14 @@ from torch import nn
 
 from roundpipe.core import omp
 from roundpipe.core.executor import SerialExecutor, engine_thread, on_thread, register_then_queue, stop_when_collected
-from roundpipe.core.tree import tree_map
+from roundpipe.core.tree import tree_leaves, tree_map
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine.calls import batchnorm as batchnorm_stats
+from roundpipe.engine.calls import composed
 from roundpipe.engine.calls.board import Board
 from roundpipe.engine.calls.context import CallContext
 from roundpipe.engine.calls.dispatcher import CallRun, Dispatcher, default_plan
-from roundpipe.engine.calls.microbatch import SplitFn, batch_size_of, merge, split
+from roundpipe.engine.calls.microbatch import SplitFn, batch_size_of, merge, split, weighted_sum
 from roundpipe.engine.calls.precision import Precision
 from roundpipe.engine.calls.replica import Replica
 from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig, engine_config
@@ -47,6 +49,7 @@ from roundpipe.engine.step.async_step import LayerSync, run_gcopy, run_step
 from roundpipe.engine.step.host_state import HostState
 from roundpipe.engine.step.optimizer_step import check_step_args, copy_step, make_step
 from roundpipe.engine.step.staleness import StalenessCompensation
+from roundpipe.planner.autosplit import SplitModule, split_module
 from roundpipe.planner.plan import Plan
 from roundpipe.trace import Trace
 from roundpipe.workers import make_workers
@@ -56,7 +59,7 @@ from roundpipe.workers.rng import draw_base
 TimingFn = Callable[[str, str, int, int, float, float], None]
 
 
-def _as_layers(layers: object) -> nn.Sequential:
+def _as_layers(layers: object, cfg: EngineConfig) -> nn.Sequential:
     if isinstance(layers, nn.Sequential):
         seq = layers
     elif isinstance(layers, (list, tuple, nn.ModuleList)):
@@ -64,8 +67,13 @@ def _as_layers(layers: object) -> nn.Sequential:
             if not isinstance(layer, nn.Module):
                 raise TypeError(f"layers[{i}] must be an nn.Module, got {type(layer).__name__}")
         seq = nn.Sequential(*layers)
+    elif isinstance(layers, nn.Module):   # any other module: cut where its forward hands one value on
+        caps = [c for c in cfg.device_caps().values() if c is not None]
+        seq = split_module(layers, device_memory=min(caps) if caps else None,
+                           compute_dtype=cfg.resolved_precision.compute_dtype)
     else:
-        raise TypeError(f"layers must be an nn.Sequential or a list of nn.Module, got {type(layers).__name__}")
+        raise TypeError(f"layers must be an nn.Module (an nn.Sequential, a list of nn.Module, or a module to cut "
+                        f"into layers), got {type(layers).__name__}")
     if len(seq) == 0:
         raise ValueError("layers is empty; give at least one nn.Module")
     return seq
@@ -84,6 +92,18 @@ def _describe(error: BaseException) -> str:
     """An error folded into another one: its type, message and notes on one line."""
     notes = "; ".join(getattr(error, "__notes__", []))
     return f"an earlier call failed too: {type(error).__name__}: {error}" + (f" ({notes})" if notes else "")
+
+
+def _on_host(handoffs: dict[int, Handoff], n: int) -> list:
+    """Microbatches 0..n-1's values sent home (outputs, a loss_fn's other entries, input gradients), once
+    their downloads completed."""
+    values = []
+    for m in range(n):
+        h = handoffs[m]
+        if h.host_ready is not None:
+            h.host_ready.wait()
+        values.append(h.host)
+    return values
 
 
 @dataclasses.dataclass
@@ -110,12 +130,12 @@ class RoundPipe:
                  process_group: Any = None, shard_optimizer: bool = False,
                  compensation: StalenessCompensation | None = None, master_dtype: torch.dtype = torch.float32,
                  master_rounding: str = "stochastic", offload_dir: Any = None, host_memory: int | None = None,
-                 config: EngineConfig | None = None):
+                 stall_timeout: float | None = None, config: EngineConfig | None = None):
         # the keywords are EngineConfig's fields (roundpipe/engine/config.py documents and checks them, once);
         # config= gives them as one EngineConfig instead
         options = {name: value for name, value in locals().items() if name in ENGINE_OPTIONS}
-        self.module = _as_layers(layers)
         cfg = self.engine_config = engine_config(config, options)
+        self.module = _as_layers(layers, cfg)   # any other module is cut into layers (planner/autosplit.py)
         self.devices = list(cfg.worker_devices)
         n = len(self.devices)
         self.loss_reduction = cfg.loss_reduction
@@ -170,7 +190,7 @@ class RoundPipe:
         for reps in self.replicas.values() if self._bn else ():
             for l, rep in enumerate(reps):
                 batchnorm_stats.patch_replica(rep.module, l)
-        self.dispatcher = Dispatcher(self.workers)
+        self.dispatcher = Dispatcher(self.workers, cfg.stall_timeout)   # stall watchdog: dispatcher.py
         self.stage_timing: TimingFn | None = None   # profiler seam: (worker, kind, first_layer, mb, t0, t1)
         self._trace: Trace | None = None
         self._check_recompute = False
@@ -195,8 +215,9 @@ class RoundPipe:
     @property
     def _owner(self) -> nn.Module:
         """The module whose parameters, names and state dict this model presents: the wrapped
-        layers (an rp.hf.wrap model: the HF model, which holds the same tensors)."""
-        return self.module
+        layers (an rp.hf.wrap model: the HF model; a module cut into layers: that module; both hold the same
+        tensors)."""
+        return self.module.source if isinstance(self.module, SplitModule) else self.module
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self._owner.parameters(recurse)
@@ -260,50 +281,131 @@ class RoundPipe:
         for t in self._host_threads():
             t.raise_error()
 
-    def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
-        """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor."""
+    def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None,
+                         return_outputs: bool = False, num_microbatches: int | None = None, **kwargs) -> Any:
+        """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor.
+
+        Other keywords are the first layer's inputs (`labels`, `loss_fn`, `return_outputs` and
+        `num_microbatches` are this method's own, so a layer cannot take inputs of those names).
+        loss_fn(output, labels) returns the microbatch's loss, or a tuple/list (the first entry is the
+        loss) or a dict (its "loss" entry, else its first) whose other entries are tensors returned
+        detached, in fp32 on the CPU, each reduced over the microbatches as the loss is (weighted by
+        size_m / B, or summed with loss_reduction="sum"; same shape in every microbatch).  Returns:
+
+            loss                          loss_fn returns a tensor (or no loss_fn)
+            (loss, extras)                it returns a tuple/list (extras: a tuple) or a dict (a dict)
+            (loss, outputs)               return_outputs=True: outputs as model(x) returns them, detached
+            (loss, extras, outputs)       both
+
+        num_microbatches: this call's microbatch count instead of the model's (docs/semantics.md)."""
         with self._api:
             self._check_open()
             if loss_fn is not None and not callable(loss_fn):
                 raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
             if labels is not None and loss_fn is None:
                 raise ValueError("labels were given but loss_fn is None; pass loss_fn(output, labels)")
+            if not isinstance(return_outputs, bool):
+                raise TypeError(f"return_outputs must be True or False, got {return_outputs!r}")
+            count = self._microbatch_count(num_microbatches)
             required = loss_fn is not None and labels is not None
-            mb = split(args, kwargs, labels, self.num_microbatches, self.round_size, self.split_fn,
+            mb = split(args, kwargs, labels, count, self.round_size, self.split_fn,
                        labels_required=required)
-            if (len(mb) > 1 and self.num_microbatches is None and self.split_fn is None
+            if (len(mb) > 1 and count is None and self.split_fn is None
                     and self.autoplan.whole_batch((args, kwargs), batch_size_of((args, kwargs)),
                                                   (self._as_run(loss_fn), labels) if loss_fn is not None else None)):
                 mb = split(args, kwargs, labels, 1, 1, labels_required=required)   # the model fits: unsplit
             mb.reduction = self.loss_reduction
-            ctx = self._run(mb, training=True, loss_fn=loss_fn)
+            ctx = self._run(mb, training=True, loss_fn=loss_fn, keep_outputs=return_outputs)
             losses = []
-            for m, w in enumerate(mb.weights):
+            for m in range(len(mb)):
                 loss, ready = ctx.losses[m]
                 if ready is not None:
                     ready.wait()
-                losses.append(loss * w)
-            total = losses[0].clone()
-            for x in losses[1:]:
-                total += x
-            return total
+                losses.append(loss)
+            result = [weighted_sum(losses, mb.weights)]
+            if ctx.loss_form:
+                result.append(self._extras(ctx, mb.weights))
+            if return_outputs:
+                result.append(merge(_on_host(ctx.outputs, len(mb))))
+            return result[0] if len(result) == 1 else tuple(result)
 
-    def __call__(self, *args, **kwargs) -> Any:
-        """Forward only (no state kept for backward); outputs are concatenated along dim 0 on the CPU."""
+    def _microbatch_count(self, num_microbatches: Any) -> int | None:
+        """A call's num_microbatches= checked; None: the model's."""
+        if num_microbatches is None:
+            return self.num_microbatches
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1 (this call's microbatch "
+                             f"count) or None (the model's, {self.num_microbatches or 'the default'})")
+        return num_microbatches
+
+    @staticmethod
+    def _extras(ctx: CallContext, weights: list[float]) -> tuple | dict:
+        """The loss_fn's other entries, each reduced over the microbatches as the loss is (the fused
+        stage checked that every microbatch returned the same entries in the same shapes)."""
+        kind, names, _shapes = ctx.loss_form
+        per_mb = _on_host(ctx.extras, len(weights))
+        reduced = [weighted_sum([v[k] for v in per_mb], weights) for k in range(len(per_mb[0]))]
+        return tuple(reduced) if kind == "tuple" else dict(zip(names, reduced))
+
+    def __call__(self, *args, num_microbatches: int | None = None, **kwargs) -> Any:
+        """The model's output, its tensors concatenated along dim 0 on the CPU.
+
+        Forward only (nothing kept for a backward) under torch.no_grad(), or when no input requires grad
+        and the model is in eval() or has no parameter that requires grad.  Otherwise the output is a node
+        of the caller's autograd graph: a backward through it lands every parameter's gradient (and the
+        inputs' that require grad) as an nn.Sequential's would, at the cost of one more forward
+        (roundpipe/engine/calls/composed.py; forward_backward is the fast path, docs/semantics.md).
+        num_microbatches: this call's microbatch count instead of the model's (so a layer cannot take
+        an input of that name)."""
         with self._api:
             self._check_open()
+            count = self._microbatch_count(num_microbatches)
             self.sync.flush()   # a sync point: a forward after step() sees the updated weights
             if self._bn:
                 self._retire()   # whole-batch BatchNorm statistics land at call ends: eval sees them
-            mb = split(args, kwargs, None, self.num_microbatches, self.round_size, self.split_fn)
+            grad = torch.is_grad_enabled()
+            wanted = composed.requires_grad(args, kwargs) if grad else []
+            if wanted or (grad and self._owner.training and any(p.requires_grad for p in self.parameters())):
+                return self._composed(args, kwargs, count, wanted)
+            mb = split(args, kwargs, None, count, self.round_size, self.split_fn)
             ctx = self._run(mb, training=False, loss_fn=None)
-            outs = []
-            for m in range(len(mb)):
-                h = ctx.outputs[m]
-                if h.host_ready is not None:
-                    h.host_ready.wait()
-                outs.append(h.host)
-            return merge(outs)
+            return merge(_on_host(ctx.outputs, len(mb)))
+
+    def _composed(self, args: tuple, kwargs: dict, count: int | None, wanted: list[int]) -> Any:
+        """model(x) as a node of the caller's autograd graph (roundpipe/engine/calls/composed.py); `wanted`:
+        the positions of the inputs that require grad."""
+        if wanted and self.split_fn is not None:
+            raise ValueError("an input that requires grad with split_fn= set: the gradient of an input can only be "
+                             "put together from the default split's microbatches; detach the input, or build "
+                             "the model without split_fn")
+        inputs = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (tuple(args), dict(kwargs)))
+        mb = split(inputs[0], inputs[1], None, count, self.round_size, self.split_fn)
+        base, steps = self._draw_base(), self.sync.steps_issued
+
+        def forward(mb) -> list:
+            return _on_host(self._run(mb, training=False, loss_fn=None, rng_base=base).outputs, len(mb))
+        call = composed.ComposedCall(mb, inputs, wanted, forward, functools.partial(self._composed_backward, base, steps))
+        leaves = tree_leaves((args, kwargs))
+        return composed.compose(call, [leaves[i] for i in wanted])
+
+    def _composed_backward(self, base: int, steps: int, mb, wanted: tuple[int, ...]) -> list[list]:
+        """A composed call's backward: a training call seeded with the output's gradients (composed.py)."""
+        with self._api:
+            self._check_open()
+            if self.sync.steps_issued != steps:
+                raise RuntimeError("backward through a RoundPipe call's output after a step(): the weights its "
+                                   "forward used were updated since (as PyTorch refuses a backward through weights "
+                                   "modified in place); call backward() before step()")
+            ctx = self._run(mb, training=True, loss_fn=None, rng_base=base, seeded=True, write_buffers=False,
+                            bn_stats=None, input_grad_leaves=wanted)
+            if not wanted:
+                return [[] for _ in range(len(mb))]
+            self._retire()   # the input gradients come from the call's last stage: wait for its end
+            return _on_host(ctx.input_grads, len(mb))
+
+    def _draw_base(self) -> int:
+        """A call's RNG base: one draw from the caller's generator (each rank's own with data parallelism)."""
+        return draw_base() if self.dp is None else self.dp.rank_seed(draw_base())
 
     forward = __call__
 
@@ -323,14 +425,16 @@ class RoundPipe:
             if self.sync.settled(l):
                 host.refresh(l)
 
-    def _run(self, mb, training: bool, loss_fn: Callable | None) -> CallContext:
+    def _run(self, mb, training: bool, loss_fn: Callable | None, rng_base: int | None = None,
+             **fields: Any) -> CallContext:
         """Starts a call; returns once its loss is known (training) or its outputs are (forward).
 
         A training call's last backward stages, gradient landings and its end run on under the
         next call: `_inflight` keeps it until `_retire` folds its timings.  A call returns only once
         the calls before it ended (they run first on every worker); if one failed it is cancelled and
         raises that error.  A failing call folds the errors of those before it into its own: each
-        error is raised once (tests/engine/test_call_errors.py)."""
+        error is raised once (tests/engine/test_call_errors.py).  rng_base: the call's RNG base when
+        given (a composed call's backward repeats its forward's); fields: more CallContext fields."""
         self._refresh_edited()
         loss = (self._as_run(loss_fn), mb.labels[0]) if training and loss_fn is not None else None
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training, loss)   # the safe point
@@ -348,14 +452,14 @@ class RoundPipe:
         # Inputs and labels are staged into the (pinned) arena here, on the caller's thread, made
         # contiguous on the way: workers then copy from staging blocks only (Worker._staged).
         pin = self.host.staged
-        base = draw_base() if self.dp is None else self.dp.rank_seed(draw_base())
+        base = self._draw_base() if rng_base is None else rng_base
+        fields.setdefault("bn_stats", batchnorm_stats.BatchStats() if self._bn else None)
         ctx = CallContext(self.host, self.sync, Board(), self.replicas, sched.points, base,
                           labels=[tree_map(pin, l) for l in mb.labels], weights=mb.weights, loss_fn=loss_fn,
                           trace=self._trace_call(plan),
                           on_timing=self.autoplan.recorder(key, training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
-                          bn_stats=batchnorm_stats.BatchStats() if self._bn else None, bn_skip=self._bn_skip,
-                          precision=self.precision)
+                          bn_skip=self._bn_skip, precision=self.precision, **fields)
         # A training call's inputs already on a GPU are copied on the caller's stream, owned by the call:
         # its last backward stages recompute from them after it returned (labels are read before it returns).
         own = gpu_input_snapshots(self.workers) if training else None

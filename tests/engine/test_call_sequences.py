@@ -11,13 +11,12 @@ step s; the next step or any sync point closes it.
 Every case runs under a watchdog: a hang fails that case with every thread's stack and
 the run goes on.  ROUNDPIPE_SOAK=N runs N more seeds (a longer soak, not in CI).
 """
+import functools
 import os
 import random
-import sys
-import threading
-import traceback
 
 import pytest
+import soak
 import torch
 import torch.nn.functional as F
 from rp_models import max_rel_err, mlp, reference
@@ -34,26 +33,7 @@ TOL = 1e-4
 CASE_TIMEOUT_S = 60
 
 
-def run_with_watchdog(fn, timeout_s=CASE_TIMEOUT_S):
-    """Runs fn on a thread; a hang fails the test with every thread's stack (the threads are left behind)."""
-    box = {}
-
-    def target():
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
-            box["error"] = e
-    t = threading.Thread(target=target, name="sequence-case", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        names = {th.ident: th.name for th in threading.enumerate()}
-        stacks = "\n".join(f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
-                           for ident, frame in sys._current_frames().items())
-        pytest.fail(f"hang: no progress within {timeout_s} s\n{stacks}", pytrace=False)
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
+run_with_watchdog = functools.partial(soak.run_with_watchdog, timeout_s=CASE_TIMEOUT_S)   # tests/soak.py
 
 
 def make_optimizer(kind, model, weight_decay):

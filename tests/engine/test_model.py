@@ -116,13 +116,18 @@ def test_buffers_update_once_per_forward():
 
 
 def test_forward_only_matches_and_keeps_no_grad():
-    """model(x) returns the concatenated output on the CPU with no autograd graph."""
+    """model(x) under no_grad (or in eval mode) returns the concatenated output on the CPU with no autograd
+    graph (with grad enabled in train mode it is a composed call: tests/engine/test_composed_calls.py)."""
     layers = MODELS["nested"]()
     ref = reference(layers)
     x = torch.randn(5, 8)
     with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3) as model:
-        out = model(x, scale=3.0)
-    assert not out.requires_grad
+        with torch.no_grad():
+            out = model(x, scale=3.0)
+        model.eval()
+        out_eval = model(x, scale=3.0)
+    assert not out.requires_grad and not out_eval.requires_grad
+    torch.testing.assert_close(out_eval, out)
     torch.testing.assert_close(out, ref_forward(ref, x, scale=3.0).detach())
     assert all(p.grad is None for p in layers[0].parameters())
 

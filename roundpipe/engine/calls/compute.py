@@ -93,3 +93,26 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                 with span.untracked():   # host staging of the handoff is not the layers' workspace
                     publish(l + 1, x)
     return x
+
+
+def loss_parts(value: Any) -> tuple[Any, tuple, list]:
+    """What a loss_fn returned, as (the loss to optimize, its form, the other entries).
+
+    A tensor is the loss (form ()); a tuple or list optimizes its first entry and returns the
+    rest (form ("tuple", n)); a dict optimizes its "loss" entry, else its first one, and returns the
+    others in order (form ("dict", their keys)).  The other entries must be tensors; the loss itself
+    is checked by the caller (a floating scalar)."""
+    if isinstance(value, (tuple, list)) and value:
+        loss, extras, form = value[0], list(value[1:]), ("tuple", len(value) - 1)
+    elif isinstance(value, dict) and value:
+        key = "loss" if "loss" in value else next(iter(value))
+        rest = [k for k in value if k != key]
+        loss, extras, form = value[key], [value[k] for k in rest], ("dict", tuple(rest))
+    else:
+        return value, (), []
+    for i, e in enumerate(extras):
+        if not isinstance(e, torch.Tensor):
+            name = form[1][i] if form[0] == "dict" else i + 1
+            raise TypeError(f"loss_fn returned a {type(value).__name__} whose entry {name!r} is a "
+                            f"{type(e).__name__}; every entry beside the loss must be a tensor")
+    return loss, form, extras

@@ -50,6 +50,19 @@ class CallContext:
     bn_skip: dict[int, frozenset[int]] = field(default_factory=dict)   # layer -> buffers never landed
     precision: Precision = field(default_factory=Precision)   # dtypes of compute (engine/precision.py)
     loss_scale: Callable[[], float] | None = None   # the fp16 loss scale of this call (engine/loss_scale.py)
+    # several losses and outputs of a training call (forward_backward's loss_fn returning a tuple or dict,
+    # return_outputs=True): the loss_fn's form (compute.loss_parts; the first microbatch's, which every
+    # other must repeat), microbatch -> its other entries (fp32, on their way to the host)
+    loss_form: tuple | None = None
+    extras: dict[int, Handoff] = field(default_factory=dict)
+    keep_outputs: bool = False            # a training call also sends each microbatch's output home (outputs)
+    # a composed call's backward (roundpipe/engine/calls/composed.py): labels are the gradients of the
+    # output leaves that seed the backward instead of a loss; its forwards write no buffers; the positions
+    # (tree_leaves of (args, kwargs)) of the call inputs whose gradients come home, microbatch -> them
+    seeded: bool = False
+    write_buffers: bool = True
+    input_grad_leaves: tuple[int, ...] = ()
+    input_grads: dict[int, Handoff] = field(default_factory=dict)
 
     def abort_requested(self) -> bool:
         return self.board.aborted

@@ -114,6 +114,15 @@ def split(args: tuple, kwargs: dict, labels: Any, num_microbatches: int | None, 
     return Microbatches(a, k, lab, sizes)
 
 
+def weighted_sum(values: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """sum_m values[m] * weights[m], added in microbatch order: how a call's losses (and a loss_fn's other
+    entries) become the batch's."""
+    total = values[0] * weights[0]
+    for v, w in zip(values[1:], weights[1:]):
+        total += v * w
+    return total
+
+
 def merge(outputs: list[Any]) -> Any:
     """Concatenates per-microbatch outputs along dim 0 (tensors with a dim 0), leaf by leaf.
 

@@ -4,7 +4,8 @@ Three kinds of stage (docs/architecture.md, "Computation dispatch"):
 
     F      forward only (no autograd), publishes the activation at every saved boundary
            inside the stage: the next forward stage's input and backward stages' inputs
-    fused  the tail: forward + loss + backward back to back, no recompute
+    fused  the tail: forward + loss + backward back to back, no recompute (a composed call's
+           backward seeds it with the caller's output gradient instead: composed.py)
     B      recompute from the saved input, then backward once the output gradient arrives
 
 A B stage recomputes microbatch m before it asks for m's output gradient, so the
@@ -28,9 +29,9 @@ from typing import Any, Callable
 
 import torch
 
-from roundpipe.core.tree import tree_leaves, tree_map
+from roundpipe.core.tree import tree_leaves, tree_map, tree_unflatten
 from roundpipe.engine.calls.batchnorm import recording
-from roundpipe.engine.calls.compute import autograd_backward, float_leaves, run_layers, tag
+from roundpipe.engine.calls.compute import autograd_backward, float_leaves, loss_parts, run_layers, tag
 from roundpipe.engine.calls.context import CallContext
 from roundpipe.quant.keep import DequantKeep, attach
 from roundpipe.workers.base import Arrival, Handoff, Upload, Worker
@@ -85,11 +86,11 @@ class StageRun:
         """The arrived tensors as they were sent (no cast at stage boundaries: precision.py)."""
         return self.w.use(arrival)
 
-    def _input(self, m: int) -> Any:
+    def _input(self, m: int, cast: bool = True) -> Any:
         # a backward stage recomputes from the host copy, never from the forward consumer's tensors
         x = self._use(self.early.pop(m)) if m in self.early else \
             self._use(self.w.receive(self._get(("act", self.task.layers.start, m)), self.task.kind != "B"))
-        return self.ctx.precision.cast_call_inputs(x) if self.task.layers.start == 0 else x
+        return self.ctx.precision.cast_call_inputs(x) if self.task.layers.start == 0 and cast else x
 
     def upload_input_early(self, m: int) -> None:
         """Issues microbatch m's input upload now if it has arrived (it then overlaps m-1's compute)."""
@@ -101,7 +102,7 @@ class StageRun:
         ctx, task, w = self.ctx, self.task, self.w
         grad = task.kind != "F"
         for l in task.layers:
-            if ctx.host.layers[l].written and task.kind != "B" and task.round > 0:
+            if ctx.write_buffers and ctx.host.layers[l].written and task.kind != "B" and task.round > 0:
                 self._get(("buf", l, task.round - 1))   # buffers of the previous round's forward
         if prefetched is None:
             for l in task.layers:
@@ -181,19 +182,33 @@ class StageRun:
         with torch.no_grad(), recording(self.ctx.bn_stats):
             run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m), self._report(m, "forward"))
 
-    def _input_with_grad(self, m: int) -> Any:
-        """The stage input with its floating leaves requiring grad (none for layer 0: data needs none)."""
-        x = self._input(m)
-        if self.task.layers.start > 0:
+    def _input_with_grad(self, m: int) -> tuple[Any, list | None]:
+        """The stage input with its floating leaves requiring grad, and the leaves whose gradients the stage
+        publishes: a later stage's every leaf; of the call's inputs (layer 0) only those a composed call
+        wants (`ctx.input_grad_leaves`, made fresh leaves before the cast to the compute dtype), else none."""
+        start, wanted = self.task.layers.start, self.ctx.input_grad_leaves
+        if start == 0 and not wanted:
+            return self._input(m), None
+        if start > 0:
+            x = self._input(m)
             for t in float_leaves(x):
                 t.requires_grad_(True)
-        return x
+            return x, tree_leaves(x)
+        raw = self._input(m, cast=False)
+        leaves = tree_leaves(raw)
+        for i in wanted:
+            leaves[i] = leaves[i].detach().requires_grad_(True)
+        return self.ctx.precision.cast_call_inputs(tree_unflatten(raw, leaves)), [leaves[i] for i in wanted]
 
-    def _publish_input_grad(self, m: int, x: Any) -> None:
-        if self.task.layers.start == 0:
+    def _publish_input_grad(self, m: int, watched: list | None) -> None:
+        if watched is None:
             return
-        grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in tree_leaves(x)]
-        self._handoff(("grad", self.task.layers.start, m), grads, self.task.consumers.get(self.task.layers.start, []))
+        grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in watched]
+        start = self.task.layers.start
+        if start == 0:   # a composed call's input gradients: home to its caller
+            self.ctx.input_grads[m] = self.w.send(grads, need_host=True, keep_device=False)
+            return
+        self._handoff(("grad", start, m), grads, self.task.consumers.get(start, []))
 
     def _backward(self, roots: list[torch.Tensor], grads: list[torch.Tensor] | None, m: int) -> None:
         if not roots:
@@ -218,39 +233,73 @@ class StageRun:
 
     def fused(self, m: int) -> None:
         ctx = self.ctx
-        x = self._input_with_grad(m)
+        x, watched = self._input_with_grad(m)
         with torch.enable_grad():
             with recording(ctx.bn_stats):   # the first forward of the fused layers (never recomputed)
                 out = run_layers(ctx, self.w, self.task.layers, x, m, report=self._report(m, "forward"))
+            if ctx.keep_outputs:
+                ctx.outputs[m] = self.w.send(out, need_host=True, keep_device=False)
             labels = (self.w.use(self.w.receive(Handoff(host=ctx.labels[m], gpu_ready=ctx.gpu_ready)))
                       if ctx.labels[m] is not None else None)
-            try:
-                if ctx.loss_fn is None:
-                    loss = out
-                else:
-                    with self.w.compute_span(ctx.compute_s, ("l", self.task.layers.start, self.task.layers.stop),
-                                             self._report(m, "loss")), ctx.precision.autocast_on(self.w.device.type):
-                        loss = ctx.loss_fn(out, labels)
-            except Exception as e:  # noqa: BLE001 - tagged and re-raised
-                raise tag(e, f"loss_fn (microbatch {m})")  # noqa: B904 - re-raises e itself, tagged
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-                what = f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-                src = "loss_fn" if ctx.loss_fn is not None else "the last layer (no loss_fn given)"
-                raise tag(TypeError(f"{src} must return a floating scalar loss, got a {what}"), "loss_fn")
             scale = ctx.loss_scale() if ctx.loss_scale is not None else 1.0   # fp16 loss scaling
-            self._backward([loss.reshape(()) * (ctx.weights[m] * scale)], None, m)
+            if ctx.seeded:   # a composed call: the caller's gradient of each output leaf, as it is
+                loss = None
+                self._backward(*self._seeds(out, labels, scale), m)
+            else:
+                loss = self._loss(out, labels, m)
+                self._backward([loss.reshape(()) * (ctx.weights[m] * scale)], None, m)
         with ctx.lock:
-            ctx.losses[m] = self.w.scalar(loss)
+            ctx.losses[m] = self.w.scalar(loss) if loss is not None else (torch.zeros(()), None)
             known = len(ctx.losses) == len(ctx.weights)
         if known:
             ctx.losses_known.set()
             if ctx.on_losses is not None:
                 ctx.on_losses()
-        self._publish_input_grad(m, x)
+        self._publish_input_grad(m, watched)
+
+    def _loss(self, out: Any, labels: Any, m: int) -> torch.Tensor:
+        """Microbatch m's loss (its other entries, if loss_fn returned several, go home to the caller)."""
+        ctx = self.ctx
+        try:
+            if ctx.loss_fn is None:
+                value = out
+            else:
+                with self.w.compute_span(ctx.compute_s, ("l", self.task.layers.start, self.task.layers.stop),
+                                         self._report(m, "loss")), ctx.precision.autocast_on(self.w.device.type):
+                    value = ctx.loss_fn(out, labels)
+            loss, form, extras = loss_parts(value) if ctx.loss_fn is not None else (value, (), [])
+            if form:   # the other entries' shapes too: each is reduced over the microbatches like the loss
+                form = (*form, tuple(tuple(e.shape) for e in extras))
+        except Exception as e:  # noqa: BLE001 - tagged and re-raised
+            raise tag(e, f"loss_fn (microbatch {m})")  # noqa: B904 - re-raises e itself, tagged
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            what = f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            src = "loss_fn" if ctx.loss_fn is not None else "the last layer (no loss_fn given)"
+            raise tag(TypeError(f"{src} must return a floating scalar loss, got a {what}"), "loss_fn")
+        with ctx.lock:
+            if ctx.loss_form is None:
+                ctx.loss_form = form
+        if form != ctx.loss_form:
+            raise tag(TypeError(f"loss_fn returned {_describe_form(form)} for microbatch {m} but "
+                                f"{_describe_form(ctx.loss_form)} for another; return the same entries, in the same "
+                                "shapes, for every microbatch (they are reduced over microbatches like the loss; "
+                                "per-sample values: return_outputs=True)"), "loss_fn")
+        if form:
+            ctx.extras[m] = self.w.send([e.detach().float() for e in extras], need_host=True, keep_device=False)
+        return loss
+
+    @staticmethod
+    def _seeds(out: Any, grads: list, scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The output leaves that require grad and their seed gradients (the caller's, in their dtype,
+        times the fp16 loss scale), for a composed call's backward."""
+        pairs = [(o, g) for o, g in zip(tree_leaves(out), grads)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        seeds = [g.to(o.dtype) * scale if scale != 1.0 else g.to(o.dtype) for o, g in pairs]
+        return [o for o, _ in pairs], seeds
 
     def backward(self, m: int) -> None:
         ctx, r = self.ctx, self.task.layers
-        x = self._input_with_grad(m)
+        x, watched = self._input_with_grad(m)
         with torch.enable_grad():
             out = run_layers(ctx, self.w, r, x, m, report=self._report(m, "recompute"))
         grads = self._use(self.w.receive(self._get(("grad", r.stop, m))))
@@ -263,12 +312,12 @@ class StageRun:
         pairs = [(o, g) for o, g in zip(tree_leaves(out), grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         self._backward([o for o, _ in pairs], [g for _, g in pairs], m)
-        self._publish_input_grad(m, x)
+        self._publish_input_grad(m, watched)
 
     # ---- end of stage
     def finish(self) -> None:
         ctx, task = self.ctx, self.task
-        if task.kind != "B":
+        if task.kind != "B" and ctx.write_buffers:
             for l, rep in zip(task.layers, self.reps):
                 written = ctx.host.layers[l].written
                 if written:
@@ -323,6 +372,15 @@ class StageRun:
             finally:
                 self.ctx.sync.notify()
         return land
+
+
+def _describe_form(form: tuple) -> str:
+    """A loss_fn's return (compute.loss_parts's form plus the other entries' shapes) in words."""
+    if not form:
+        return "a tensor"
+    kind, names, shapes = form
+    entries = f"{names + 1} entries" if kind == "tuple" else f"the loss and {list(names)}"
+    return f"a {kind} of {entries} (other entries' shapes {[list(s) for s in shapes]})"
 
 
 def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int, urgent: bool = False) -> Upload:

@@ -1,0 +1,519 @@
+"""Random orderings of the whole API over every model kind: cases, a runner, its references (the feature soak).
+
+A case is drawn from its seed alone (`draw_case(seed)`): a model kind, 1-3 workers, a default microbatch
+count, an optimizer and a list of operations, printed whole on failure (`Case.describe`) so that
+`python tools/soak.py --seed S --cases 1` replays it.  The operations (`OPS`):
+
+    fb          forward_backward, with or without return_outputs, with or without a per-call num_microbatches
+    composed    out = model(x) with grad enabled, loss_fn(out, y).backward() (the composed autograd call)
+    eval        model(x) under torch.no_grad() or in eval(), per-call num_microbatches or not
+    step        asynchronous or synchronous, with an lr scheduler, max_grad_norm 0.5 or none
+    late_bwd    out = model(x); step; backward through out: a RuntimeError, the model usable after
+    sync        synchronize()
+    state_dict  state_dict()
+    load_sd     load_state_dict(0.9 x state_dict())
+    edit        an in-place edit of a master after synchronize()
+    save        save_checkpoint(name, opt, sched)      load   load_checkpoint of a name saved before
+    fail        a layer (or loss_fn) raises in a forward_backward or model(x): that error once, no effect
+    plan        autoplan.request(a random valid plan): the next call switches plans
+
+Model kinds (`KINDS`) and what each is checked against:
+
+    fp32, adamw8bit, nvme, lora4, dp2   plain PyTorch through `StaleReference` (tests/stale_reference.py): every
+        loss, output and gradient seen and the final masters within TOL.  Synchronous steps are plain PyTorch;
+        asynchronous ones the documented window protocol.  adamw8bit: its reference steps the same
+        rp.optim.AdamW8bit on plain parameters; nvme: every layer's optimizer state on disk; lora4: QuantLinear (NF4) bases frozen, LoRA adapters trained; dp2: 2 ranks, each
+        its half of every batch, against one process on the whole batch.
+    bf16, fp16, bf16master   exact equality to PyTorch is not defined in low precision: the engine against
+        itself, the same case rerun in its canonical form (`canonical`): plan changes and saves removed,
+        each load replaced by the operations that led to its save.  Saving changes nothing later calls
+        compute, a load restores bitwise and results do not depend on the plan (docs/training_state.md, docs/semantics.md), so every loss and output of the
+        kept operations and the final masters must be bitwise equal.
+
+Every run: no hang (the caller's watchdog; the engine's own stall_timeout names a stalled stage first),
+finite losses, an injected error raised once by its call and the model usable after.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import os
+import random
+import sys
+import tempfile
+import threading
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rp_models import max_rel_err
+from stale_reference import StaleReference
+from torch import nn
+
+import roundpipe as rp
+from roundpipe.quant import QuantLinear
+
+WIDTH, BATCH, LR = 8, 6, 2e-2
+# fp32: microbatch sums in another order than the whole-batch reference, amplified by AdamW's normalisation
+# over up to ~15 steps (test_call_sequences.py saw 2.3e-5 in 2,800 cases); reading the wrong weights
+# version is off by about one update, lr = 2e-2 relative, 200x this.
+TOL = 1e-4
+CASE_TIMEOUT_S = 150   # the watchdog; calls take ~10-50 ms here, a case's first call in a process up to ~10 s
+STALL_S = 90           # the engine's stall_timeout: names the stalled stage before the watchdog fires
+
+REFERENCE_KINDS = ("fp32", "adamw8bit", "nvme", "lora4")
+CANONICAL_KINDS = ("bf16", "fp16", "bf16master")
+KINDS = REFERENCE_KINDS + CANONICAL_KINDS   # single-process kinds; "dp2" runs through run_dp_cases
+# Each operation's weight in a random draw; training calls and steps dominate, as in a training loop.
+OPS = {"fb": 10, "composed": 2, "eval": 3, "step": 6, "late_bwd": 1, "sync": 1, "state_dict": 1, "load_sd": 1,
+       "edit": 1, "save": 1, "load": 1, "fail": 2, "plan": 1}
+# A failed training call counts as a call of the stale window (failed_call); False: as if it never happened.
+FAILED_CALL_USES_WINDOW = True
+# save, step, load_checkpoint, step under fp16 loss scaling hangs the second step (reported with a repro):
+# until fixed the fp16 kind leaves load out of its vocabulary (it still saves).
+FP16_LOADS = False
+DP_OPS = {k: v for k, v in OPS.items() if k not in ("fail", "edit")}   # a failing rank ends the job (docs)
+
+
+def run_with_watchdog(fn, timeout_s=CASE_TIMEOUT_S):
+    """Runs fn on a thread; a hang fails the test with every thread's stack (the threads are left behind)."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            box["error"] = e
+    t = threading.Thread(target=target, name="sequence-case", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        names = {th.ident: th.name for th in threading.enumerate()}
+        stacks = "\n".join(f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+                           for ident, frame in sys._current_frames().items())
+        pytest.fail(f"hang: no progress within {timeout_s} s\n{stacks}", pytrace=False)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+# ---- models
+
+FAILING: set = set()   # keys of the Fail layers switched on (workers run copies of the layers: the switch lives here)
+_keys = itertools.count()
+
+
+class Fail(nn.Module):
+    """The identity, or a RuntimeError while its key is in FAILING."""
+
+    def __init__(self, key: int):
+        super().__init__()
+        self.key = key
+
+    def forward(self, x):
+        if self.key in FAILING:
+            raise RuntimeError(f"injected failure {self.key}")
+        return x
+
+
+class LoraLayer(nn.Module):
+    """tanh(base(x) + B(A(x))): a frozen NF4 QuantLinear base and a trainable rank-2 adapter."""
+
+    def __init__(self, width: int = WIDTH, rank: int = 2):
+        super().__init__()
+        self.base = QuantLinear.from_linear(nn.Linear(width, width).requires_grad_(False), "nf4")
+        self.a, self.b = nn.Linear(width, rank, bias=False), nn.Linear(rank, width, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.base(x) + self.b(self.a(x)))
+
+
+def make_layers(case: "Case") -> list[nn.Module]:
+    torch.manual_seed(case.seed)
+    if case.kind == "lora4":
+        layers = [LoraLayer() for _ in range(case.layers)]
+    else:
+        layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(case.layers)]
+    layers.insert(case.fail_at, Fail(case.fail_key))
+    return layers
+
+
+# ---- cases
+
+@dataclasses.dataclass
+class Case:
+    seed: int
+    kind: str
+    workers: int
+    layers: int            # trainable layers; the Fail layer comes on top
+    fail_at: int
+    num_mb: int | None
+    optimizer: str         # "rp" (rp AdamW), "torch" (torch AdamW), "8bit" (rp AdamW8bit)
+    options: dict          # more RoundPipe keywords of the kind (kept printable)
+    ops: list
+    fail_key: int = dataclasses.field(default_factory=lambda: next(_keys))
+
+    def describe(self) -> str:
+        return (f"seed {self.seed}: kind {self.kind}, {self.workers} workers, {self.layers} layers (Fail at "
+                f"{self.fail_at}), num_microbatches {self.num_mb}, optimizer {self.optimizer}, options "
+                f"{self.options}, ops {self.ops}")
+
+
+def random_plan(rng: random.Random, n: int) -> tuple:
+    b = rng.randint(1, n)
+    return ("plan", b, rng.randint(1, 3), rng.randint(1, n))
+
+
+def draw_ops(rng: random.Random, n_layers: int, weights: dict, count: int) -> list:
+    names, w = list(weights), list(weights.values())
+    ops, saved = [], []
+    mb = lambda: rng.choice([None, None, 1, 2, 3, 5])
+    for _ in range(count):
+        op = rng.choices(names, w)[0]
+        if op == "fb":
+            ops.append(("fb", mb(), rng.random() < 0.4))
+        elif op in ("composed", "late_bwd"):
+            ops.append((op, mb()) if op == "composed" else (op, rng.random() < 0.5))
+        elif op == "eval":
+            ops.append(("eval", mb(), rng.choice(["no_grad", "eval_mode"])))
+        elif op == "step":
+            ops.append(("step", rng.random() < 0.7, rng.choice([None, 0.5])))
+        elif op == "edit":
+            ops.append(("edit", rng.randrange(n_layers)))
+        elif op == "save":
+            saved.append(f"c{len(saved)}")
+            ops.append(("save", saved[-1]))
+        elif op == "load":
+            if saved:
+                ops.append(("load", rng.choice(saved)))
+        elif op == "fail":
+            ops.append(("fail", rng.choice(["fb", "fb", "eval", "loss"])))
+        elif op == "plan":
+            ops.append(random_plan(rng, n_layers + 1))
+        else:
+            ops.append((op,))
+    return ops + [("step", True, None), ("fb", None, False)]
+
+
+def draw_case(seed: int, kind: str | None = None, n_ops: tuple[int, int] = (10, 24)) -> Case:
+    rng = random.Random(seed)
+    kind = kind or rng.choice(KINDS)
+    workers = rng.choice([1, 2, 3])
+    layers = rng.choice([2, 3, 4])
+    optimizer = {"adamw8bit": "8bit", "nvme": rng.choice(["rp", "8bit"]),
+                 "bf16master": rng.choice(["rp", "8bit", "torch"])}.get(kind, rng.choice(["rp", "torch"]))
+    options = {"bf16": {"compute_dtype": "bfloat16"}, "fp16": {"compute_dtype": "float16"},
+               "bf16master": {"compute_dtype": rng.choice(["bfloat16", "float32"]), "master_dtype": "bfloat16"}}.get(kind, {})
+    weights = DP_OPS if kind == "dp2" else OPS
+    if kind == "fp16" and not FP16_LOADS:
+        weights = {k: v for k, v in weights.items() if k != "load"}
+    ops = draw_ops(rng, layers, weights, rng.randint(*n_ops))
+    return Case(seed, kind, workers, layers, rng.randint(0, layers), rng.choice([None, workers + 2]),
+                optimizer, options, ops)
+
+
+def canonical(ops: list) -> list[tuple[int, tuple]]:
+    """The operations whose effects the final state holds, with their indices: no plan changes or saves,
+    each load replaced by what led to its save.  Failed calls stay: they count in the step windows
+    (failed_call)."""
+    kept, snapshots = [], {}
+    for i, op in enumerate(ops):
+        if op[0] == "save":
+            snapshots[op[1]] = list(kept)
+        elif op[0] == "load":
+            kept = list(snapshots[op[1]])
+        elif op[0] != "plan":
+            kept.append((i, op))
+    return kept
+
+
+# ---- running a case
+
+def data(case: Case, i: int, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(case.seed * 1000 + i)
+    return torch.randn(batch, WIDTH, generator=g), torch.randn(batch, WIDTH, generator=g)
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def engine_options(case: Case, tmp: str) -> dict:
+    kw = dict(devices=["cpu"] * case.workers, num_microbatches=case.num_mb, stall_timeout=STALL_S)
+    for name in ("compute_dtype", "master_dtype"):
+        if name in case.options:
+            kw[name] = DTYPES[case.options[name]]
+    if case.kind == "fp16":   # a small scale that grows every 2 good steps: growth and backoff both happen
+        kw["precision"] = rp.Precision(kw.pop("compute_dtype"), loss_scale=rp.LossScale(init_scale=2.0 ** 8,
+                                                                                         growth_interval=2))
+    if case.kind == "nvme":
+        kw["offload_dir"] = os.path.join(tmp, "state")   # no host_memory: every layer's state on disk
+    return kw
+
+
+def make_optimizer(name: str, params):
+    params = [p for p in params if p.requires_grad]
+    if name == "rp":
+        return rp.optim.AdamW(params, lr=LR, weight_decay=0.05)
+    if name == "8bit":   # 8-bit states from 16 elements: the 8x8 weights take the 8-bit path, the biases fp32
+        return rp.optim.AdamW8bit(params, lr=LR, weight_decay=0.05, min_8bit_size=16)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.05)
+
+
+def make_scheduler(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+
+
+def snapshot(ref: StaleReference) -> dict:
+    """The reference's training state, through state dicts (a deep copy of an rp.optim optimizer cannot
+    step: torch's Optimizer.__getstate__ keeps only defaults, state and param_groups)."""
+    return copy.deepcopy({"cur": ref.cur.state_dict(), "grads": [p.grad for p in ref.cur.parameters()],
+                          "opt": ref.opt.state_dict(), "sched": ref.sched.state_dict(), "prev": ref.prev,
+                          "window": ref.window, "calls_since": ref.calls_since})
+
+
+def restore(ref: StaleReference, snap: dict) -> None:
+    snap = copy.deepcopy(snap)
+    ref.cur.load_state_dict(snap["cur"])
+    for p, g in zip(ref.cur.parameters(), snap["grads"]):
+        p.grad = g
+    ref.opt.load_state_dict(snap["opt"])
+    ref.sched.load_state_dict(snap["sched"])
+    ref.prev, ref.window, ref.calls_since = snap["prev"], snap["window"], snap["calls_since"]
+
+
+def failed_call(ref: StaleReference, training: bool) -> None:
+    """What a failed call leaves in the reference.  A forward-only call is a sync point whether it fails or
+    not.  A failed training call changes no weight or gradient, but the engine counts it as begun: it uses up
+    one call of an open stale window (the call that retries its batch reads the new weights) and counts
+    toward the next step's window (roundpipe/engine/step/async_step.py, begin of a call)."""
+    if not training:
+        ref.flush()
+    elif FAILED_CALL_USES_WINDOW:
+        ref.window = max(0, ref.window - 1)
+        ref.calls_since += 1
+
+
+def failing_loss(out, y):
+    raise RuntimeError("injected loss_fn failure")
+
+
+class Checker:
+    """Compares what the engine returned with the reference (fp32 kinds) or records it (the others)."""
+
+    def __init__(self, case: Case, layers, rows: slice | None):
+        self.case, self.rows, self.seen = case, rows, {}
+        self.ref = None
+        if case.kind in REFERENCE_KINDS + ("dp2",):
+            opt = "8bit" if case.optimizer == "8bit" else "torch"   # rp AdamW equals torch's bit for bit
+            self.ref = StaleReference(nn.Sequential(*copy.deepcopy(layers)), lambda ps: make_optimizer(opt, ps),
+                                      make_scheduler)
+        self.snapshots = {}
+
+    def local(self, t):
+        return t if self.rows is None else t[self.rows]
+
+    def value(self, at, i, name, got, want=None):
+        assert torch.isfinite(got).all(), (at, name, got)
+        if self.ref is None:
+            self.seen[(i, name)] = got.detach().clone()
+        else:
+            assert max_rel_err(got, want) <= TOL, (at, name, max_rel_err(got, want))
+
+
+def run_case(case: Case, tmp: str, *, kept: set | None = None, group=None, rank: int = 0, world: int = 1) -> dict:
+    """Runs `case` (only the operations with an index in `kept`, when given); returns what it recorded:
+    {(op index, name): tensor} and the final masters under "final"."""
+    layers = make_layers(case)
+    b = BATCH // world
+    rows = None if world == 1 else slice(rank * b, (rank + 1) * b)
+    chk = Checker(case, layers, rows)
+    ref = chk.ref
+    where = case.describe()
+    kw = engine_options(case, tmp)
+    if group is not None:
+        kw["process_group"] = group
+    loss_fn = F.mse_loss
+    with rp.RoundPipe(layers, **kw) as model:
+        opt = make_optimizer(case.optimizer, model.parameters())
+        sched = make_scheduler(opt)
+        for i, op in enumerate(case.ops):
+            if kept is not None and i not in kept:
+                continue
+            at = f"{where}\n  at op {i} {op}"
+            x, y = data(case, i)
+            lx, ly = chk.local(x), chk.local(y)
+            name = op[0]
+            if name == "fb":
+                _, mb, outputs = op
+                got = model.forward_backward(lx, labels=ly, loss_fn=loss_fn, return_outputs=outputs,
+                                             num_microbatches=mb)
+                loss, out = got if outputs else (got, None)
+                want = ref.forward_backward(x, y, return_outputs=True) if ref is not None else (None, None)
+                if want[1] is not None and rows is not None:   # each rank's loss is over its own rows
+                    want = (loss_fn(chk.local(want[1]), ly), want[1])
+                chk.value(at, i, "loss", loss, want[0])
+                if out is not None:
+                    chk.value(at, i, "outputs", out, None if ref is None else chk.local(want[1]))
+            elif name == "composed":
+                out = model(lx, num_microbatches=op[1])
+                assert out.requires_grad, at
+                loss_fn(out, ly).backward()
+                want = ref.composed(x, y)[1] if ref is not None else None
+                chk.value(at, i, "outputs", out.detach(), None if want is None else chk.local(want))
+            elif name == "eval":
+                _, mb, how = op
+                if how == "no_grad":
+                    with torch.no_grad():
+                        out = model(lx, num_microbatches=mb)
+                else:
+                    model.eval()
+                    out = model(lx, num_microbatches=mb)
+                    model.train()
+                assert not out.requires_grad, at
+                chk.value(at, i, "outputs", out, None if ref is None else chk.local(ref(x)))
+            elif name == "step":
+                _, asynchronous, clip = op
+                model.step(opt, asynchronous=asynchronous, lr_scheduler=sched, max_grad_norm=clip)
+                if ref is not None:
+                    ref.step(asynchronous, max_grad_norm=clip)
+            elif name == "late_bwd":
+                out = model(lx)
+                model.step(opt, asynchronous=op[1], lr_scheduler=sched)
+                with pytest.raises(RuntimeError, match="after a step"):
+                    loss_fn(out, ly).backward()
+                if ref is not None:
+                    ref.flush()
+                    ref.step(op[1])
+            elif name == "sync":
+                model.synchronize()
+                if ref is not None:
+                    ref.flush()
+                    for (n, p), q in zip(model.named_parameters(), ref.cur.parameters()):
+                        assert (p.grad is None) == (q.grad is None), (at, n)
+                        if p.grad is not None:
+                            assert max_rel_err(p.grad, q.grad) <= TOL, (at, n)
+            elif name == "state_dict":
+                sd = model.state_dict()
+                if ref is not None:
+                    ref.flush()
+                    for k, v in ref.cur.state_dict().items():
+                        if v.is_floating_point():
+                            assert max_rel_err(sd[k].float(), v) <= TOL, (at, k)
+            elif name == "load_sd":
+                trained = {n for n, p in model.named_parameters() if p.requires_grad}   # not a 4-bit base's buffers
+                sd = {k: v * 0.9 if k in trained else v for k, v in model.state_dict().items()}
+                model.load_state_dict(sd)
+                if ref is not None:
+                    ref.flush()
+                    ref.cur.load_state_dict(sd)
+            elif name == "edit":
+                model.synchronize()
+                j = op[1] + (op[1] >= case.fail_at)   # the op[1]-th trainable layer
+                p = next(p for p in model.module[j].parameters() if p.requires_grad)
+                with torch.no_grad():
+                    p.mul_(0.5)
+                if ref is not None:
+                    ref.flush()
+                    with torch.no_grad():
+                        next(q for q in ref.cur[j].parameters() if q.requires_grad).mul_(0.5)
+            elif name == "save":
+                model.save_checkpoint(os.path.join(tmp, op[1]), opt, sched)
+                if ref is not None:
+                    chk.snapshots[op[1]] = snapshot(ref)
+            elif name == "load":
+                model.load_checkpoint(os.path.join(tmp, op[1]), opt, sched)
+                if ref is not None:
+                    restore(ref, chk.snapshots[op[1]])
+            elif name == "fail":
+                what = op[1]
+                if ref is not None:
+                    failed_call(ref, training=what != "eval")
+                if what == "loss":
+                    with pytest.raises(RuntimeError, match="injected loss_fn failure"):
+                        model.forward_backward(lx, labels=ly, loss_fn=failing_loss)
+                else:
+                    FAILING.add(case.fail_key)
+                    try:
+                        with pytest.raises(RuntimeError, match=f"injected failure {case.fail_key}"):
+                            if what == "fb":
+                                model.forward_backward(lx, labels=ly, loss_fn=loss_fn)
+                            else:
+                                with torch.no_grad():
+                                    model(lx)
+                    finally:
+                        FAILING.discard(case.fail_key)
+            elif name == "plan":
+                _, per_stage, ratio, fused = op
+                n = len(layers)
+                model.autoplan.request(rp.Plan.uniform(n, backward_per_stage=per_stage, forward_ratio=ratio,
+                                                       fused_layers=fused))
+            else:
+                raise ValueError(f"unknown operation {op!r}")
+        model.synchronize()
+        final = [p.detach().float().clone() for p in model.parameters()]
+    if ref is not None:
+        ref.flush()
+        for k, (p, q) in enumerate(zip(final, ref.cur.parameters())):
+            assert max_rel_err(p, q.detach()) <= TOL, (f"{where}\n  final master {k}", max_rel_err(p, q.detach()))
+    return dict(chk.seen, final=final)
+
+
+def check_case(case: Case) -> None:
+    """One case and its check (the module docstring): against plain PyTorch, or its canonical rerun."""
+    with tempfile.TemporaryDirectory(prefix="rp-soak-") as tmp:
+        got = run_case(case, tmp)
+    if case.kind not in CANONICAL_KINDS:
+        return
+    kept = canonical(case.ops)
+    with tempfile.TemporaryDirectory(prefix="rp-soak-") as tmp:
+        want = run_case(dataclasses.replace(case, fail_key=next(_keys)), tmp, kept={i for i, _ in kept})
+    for key, w in want.items():
+        g = got[key]
+        same = all(torch.equal(a, b) for a, b in zip(g, w)) if key == "final" else torch.equal(g, w)
+        assert same, (f"{case.describe()}\n  {key} differs from the canonical run (kept ops "
+                      f"{[i for i, _ in kept]})")
+
+
+# ---- 2 data-parallel ranks (gloo on loopback): `python tests/soak.py CONFIG_JSON` is one rank
+
+def run_dp_cases(seeds: list[int], folder: str, timeout: float = 600) -> dict[int, str]:
+    """Runs the dp2 cases of `seeds` on 2 ranks in one launch (one process start-up for all of them);
+    returns {seed: "ok" or what failed} over both ranks."""
+    import pathlib
+
+    from ranks import launch  # tests/ranks.py
+    results = launch(__file__, {"seeds": list(seeds), "dir": folder}, 2, pathlib.Path(folder), timeout)
+    return {seed: "; ".join(f"rank {r}: {res.get(seed, 'not run')}" for r, res in enumerate(results)
+                            if res.get(seed) != "ok") or "ok" for seed in seeds}
+
+
+def _rank_main() -> None:
+    import datetime
+    import json
+
+    import torch.distributed as dist
+    cfg = json.loads(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    try:
+        for seed in cfg["seeds"]:
+            case = draw_case(seed, "dp2")
+            folder = os.path.join(cfg["dir"], f"case-{seed}")
+            try:
+                run_with_watchdog(lambda: run_case(case, folder, group=dist.group.WORLD, rank=rank, world=world))
+                out[seed] = "ok"
+            except BaseException as e:  # noqa: BLE001 - reported to the parent; the other rank cannot go on
+                out[seed] = f"{type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))[-3000:]}"
+                break
+    finally:
+        torch.save(out, cfg["out"] + f".{rank}")
+    if all(v == "ok" for v in out.values()):
+        dist.destroy_process_group()
+    os._exit(0)   # a case's hung threads must not keep the rank alive
+
+
+if __name__ == "__main__":   # run as a script, its folder (tests/) is first on sys.path
+    _rank_main()
