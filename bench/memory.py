@@ -48,8 +48,16 @@ reached, was paged in at 4-8 layers and not at 2-3, a fixed 61 MiB step that the
 slope of 2026-11-26 (2 -> 6) read as 1.4 bytes per added parameter (AdamW8bit: 11.47 measured
 against 10.03 accounted; the same runs with MALLOC_PERTURB_: 10.33).
 
+The peak table (`memory_peak`, `--peak`) gives the raw peak RSS per added parameter, nothing subtracted
+(the process's VmHWM, what `free` and the OOM killer see), beside the accounted bytes' slope: AdamW8bit with
+fp32 and bf16 masters on Linear(1024, 1024) stacks of 24 and 48 layers, 2 CPU workers capped at 24 MiB,
+glibc's default settings.  Issue 41 measured 13.4 / 11.7 there against 10.0 / 6.0 accounted: the plain
+arena's last 64 MiB chunk paged in at one depth and not the other, and the CPU workers' freed buffers
+kept in their threads' glibc heaps (roundpipe/offload/arena.py PLAIN_CHUNK_BYTES, fix_mmap_threshold).
+
     python bench/memory.py [--quick] [--device-only] [--out DIR_OR_FILE] [--no-save]
     python bench/memory.py --providers torch adamw adamw8bit "adamw8bit bf16-master" --out bench/results
+    python bench/memory.py --peak [--asynchronous] [--depths 24 48] --out bench/results
 """
 from __future__ import annotations
 
@@ -238,6 +246,75 @@ def slope_rows(providers: list[str], depths: tuple[int, ...]) -> Report:
     return report
 
 
+# Raw peak RSS per added parameter (issue 41): the process's own peak (VmHWM), nothing subtracted, as `free` and
+# the OOM killer see it, against the engine's accounted bytes; provider -> master dtype.
+PEAK_PROVIDERS = {"adamw8bit": "float32", "adamw8bit bf16-master": "bfloat16"}
+
+_PEAK_CHILD = r'''
+import json, sys
+import torch, torch.nn.functional as F
+from torch import nn
+import roundpipe as rp
+from roundpipe.bench.rss import accounted_host_bytes, rss
+master, depth, asynchronous = getattr(torch, sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "async"
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+torch.manual_seed(0)
+layers = [nn.Linear(1024, 1024) for _ in range(depth)]
+n = sum(p.numel() for l in layers for p in l.parameters())
+x, y = torch.randn(16, 1024), torch.randn(16, 1024)
+with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=torch.bfloat16, master_dtype=master,
+                  device_memory=24 << 20) as model:
+    opt = rp.optim.AdamW8bit(model.parameters(), lr=1e-4)
+    for i in range(4):
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        if i == 3:   # the last call's gradients landed, the optimizer state exists: the most the host holds
+            host = model.memory_stats(opt)["host"]
+        model.step(opt, asynchronous=asynchronous)
+    model.synchronize()
+    rest = rss()
+print("RESULT " + json.dumps({"params": n, "peak": hwm(), "rest": rest, "accounted": accounted_host_bytes(host)}))
+'''
+
+
+def peak_run(provider: str, depth: int, asynchronous: bool) -> dict:
+    # glibc's defaults, as a user's process has them: no MALLOC_ variable from the caller's environment
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    proc = subprocess.run([sys.executable, "-c", _PEAK_CHILD, PEAK_PROVIDERS[provider], str(depth),
+                           "async" if asynchronous else "sync"], capture_output=True, text=True, timeout=3000, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{provider} at depth {depth} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+
+
+def peak_rows(depths: tuple[int, ...], asynchronous: bool) -> Report:
+    """Raw peak RSS per added parameter (the least-squares slope of VmHWM over Linear(1024, 1024) stacks at
+    `depths`, each run in a fresh process, nothing subtracted) beside the accounted bytes' slope, AdamW8bit
+    with fp32 and bf16 masters, bf16 compute, 2 CPU workers capped at 24 MiB (issue 41)."""
+    step = "async" if asynchronous else "sync"
+    report = Report("memory_peak", columns=["provider", "master", "step", "layers", "params",
+                                            "peak RSS B/added param", "accounted B/added param",
+                                            "peak - accounted", "peak / accounted", "at rest B/added param"],
+                    device="cpu")
+    for p, master in PEAK_PROVIDERS.items():
+        rs = [peak_run(p, d, asynchronous) for d in depths]
+        slope = lambda k: least_squares_slope([(r["params"], r[k]) for r in rs])
+        peak, acc = slope("peak"), slope("accounted")
+        report.add(provider=p, master=master, step=step, layers="-".join(map(str, depths)),
+                   params="-".join(str(r["params"]) for r in rs),
+                   **{"peak RSS B/added param": peak, "accounted B/added param": acc, "peak - accounted": peak - acc,
+                      "peak / accounted": peak / acc, "at rest B/added param": slope("rest")})
+    report.note(f"Linear(1024, 1024) stacks of {', '.join(map(str, depths))} layers, each in a fresh process, 4 "
+                f"{step} steps of rp AdamW8bit (batch 16), bf16 compute, 2 CPU workers with device_memory=24 MiB, "
+                "glibc's defaults (no MALLOC_ variable); peak RSS: the process's VmHWM, nothing subtracted (the fp32 "
+                "model built before wrapping, the workers' buffers, code pages, all in); accounted: "
+                "accounted_host_bytes(memory_stats()['host']) once the last call's gradients landed; at rest: RSS "
+                "after synchronize(); each the least-squares slope against the parameter count")
+    return report
+
+
 def device_rows(quick: bool) -> Report:
     """Device side: each CPU worker's ledger peak against the plan's predicted peak and the cap, for
     Linear(256) + Tanh stacks of depth 12-96 (512 rows, 3 MiB cap) and the tiny decoder at 8 x 128-512
@@ -298,13 +375,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--providers", nargs="+", choices=sorted(SLOPE_PROVIDERS), default=None,
                         help="only the per-added-parameter rows (memory_slope) of these optimizer / master-dtype "
                              "providers, e.g. torch adamw adamw8bit 'adamw8bit bf16-master'")
-    parser.add_argument("--depths", nargs="+", type=int, default=(2, 4, 6),
-                        help="decoder depths of the slope rows (two or more distinct)")
+    parser.add_argument("--depths", nargs="+", type=int, default=None,
+                        help="decoder depths of the slope rows (default 2 4 6), Linear stack depths of the peak "
+                             "rows (default 24 48); two or more distinct")
+    parser.add_argument("--peak", action="store_true",
+                        help="only the raw peak RSS rows (memory_peak): AdamW8bit on Linear(1024) stacks, fp32 and "
+                             "bf16 masters, VmHWM per added parameter against the accounted bytes")
+    parser.add_argument("--asynchronous", action="store_true", help="the peak rows with asynchronous steps")
     args = parser.parse_args(argv)
+    if args.depths is not None and (len(set(args.depths)) < 2 or min(args.depths) < 1):
+        parser.error(f"--depths {args.depths}: expected two or more distinct depths >= 1")
+    if args.peak:
+        peak_rows(tuple(args.depths or (24, 48)), args.asynchronous).finish(args.out, save=not args.no_save)
+        return 0
     if args.providers:
-        if len(set(args.depths)) < 2 or min(args.depths) < 1:
-            parser.error(f"--depths {args.depths}: expected two or more distinct depths >= 1")
-        slope_rows(args.providers, tuple(args.depths)).finish(args.out, save=not args.no_save)
+        slope_rows(args.providers, tuple(args.depths or (2, 4, 6))).finish(args.out, save=not args.no_save)
         return 0
     device_rows(args.quick).finish(args.out, save=not args.no_save)
     if args.device_only:

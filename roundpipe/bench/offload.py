@@ -18,11 +18,16 @@ footprint  host bytes each allocator reserves for every parameter tensor of
 Without a GPU the same program measures the host backend: copy-engine memcpy
 throughput (1 and 2 threads per copy) against a plain single-threaded
 memcpy and torch's `copy_`, and the
-allocators; it says so in a note.
+allocators; it says so in a note.  Its "mapped file" rows (up only) copy from a
+fresh private map of a file already in the page cache, as a CPU worker uploads a
+base left in its files (rp.hf.from_pretrained(base_in_ram=False), roundpipe/hf/mapped.py):
+every 4 KiB page is a minor fault on first touch.  The GPU path has no such row yet.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 
 import numpy as np
@@ -126,6 +131,31 @@ def gpu_bandwidth(report: Report, sizes: list[int], streams: list[int], quick: b
 
 
 # -- host backend -----------------------------------------------------------------------------
+def _mapped(path: str, size: int) -> torch.Tensor:
+    """A fresh private map of the file's `size` bytes (lazy: nothing is read until a copy touches it)."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(path, shared=False, nbytes=size))
+
+
+def mapped_bandwidth(report: Report, size: int, src: torch.Tensor, dst: torch.Tensor, engines: dict,
+                     plain: float, quick: bool) -> None:
+    """Rows for an upload read from a memory-mapped file in the page cache (warm), mapped anew every copy."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "base.bin")
+        src.numpy().tofile(path)
+        dst.copy_(_mapped(path, size))   # the page cache warm
+        copies = {("torch copy_", "-"): lambda: dst.copy_(_mapped(path, size))}
+        for k, engine in engines.items():
+            def engine_copy(e=engine):
+                fresh = _mapped(path, size)   # held until the copy is done: its map goes with it
+                e.copy("act_up", dst, fresh).wait()
+            copies[("roundpipe engine", k)] = engine_copy
+        for (provider, k), run in copies.items():
+            t = median_time(run, **_timing(size, quick))
+            gbs = size / t / 1e9
+            report.add(device="cpu", dir="up", memory="mapped file", provider=provider, streams=k,
+                       size=_size_name(size), ms=t * 1e3, **{"GB/s": gbs, "% pinned": 100 * gbs / plain})
+
+
 def host_bandwidth(report: Report, sizes: list[int], streams: list[int], quick: bool) -> None:
     arena = HostArena(ArenaConfig(backend="host"))
     engines = {k: CopyEngine("cpu", threads_per_copy=k) for k in streams}
@@ -165,9 +195,12 @@ def host_bandwidth(report: Report, sizes: list[int], streams: list[int], quick: 
                     report.add(device="cpu", dir=direction, memory=mem, provider="roundpipe engine", streams=k,
                                size=_size_name(size), ms=t * 1e3,
                                **{"GB/s": gbs, "% pinned": 100 * gbs / base[direction]})
+        mapped_bandwidth(report, size, srcs["pageable"], dsts[0], engines, base["up"], quick)
     report.note("NO GPU: host backend only. 'up' = memcpy on the act_up worker, 'bidir' = act_up and act_down "
                 "workers at once; streams = threads per copy; '% pinned' here is percent of a single-threaded "
-                "plain memcpy (numpy.copyto) in the same run, not of cudaMemcpy")
+                "plain memcpy (numpy.copyto) in the same run, not of cudaMemcpy; 'mapped file' = a fresh private "
+                "map of a file in the page cache per copy (a base left in its files: CPU-worker numbers, the GPU "
+                "path unmeasured)")
 
 
 # -- allocators and footprint -----------------------------------------------------------------

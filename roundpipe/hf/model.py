@@ -23,8 +23,10 @@ from torch import nn
 
 from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig
 from roundpipe.engine.model import RoundPipe
+from roundpipe.engine.step.host_state import FILE_BACKED
 from roundpipe.hf.layers import Decoder, Embed, Head
 from roundpipe.hf.loss import TokenLoss, count_items, shift_labels
+from roundpipe.hf.mapped import load_mapped
 from roundpipe.hf.presets import PRESETS, causal_lm, find_parts
 from roundpipe.hf.quantize import (
     HF_OPTIONS,
@@ -152,6 +154,13 @@ class HFRoundPipe(RoundPipe):
         # every engine option checked before the model is cut, quantized or patched
         config = EngineConfig(devices=devices, num_microbatches=num_microbatches, compute_dtype=compute_dtype,
                               plan=plan, loss_reduction="sum", **roundpipe_kwargs)
+        compute = config.resolved_precision.compute_dtype
+        mapped = [(n, p.dtype) for n, p in hf_model.named_parameters()
+                  if getattr(p, FILE_BACKED, False) is True and not p.requires_grad and p.dtype != compute]
+        if mapped:
+            raise ValueError(f"the frozen base stays in its files (base_in_ram=False) and is uploaded as stored, in "
+                             f"{mapped[0][1]} ({mapped[0][0]}, ...), but the compute dtype is {compute}; pass "
+                             f"compute_dtype={mapped[0][1]}, or load the base into RAM (base_in_ram=True)")
         checkpointing_off(hf_model)
         layers = cut_layers(hf_model, quant)
         self.hf_model = hf_model
@@ -303,7 +312,8 @@ def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
 
 
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", *, quantize: str | None = None,
-                    double_quant: bool = True, peft_config=None, **wrap_kwargs: Any) -> HFRoundPipe:
+                    double_quant: bool = True, peft_config=None, base_in_ram: bool = True,
+                    **wrap_kwargs: Any) -> HFRoundPipe:
     """Loads a local checkpoint (safetensors) into host memory and wraps it.
 
     dtype "auto" keeps the checkpoint's dtype while loading: the wrap then turns every trainable
@@ -311,7 +321,12 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", 
     stay as stored; torch.float32 loads everything in fp32.  peft_config (a peft.LoraConfig, ...) puts
     that adapter around the model before wrapping (peft.get_peft_model: the base frozen); quantize=
     then stores the frozen decoder Linears 4-bit (wrap).  A checkpoint of a bitsandbytes 4-bit model
-    (its config's quantization_config) is read as stored, without bitsandbytes (hf/quantize.py)."""
+    (its config's quantization_config) is read as stored, without bitsandbytes (hf/quantize.py).
+
+    base_in_ram=False (with peft_config): the frozen base stays in its safetensors files, memory-mapped,
+    and uploads read it from the page cache, so a base larger than host RAM trains (hf/mapped.py); the
+    files' dtype must then be the compute dtype (compute_dtype=torch.bfloat16 for a bf16 folder on CPU
+    workers).  Not with quantize= or a 4-bit folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
     if not os.path.isdir(path):
         raise ValueError(f"path={str(path)!r} is not a directory; give a folder written by save_pretrained "
@@ -319,6 +334,14 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", 
     if dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r} must be 'auto' or a floating torch.dtype")
     quant = QuantizeConfig(quantize, double_quant)   # checked before anything is loaded; wrap takes it as it is
+    if not isinstance(base_in_ram, bool):
+        raise TypeError(f"base_in_ram must be True or False, got {base_in_ram!r}")
+    if not base_in_ram and peft_config is None:
+        raise ValueError("base_in_ram=False needs peft_config= (a peft.LoraConfig, ...): only a frozen base can stay "
+                         "in its files, and without an adapter every weight is trained")
+    if not base_in_ram and quant.quantize is not None:
+        raise ValueError(f"base_in_ram=False with quantize={quant.quantize!r}: a 4-bit base is held packed in host "
+                         "memory, not mapped from the files; pass one or the other")
     files = checkpoint_files(path)   # the folder may come from anywhere: its files are checked before they are read
     try:
         config = AutoConfig.from_pretrained(path)
@@ -326,7 +349,12 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str = "auto", 
         raise ValueError(f"{os.path.join(path, 'config.json')}: transformers cannot read it "
                          f"({type(e).__name__}: {str(e)[:300]})") from None
     if is_bnb_4bit(config):
+        if not base_in_ram:
+            raise ValueError(f"{str(path)!r} holds a bitsandbytes 4-bit base, which is read into host memory packed; "
+                             "base_in_ram=False maps 16-bit (or fp32) safetensors only")
         hf_model = load_bnb_checkpoint(path, config, dtype, peft_config)
+    elif not base_in_ram:
+        hf_model = load_mapped(path, config, files, dtype, peft_config)
     else:
         check_layers(config, check_headers(files), path)
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

@@ -267,7 +267,7 @@ def _read_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, where
 
 
-def _placeholders(model: nn.Module, quantized: set[str], dtype: torch.dtype) -> list[nn.Parameter]:
+def make_stand_ins(model: nn.Module, quantized: set[str], dtype: torch.dtype) -> list[nn.Parameter]:
     """Gives every meta `weight` of the skeleton a CPU stand-in of its shape that costs one value (a zero-stride
     view): uint8 for a stored 4-bit weight (bitsandbytes' Linear4bit holds uint8), else `dtype`.  PEFT creates a
     LoRA adapter on the CPU, draws its initial values there and then moves it to its base layer's device: over a
@@ -295,7 +295,7 @@ def load_bnb_checkpoint(path: str | os.PathLike, config, dtype: torch.dtype | st
     the file and the tensor."""
     from transformers import AutoModelForCausalLM
 
-    _check_peft_init(peft_config)
+    check_peft_init(peft_config)
     files = checkpoint_files(path)
     if not files:
         raise ValueError(f"{str(path)!r} has no *.safetensors files; a 4-bit checkpoint is read from safetensors")
@@ -318,7 +318,7 @@ def load_bnb_checkpoint(path: str | os.PathLike, config, dtype: torch.dtype | st
     del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    stand_ins = _placeholders(model, quantized, dtype)
+    stand_ins = make_stand_ins(model, quantized, dtype)
     top = model
     if peft_config is not None:
         import peft
@@ -346,21 +346,23 @@ def load_bnb_checkpoint(path: str | os.PathLike, config, dtype: torch.dtype | st
     model.load_state_dict(renamed, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    _materialize(model, stand_ins)
+    materialize_rest(model, stand_ins)
     return top
 
 
-def _check_peft_init(peft_config) -> None:
+def check_peft_init(peft_config) -> None:
     """ValueError for a LoRA initialisation that reads the base weight (PiSSA, OLoRA, CorDA, LoftQ, EVA) or DoRA:
-    the 4-bit reader builds the adapters before the stored weights are in place."""
+    a base roundpipe reads itself (a 4-bit checkpoint, base_in_ram=False) gets its adapters before its stored
+    weights are in place."""
     if peft_config is None:
         return
     init = getattr(peft_config, "init_lora_weights", True)
     if not (isinstance(init, bool) or init in ("gaussian", "orthogonal")) or getattr(peft_config, "use_dora", False):
         what = "use_dora=True" if getattr(peft_config, "use_dora", False) else f"init_lora_weights={init!r}"
-        raise ValueError(f"peft_config: {what} initialises the adapter from the base weight, which a 4-bit checkpoint "
-                         "read by roundpipe does not have when the adapter is built; use init_lora_weights=True, False, "
-                         "'gaussian' or 'orthogonal' (or load the folder with transformers + bitsandbytes and wrap it)")
+        raise ValueError(f"peft_config: {what} initialises the adapter from the base weight, which a base read by "
+                         "roundpipe (a 4-bit checkpoint, base_in_ram=False) does not have when the adapter is built; "
+                         "use init_lora_weights=True, False, 'gaussian' or 'orthogonal' (or load the base into RAM: "
+                         "transformers, + bitsandbytes for a 4-bit folder, and wrap it)")
 
 
 def _stored_linear(model: nn.Module, weight: str, file: Path) -> tuple[nn.Module, str, nn.Linear]:
@@ -380,7 +382,7 @@ def _stored_linear(model: nn.Module, weight: str, file: Path) -> tuple[nn.Module
     return parent, child, owner
 
 
-def _materialize(model: nn.Module, stand_ins: list[nn.Parameter]) -> None:
+def materialize_rest(model: nn.Module, stand_ins: list[nn.Parameter]) -> None:
     """The tensors the checkpoint does not hold, off the meta device (non-persistent buffers such as rotary tables:
     transformers' _init_weights computes them); ValueError naming a weight the checkpoint left without a value."""
     for module in model.modules():

@@ -77,6 +77,17 @@ ordinary torch tensors (pinned when CUDA).  `close()` drops the state's own
 buffers, so the arena's memory goes back once the last tensor viewing it is
 gone.  `HostState.copy(dst, src)` does every host-side conversion.
 
+Peak RSS with CPU workers.  Plain memory is resident where it was touched, so the
+arena's plain chunks are 4 MiB (page-locked ones 64 MiB): the unused rest of the
+last chunk, paged in or not from run to run, is then too small to matter.  And a CPU
+worker's "device" buffers are this process's heap memory: a HostState for CPU workers
+fixes glibc's mmap threshold at 1 MiB for the process (`fix_mmap_threshold`, unless
+MALLOC_MMAP_THRESHOLD_ is set), so that a freed stage buffer goes back to the system
+as a freed GPU buffer goes back to the device instead of staying in the worker
+thread's heap.  With both the raw peak RSS grows by the accounted bytes
+(`RoundPipe.memory_stats`) per added parameter within 0.2 (bench/memory.py --peak,
+tests/engine/test_peak_rss.py).
+
 Masters in the compute dtype (fp32 masters with fp32 compute, CPU workers' default;
 bf16 masters with bf16 compute) are their own upload copy: `p.data` is moved into an
 arena block and the upload list holds the same tensor, so a trainable parameter
@@ -91,6 +102,11 @@ keep their dtype (no fp32 master) and have no landing buffer, no gradient and
 no optimizer work; one already in the upload dtype is moved into its upload
 copy (`p.data` then views it: one host copy, uploaded as it is).  Unfreezing
 one that is not fp32 later is a ValueError: wrap after unfreezing.
+
+A frozen parameter whose data maps a file (its loader set FILE_BACKED on it:
+rp.hf.from_pretrained(base_in_ram=False), roundpipe/hf/mapped.py) is its own upload
+copy as it is: no arena block, no copy, uploads read the page cache.  It must be
+in the upload dtype already (a ValueError otherwise: converting it would copy it).
 """
 from __future__ import annotations
 
@@ -101,8 +117,12 @@ import torch
 from torch import nn
 
 from roundpipe import _native, hostops
+from roundpipe.offload.arena import fix_mmap_threshold
 from roundpipe.optim.rounding import MASTER_DTYPES, ROUNDINGS
 from roundpipe.testing import delay_point
+
+# set to True on a frozen parameter whose data is a memory map of a file (roundpipe/hf/mapped.py)
+FILE_BACKED = "roundpipe_file_backed"
 
 
 def _stamp(p: torch.Tensor) -> tuple:
@@ -123,13 +143,17 @@ def allow_fp32_grad(p: torch.Tensor) -> None:
 
 
 def make_arena(pinned: bool, device: int | None = None):
-    """The model's HostArena (page-locked when pinned, in `device`'s context), or None without the
-    native core or CUDA to pin."""
+    """The model's HostArena (page-locked when pinned, in `device`'s context; plain memory in small
+    chunks otherwise: roundpipe/offload/arena.py PLAIN_CHUNK_BYTES), or None without the native core
+    or CUDA to pin."""
     if not _native.available():
         return None
     from roundpipe.offload import ArenaConfig, HostArena
+    from roundpipe.offload.arena import PLAIN_CHUNK_BYTES
     try:
-        return HostArena(ArenaConfig(backend="cuda" if pinned else "host", home_device=device if pinned else None))
+        if not pinned:
+            return HostArena(ArenaConfig(chunk_bytes=PLAIN_CHUNK_BYTES, backend="host"))
+        return HostArena(ArenaConfig(backend="cuda", home_device=device))
     except RuntimeError:   # CUDA runtime not loadable by the native core: torch's pinned memory instead
         return None
 
@@ -203,6 +227,8 @@ class HostState:
         self.master_rounding = master_rounding
         self._grad_bytes = 0   # gradient bytes reserved in the arena (reserve_gradients)
         self.pinned = pinned
+        if not pinned:   # CPU workers: their freed "device" buffers go back to the system (module docstring)
+            fix_mmap_threshold()
         # data_ptrs of the placeholders of masters on disk (roundpipe/offload/masters.py): no P-copy from them
         self.placeholders: set[int] = set()
         self.arena = make_arena(pinned, device)   # device: the GPU whose context page-locks the arena
@@ -242,6 +268,13 @@ class HostState:
                 if p.dtype != torch.float32 and p.requires_grad:
                     allow_fp32_grad(p)
                 dtype = upload_dtype if p.is_floating_point() else p.dtype
+                if getattr(p, FILE_BACKED, False) is True and not p.requires_grad:
+                    if p.dtype != dtype or not p.is_contiguous():
+                        raise ValueError(f"layers: parameter {i}.{names[j]} maps its file in {p.dtype}, but the upload "
+                                         f"dtype is {dtype}; a mapped frozen weight is uploaded as stored: use "
+                                         f"compute_dtype={p.dtype}, or load it into RAM")
+                    state.upload.append(p.data)   # file-backed: its own upload copy, read from the page cache
+                    continue
                 u = self.alloc(p.shape, dtype)
                 self.copy(u, p.data)
                 if p.dtype == dtype and (self_copy or not p.requires_grad):
