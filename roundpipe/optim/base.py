@@ -148,6 +148,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.rounding_seed = 0
         self._index_of: dict[int, int] = {}
 
+    # torch.optim.Optimizer pickles (and deep-copies) only defaults, state and param_groups: the
+    # rounding settings travel too, and the per-step caches start empty in the copy
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "master_rounding": self.master_rounding,
+                "rounding_seed": self.rounding_seed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._fused_call, self._index_of = None, {}
+        self.__dict__.setdefault("master_rounding", None)
+        self.__dict__.setdefault("rounding_seed", 0)
+
     def state_layout(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state buffers a step would give `param` (under its group's settings), as meta tensors:
         name -> tensor with the dtype and shape it would have.  Nothing is allocated or stored; the

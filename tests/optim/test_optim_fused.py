@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+import roundpipe as rp
 from roundpipe import _native
 from roundpipe.optim import fused
 from roundpipe.optim.fused import AdamConfig, adam_step
@@ -262,3 +263,35 @@ def test_thread_count_does_not_change_results():
     finally:
         _native.lib.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("name", ["AdamW", "AdamW8bit", "SGD"])
+def test_a_copied_optimizer_steps_like_the_original(how, name):
+    """copy.deepcopy / pickle of a roundpipe optimizer (torch keeps only defaults, state and param_groups)
+    steps exactly as the original, rounding settings included; it raised AttributeError '_fused_call'
+    (found by tests/engine/test_soak_features.py)."""
+    import copy
+    import pickle
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16)) for _ in range(2)]
+    kw = {"min_8bit_size": 64} if "8bit" in name else {}
+    opt = getattr(rp.optim, name)(params, lr=1e-2, **kw)
+    opt.master_rounding, opt.rounding_seed = "stochastic", 7
+
+    def step(o, ps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        o.step()
+    step(opt, params, 1)
+    if how == "deepcopy":
+        twin = copy.deepcopy({"opt": opt, "params": params})
+    else:
+        twin = pickle.loads(pickle.dumps({"opt": opt, "params": params}))
+    copy_opt, copy_params = twin["opt"], twin["params"]
+    assert (copy_opt.master_rounding, copy_opt.rounding_seed) == ("stochastic", 7)
+    for seed in (2, 3):
+        step(opt, params, seed)
+        step(copy_opt, copy_params, seed)
+    assert all(torch.equal(a, b) for a, b in zip(params, copy_params))
