@@ -14,7 +14,10 @@ count, an optimizer and a list of operations, printed whole on failure (`Case.de
     load_sd     load_state_dict(0.9 x state_dict())
     edit        an in-place edit of a master after synchronize()
     save        save_checkpoint(name, opt, sched)      load   load_checkpoint of a name saved before
-    fail        a layer (or loss_fn) raises in a forward_backward or model(x): that error once, no effect
+    fail        a layer (or loss_fn) raises in a forward_backward or model(x): that error once, no effect.
+                The Fail layer raises on a NaN input and the failing call's batch is all NaN: a global
+                switch would also fail the call before it, whose last backward stages recompute the
+                layer after it returned (the continuous pipeline; tests/engine/test_soak_regressions.py)
     plan        autoplan.request(a random valid plan): the next call switches plans
 
 Model kinds (`KINDS`) and what each is checked against:
@@ -101,21 +104,28 @@ def run_with_watchdog(fn, timeout_s=CASE_TIMEOUT_S):
 
 # ---- models
 
-FAILING: set = set()   # keys of the Fail layers switched on (workers run copies of the layers: the switch lives here)
 _keys = itertools.count()
 
 
 class Fail(nn.Module):
-    """The identity, or a RuntimeError while its key is in FAILING."""
+    """The identity, or a RuntimeError on an input holding a NaN (the failing calls' batches, `poisoned`).
+
+    The input marks the failing call, not a switch the caller turns on around it: the call before
+    may still be running its last backward stages, whose recompute of this layer must not fail."""
 
     def __init__(self, key: int):
         super().__init__()
         self.key = key
 
     def forward(self, x):
-        if self.key in FAILING:
+        if torch.isnan(x).any():
             raise RuntimeError(f"injected failure {self.key}")
         return x
+
+
+def poisoned(x: torch.Tensor) -> torch.Tensor:
+    """A failing call's batch: all NaN, which stays NaN through the layers up to Fail."""
+    return torch.full_like(x, float("nan"))
 
 
 class LoraLayer(nn.Module):
@@ -434,16 +444,12 @@ def run_case(case: Case, tmp: str, *, kept: set | None = None, group=None, rank:
                     with pytest.raises(RuntimeError, match="injected loss_fn failure"):
                         model.forward_backward(lx, labels=ly, loss_fn=failing_loss)
                 else:
-                    FAILING.add(case.fail_key)
-                    try:
-                        with pytest.raises(RuntimeError, match=f"injected failure {case.fail_key}"):
-                            if what == "fb":
-                                model.forward_backward(lx, labels=ly, loss_fn=loss_fn)
-                            else:
-                                with torch.no_grad():
-                                    model(lx)
-                    finally:
-                        FAILING.discard(case.fail_key)
+                    with pytest.raises(RuntimeError, match=f"injected failure {case.fail_key}"):
+                        if what == "fb":
+                            model.forward_backward(poisoned(lx), labels=ly, loss_fn=loss_fn)
+                        else:
+                            with torch.no_grad():
+                                model(poisoned(lx))
             elif name == "plan":
                 _, per_stage, ratio, fused = op
                 n = len(layers)
