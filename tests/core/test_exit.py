@@ -33,7 +33,11 @@ from roundpipe.core.executor import SerialExecutor
 LINUX = sys.platform.startswith("linux") and os.path.isdir("/proc/self/task")
 
 LAUNCHER = '''
-import json, os, runpy, sys
+import json, os, runpy, signal, sys
+
+# a shell starting pytest in the background (`cmd &`) leaves SIGINT ignored, and an ignored signal stays
+# ignored across exec: the Ctrl-C scenarios need Python's own handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import torch
 import torch.nn.functional
