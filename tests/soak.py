@@ -74,9 +74,6 @@ OPS = {"fb": 10, "composed": 2, "eval": 3, "step": 6, "late_bwd": 1, "sync": 1, 
        "edit": 1, "save": 1, "load": 1, "fail": 2, "plan": 1}
 # A failed training call counts as a call of the stale window (failed_call); False: as if it never happened.
 FAILED_CALL_USES_WINDOW = True
-# save, step, load_checkpoint, step under fp16 loss scaling hangs the second step (reported with a repro):
-# until fixed the fp16 kind leaves load out of its vocabulary (it still saves).
-FP16_LOADS = False
 DP_OPS = {k: v for k, v in OPS.items() if k not in ("fail", "edit")}   # a failing rank ends the job (docs)
 
 
@@ -217,8 +214,6 @@ def draw_case(seed: int, kind: str | None = None, n_ops: tuple[int, int] = (10, 
     options = {"bf16": {"compute_dtype": "bfloat16"}, "fp16": {"compute_dtype": "float16"},
                "bf16master": {"compute_dtype": rng.choice(["bfloat16", "float32"]), "master_dtype": "bfloat16"}}.get(kind, {})
     weights = DP_OPS if kind == "dp2" else OPS
-    if kind == "fp16" and not FP16_LOADS:
-        weights = {k: v for k, v in weights.items() if k != "load"}
     ops = draw_ops(rng, layers, weights, rng.randint(*n_ops))
     return Case(seed, kind, workers, layers, rng.randint(0, layers), rng.choice([None, workers + 2]),
                 optimizer, options, ops)
