@@ -7,6 +7,7 @@ import torch
 import roundpipe as rp
 
 transformers = pytest.importorskip("transformers")
+from hf_grads import check_grads, rel  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 V = 96
@@ -41,20 +42,6 @@ def batch(pad: str, seed: int = 1, b: int = 5, t: int = 11):
             mask[i, :t - n] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return ids, mask, labels
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-
-
-def check_grads(model, ref, tol=1e-5):
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        q = ref_params[name]
-        if q.grad is None:
-            assert p.grad is None or p.grad.abs().max() == 0, name
-            continue
-        assert rel(p.grad, q.grad) <= tol, (name, rel(p.grad, q.grad))
 
 
 @pytest.mark.parametrize("kind, pad, workers, mbs", [
