@@ -131,3 +131,18 @@ def sync_steps_match(model, opt, ref, ref_opt, batches, loss_fn=None, tol=1e-5):
         ref_opt.step()
         ref_opt.zero_grad()
         assert max_rel_err(loss, ref_loss.detach()) <= tol
+
+
+def ref_forward(seq, x, **kw):
+    """The plain-PyTorch forward of `reference(layers)`: layer 0 gets the call's kwargs, each later one the output."""
+    h = seq[0](x, **kw)
+    for layer in seq[1:]:
+        h = layer(h)
+    return h
+
+
+def assert_grads_equal(model, ref, tol):
+    """Every parameter of model has a gradient within tol (max_rel_err) of ref's, parameter for parameter."""
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, name
+        assert max_rel_err(p.grad, q.grad) <= tol, (name, max_rel_err(p.grad, q.grad))

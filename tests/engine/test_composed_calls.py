@@ -4,24 +4,22 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from rp_models import MODELS, RunningMean, Slow, ToTuple, TupleToDict, buffered, max_rel_err, mlp, reference
+from rp_models import (
+    MODELS,
+    RunningMean,
+    Slow,
+    ToTuple,
+    TupleToDict,
+    buffered,
+    max_rel_err,
+    mlp,
+    ref_forward,
+    reference,
+)
+from rp_models import assert_grads_equal as _assert_grads_equal
 from torch import nn
 
 import roundpipe as rp
-
-
-def ref_forward(seq, x, **kw):
-    h = seq[0](x, **kw)
-    for layer in seq[1:]:
-        h = layer(h)
-    return h
-
-
-def assert_grads_equal(model, ref, tol=1e-6):
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        assert p.grad is not None, name
-        assert max_rel_err(p.grad, q.grad) <= tol, (name, max_rel_err(p.grad, q.grad))
-
 
 PLANS = {   # for 5 layers: everything fused; forward stages and recomputing backward stages, cut apart
     "fused": rp.Plan(forward=[], backward=[range(0, 5)]),
@@ -229,3 +227,7 @@ def test_backward_after_a_step_and_split_fn_with_input_grads_are_refused():
         with pytest.raises(ValueError, match="split_fn"):
             model(x.clone().requires_grad_())
         assert model(x).requires_grad
+
+
+def assert_grads_equal(model, ref, tol=1e-6):
+    _assert_grads_equal(model, ref, tol)
