@@ -32,6 +32,9 @@ _LAZY = {
     "StalenessCompensation": "roundpipe.engine.step.staleness",
     "hf": "roundpipe.hf",
     "RoundPipeStalled": "roundpipe.core.errors",
+    "save_for_recompute": "roundpipe.engine.calls.recompute_data",
+    "get_recompute_data": "roundpipe.engine.calls.recompute_data",
+    "doing_recompute": "roundpipe.engine.calls.recompute_data",
 }
 
 native_available = _native.available

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the per-worker cap, as RoundPipe(device_memory=...): bytes or e.g. 24GiB, 22.5GiB, 24GB")
     q.add_argument("--workers", type=_positive_int, default=1, help="worker count the plan is made for (default 1)")
     q.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (default bf16, as on GPU workers)")
+    q.add_argument("--recompute", choices=("stage", "layer"), default="stage",
+                   help="RoundPipe's recompute= grain the plan is made for (default stage; layer grain lets backward "
+                        "stages hold more layers, not longer sequences: a one-layer stage holds the same bytes)")
     q.add_argument("--details", action="store_true", help="per-part bytes of every layer kind, per config")
     return p
 
@@ -75,18 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     fits = []
     for config in args.hf_config or list(SHAPES):
         try:
-            fits.append((config, max_seq_len(config, args.device_memory, args.workers, dtype)))
+            fits.append((config, max_seq_len(config, args.device_memory, args.workers, dtype, args.recompute)))
         except (ValueError, TypeError) as e:
             print(f"roundpipe plan: --hf-config {config!r}: {e}", file=sys.stderr)
             return 2
     head = ("config", "max seq len", "binding layer", "weights", "gradients", "activations", "(attention)",
-            "LM-head workspace")
+            "LM-head workspace", "backward stages")
     rows = [head] + [(c, f"{f.seq_len:,}{'+' if f.at_search_limit else ''}", f.binding.name, _gib(f.binding.weights),
                       _gib(f.binding.gradients), _gib(f.binding.activations), _gib(f.binding.attention),
-                      _gib(f.head_workspace)) for c, f in fits]
+                      _gib(f.head_workspace), str(len(f.plan.backward))) for c, f in fits]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     print(f"device memory {_gib(args.device_memory)} GiB per worker ({args.device_memory:,} bytes), "
-          f"{args.workers} worker(s), {args.dtype}, batch 1; GiB per part at the max length "
+          f"{args.workers} worker(s), {args.dtype}, recompute={args.recompute}, batch 1; GiB per part at the max length "
           "(a prediction of the planner's memory model, partition_for_cap's stage limit):")
     for r in rows:
         print("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))

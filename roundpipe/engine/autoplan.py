@@ -182,8 +182,9 @@ class AutoPlanner:
 
     def __init__(self, layers: Sequence[nn.Module], devices: Sequence[torch.device], compute_dtype: torch.dtype,
                  microbatches: int, config: PlanningConfig, fixed: Plan | None = None,
-                 fallback: Callable[[], Plan] | None = None):
+                 fallback: Callable[[], Plan] | None = None, layer_grain: bool = False):
         self.config = config
+        self.layer_grain = layer_grain   # backward stages recompute a layer at a time (planner/memory.py)
         self.layers = list(layers)
         self.workers = len(devices)
         self.device_type = devices[0].type
@@ -234,7 +235,8 @@ class AutoPlanner:
                 f"weights, gradients and outputs): raise device_memory{hint}, or split the layer") from None
 
     def _solver(self, costs: Sequence[LayerCost], workers: int, microbatches: int, budget: float | None) -> Plan:
-        return partition_for_cap(costs, workers, microbatches, budget, prefetch=self.device_type == "cuda").plan
+        return partition_for_cap(costs, workers, microbatches, budget, prefetch=self.device_type == "cuda",
+                                 layer_grain=self.layer_grain).plan
 
     def layer_memory(self, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None = None) -> list[LayerMemory]:
         """Each layer's device bytes for one microbatch (roundpipe/planner/memory.py): the first call's dry

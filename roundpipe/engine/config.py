@@ -44,6 +44,8 @@ from roundpipe.workers import default_compute_dtype, parse_devices
 
 LossReduction = Literal["mean", "sum"]
 BatchNormMode = Literal["per-microbatch", "whole-batch"]   # engine/calls/batchnorm.py MODES
+Recompute = Literal["stage", "layer"]
+RECOMPUTE_MODES = ("stage", "layer")
 
 
 def _derived(default: Any = None) -> Any:
@@ -80,6 +82,11 @@ class EngineConfig:
     batchnorm: BatchNormMode = "per-microbatch"
     """BatchNorm running statistics: updated by every microbatch ("per-microbatch", as PyTorch per forward) or
     once per call from all the call's inputs ("whole-batch")."""
+    recompute: Recompute = "stage"
+    """How a backward stage recomputes its layers' forward: "stage" (the whole stage with autograd, then its
+    backward: a stage holds all its layers' saved activations) or "layer" (one layer at a time, top down, each
+    from its input saved by the forward: a stage holds one layer's, so stages may have more layers under a
+    cap; the forward downloads every layer's input).  The fused tail stage never recomputes."""
     precision: Precision | None = None
     """The precision policy (autocast, input casting, fp16 loss scaling); None: Precision(compute_dtype)."""
     process_group: Any = None
@@ -122,6 +129,10 @@ class EngineConfig:
             raise ValueError(f"batchnorm={self.batchnorm!r} must be 'per-microbatch' (running statistics updated by "
                              "every microbatch, as PyTorch does per forward) or 'whole-batch' (updated once per call "
                              "from the statistics of all the inputs each BatchNorm saw in the call)")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={self.recompute!r} must be 'stage' (a backward stage recomputes all its "
+                             "layers, then backpropagates) or 'layer' (one layer at a time, from each layer's "
+                             "input saved by the forward)")
         if self.split_fn is not None and not callable(self.split_fn):
             raise TypeError(f"split_fn must be callable, got {type(self.split_fn).__name__}")
         if self.plan is not None and not isinstance(self.plan, Plan):

@@ -139,7 +139,8 @@ class PeakPredictions:
             return {}   # a fixed plan without caps: no dry run just for the figure
         weights, grads = layer_bytes(host)
         prefetches = any(w.prefetches for w in self.workers)
-        predicted = worker_peaks(sched.tasks, weights, grads, autoplan.layer_memory(sample, loss), prefetches)
+        predicted = worker_peaks(sched.tasks, weights, grads, autoplan.layer_memory(sample, loss), prefetches,
+                                 sched.layer_grain)
         for name, need in predicted.items():
             cap = self.caps.get(name)
             if cap is not None and need > cap:

@@ -126,7 +126,8 @@ class RoundPipe:
                  compute_dtype: torch.dtype | None = None, plan: Plan | None = None, *,
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
                  planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
-                 loss_reduction: str = "mean", batchnorm: str = "per-microbatch", precision: Precision | None = None,
+                 loss_reduction: str = "mean", batchnorm: str = "per-microbatch", recompute: str = "stage",
+                 precision: Precision | None = None,
                  process_group: Any = None, shard_optimizer: bool = False,
                  compensation: StalenessCompensation | None = None, master_dtype: torch.dtype = torch.float32,
                  master_rounding: str = "stochastic", offload_dir: Any = None, host_memory: int | None = None,
@@ -158,7 +159,7 @@ class RoundPipe:
         self.autoplan = AutoPlanner(list(self.module), self.devices, self.compute_dtype,
                                     cfg.num_microbatches or self.round_size, self.planning,
                                     fixed=None if cfg.plan is None else cfg.plan.check(L),
-                                    fallback=lambda: default_plan(L, n))
+                                    fallback=lambda: default_plan(L, n), layer_grain=cfg.recompute == "layer")
         self._cuda = self.devices[0].type == "cuda"
         layers = list(self.module)
         # masters in master_dtype (fp32, or bf16 rounded as master_rounding says: roundpipe/optim/rounding.py)
@@ -190,7 +191,8 @@ class RoundPipe:
         for reps in self.replicas.values() if self._bn else ():
             for l, rep in enumerate(reps):
                 batchnorm_stats.patch_replica(rep.module, l)
-        self.dispatcher = Dispatcher(self.workers, cfg.stall_timeout)   # stall watchdog: dispatcher.py
+        self.dispatcher = Dispatcher(self.workers, cfg.stall_timeout,   # stall watchdog: dispatcher.py
+                                     layer_grain=cfg.recompute == "layer")
         self.stage_timing: TimingFn | None = None   # profiler seam: (worker, kind, first_layer, mb, t0, t1)
         self._trace: Trace | None = None
         self._check_recompute = False

@@ -21,6 +21,10 @@ may hold; the engine turns that into a ValueError before any work.  Here:
 
 Only one layer has to fit a stage, so the worker count does not change the answer (it
 changes the plan, not the refusal); it is an argument because the plan at that length is returned.
+Nor does `recompute="layer"` (RoundPipe's layer-grain recompute): a one-layer backward stage holds
+the same bytes at either grain, and the planner already cuts stages down to one layer when memory
+binds.  What layer grain changes is the plan: its backward stages may hold more layers at that length
+(`ContextFit.plan`), since a stage then holds one layer's activations whatever its size.
 
 What the model does not count (reported beside it, `ContextFit.head_workspace`): the LM-head loss.
 The head layer hands (normed hidden, head weight) to the loss in the fused tail stage, so the dry
@@ -85,6 +89,7 @@ class ContextFit:
     # the most one stage may hold: half the cap, or the cap less what the largest one-layer neighbouring
     # stage holds when one layer does not fit half (planner.cap_stage_limit)
     stage_limit: int = 0
+    recompute: str = "stage"   # the grain the plan was made for (RoundPipe's recompute=)
 
     def table(self) -> str:
         """Bytes per part at seq_len for the binding layer, the largest decoder layer, the head and the embedding."""
@@ -95,8 +100,8 @@ class ContextFit:
                                                                   lb.attention, lb.total))))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"{self.model}: {self.seq_len:,} tokens{' or more' if self.at_search_limit else ''} (batch 1) "
-                 f"under a {self.device_memory / scale:.2f} {unit} cap, {self.workers} worker(s), {_dtype_name(self.dtype)}; "
-                 f"{unit} per part:"]
+                 f"under a {self.device_memory / scale:.2f} {unit} cap, {self.workers} worker(s), {_dtype_name(self.dtype)}, "
+                 f"recompute={self.recompute!r} ({len(self.plan.backward)} backward stages); {unit} per part:"]
         lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in rows]
         lines.append(f"  stage limit {self.stage_limit / scale:.2f} {unit} (the rest holds neighbouring stages); LM-head loss workspace "
@@ -210,11 +215,11 @@ def _split_attention(layers: list[nn.Module], calls: list[int]) -> list[int]:
     return out
 
 
-def _fits(costs, workers: int, device_memory: int) -> Plan | None:
+def _fits(costs, workers: int, device_memory: int, layer_grain: bool = False) -> Plan | None:
     from roundpipe.planner.partition import LayerTooLarge, partition_for_cap
 
     try:   # the engine's rule for GPU workers (they prefetch)
-        return partition_for_cap(costs, workers, 1, device_memory, prefetch=True).plan
+        return partition_for_cap(costs, workers, 1, device_memory, prefetch=True, layer_grain=layer_grain).plan
     except LayerTooLarge:
         return None
 
@@ -280,15 +285,20 @@ def _bracket(plan_at, guess: int) -> tuple[int, int]:
     return lo, hi
 
 
-def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.dtype = torch.bfloat16) -> ContextFit:
+def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.dtype = torch.bfloat16,
+                recompute: str = "stage") -> ContextFit:
     """The longest sequence (batch 1, one microbatch) for which the planner accepts every layer under
     `device_memory` (the cap RoundPipe's device_memory= sets, bytes), and what takes the space there.
 
     config: a transformers config, a dict with model_type, a shape name in SHAPES, a config.json path or
     a folder holding one.  workers: the worker count the plan is made for (it does not move the limit).
-    dtype: the compute dtype (bf16 on GPU workers, fp32 on CPU workers by default)."""
+    dtype: the compute dtype (bf16 on GPU workers, fp32 on CPU workers by default).  recompute: RoundPipe's
+    recompute= the plan is made for, "stage" or "layer" (it does not move the limit either: module docstring)."""
     check_int("device_memory", device_memory, 1)
     check_int("workers", workers, 1)
+    if recompute not in ("stage", "layer"):
+        raise ValueError(f"recompute={recompute!r} must be 'stage' or 'layer' (RoundPipe's recompute= grain)")
+    grain = recompute == "layer"
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype={dtype!r} must be a floating torch.dtype (torch.bfloat16, torch.float16, torch.float32)")
     name = config.lower() if isinstance(config, str) and config.lower() in SHAPES else None
@@ -296,7 +306,7 @@ def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.
     layers = meta_layers(cfg)
 
     def plan_at(t: int) -> Plan | None:
-        return _fits(layer_costs(layers, t, dtype), workers, device_memory)
+        return _fits(layer_costs(layers, t, dtype), workers, device_memory, grain)
 
     if plan_at(1) is None:
         costs = layer_costs(layers, 1, dtype)
@@ -322,5 +332,6 @@ def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.
     return ContextFit(model=name or str(getattr(cfg, "model_type", "?")), seq_len=seq, device_memory=device_memory,
                       workers=workers, dtype=dtype, binding=parts[binding], embedding=parts[0], decoder=decoder,
                       head=parts[-1], head_workspace=_head_workspace(seq, hidden, vocab, itemsize),
-                      full_logits=seq * vocab * 4, plan=_fits(costs, workers, device_memory),
-                      at_search_limit=seq >= MAX_TOKENS, stage_limit=_stage_limit(costs, device_memory))
+                      full_logits=seq * vocab * 4, plan=_fits(costs, workers, device_memory, grain),
+                      at_search_limit=seq >= MAX_TOKENS, stage_limit=_stage_limit(costs, device_memory),
+                      recompute=recompute)

@@ -24,6 +24,15 @@ that call on the module running it (each worker runs its own replica, so no hook
 threads, and the user's model keeps no hook), and the Head turns them into coef * aux.  Without it
 both are None.
 
+Recompute: a backward stage that recomputes the Embed gets the forward's masks and cos/sin through
+rp.save_for_recompute (roundpipe/engine/calls/recompute_data.py) instead of building them again: the
+mask builder reads the padding mask on the host (`.all()`, a device sync on CUDA) and both cost kernels.
+A tensor among them is kept while its bytes are at most `KEEP_BYTES`; a larger one crosses the host link
+twice (down after the forward, up before the recompute) for what the device rebuilds in a few kernels at
+memory bandwidth, so the recompute rebuilds it, a mask with HF's causal-skip check off (the forward has
+shown the mask is needed: the same mask, and no sync).  A mask HF left out (None) is kept at no cost.
+Position ids are the call's own or an arange: nothing to keep.
+
 The head returns its weight rather than logits under autograd so that the loss runs through
 `roundpipe.kernels.linear_cross_entropy` and never materialises the [b, T, V] logits; the
 engine runs the last layer only in the fused tail stage (forward, loss and backward back to back)
@@ -37,8 +46,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from roundpipe.engine.calls.recompute_data import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.hf.loss import RouterStats, add_router_logits, empty_router_stats, load_balancing_loss
 from roundpipe.hf.presets import Router
+
+# The largest mask or rotary table the Embed keeps for its recompute (bytes).  Rebuilding one on a GPU
+# costs a handful of kernel launches (~5 us each) plus its bytes at memory bandwidth (~2-3 TB/s); keeping
+# it costs its bytes twice over PCIe (~25 GB/s): 2 * 256 KiB / 25 GB/s = 21 us, the launches' order.
+# An estimate from those rates, not a measurement: no GPU was at hand when it was set.
+KEEP_BYTES = 256 << 10
+_REBUILD = "rebuild"   # what the forward keeps in place of a tensor the recompute rebuilds
 
 
 class Activation(NamedTuple):
@@ -76,17 +93,24 @@ class Embed(nn.Module):
         self.attention_types = sorted(set(attention_types))
         self.router = router
 
-    def _masks(self, embeds: torch.Tensor, attention_mask, position_ids) -> dict:
+    def _masks(self, embeds: torch.Tensor, attention_mask, position_ids, kept: dict | None = None) -> dict:
+        """The microbatch's mask per attention type; kept: the forward's (a recompute), _REBUILD where too large."""
         from transformers import masking_utils
         makers = {"full_attention": masking_utils.create_causal_mask,
                   "sliding_attention": getattr(masking_utils, "create_sliding_window_causal_mask", None)}
         out = {}
         for kind in self.attention_types:
+            if kept is not None and not _is_rebuild(kept[kind]):
+                out[kind] = kept[kind]
+                continue
             fn = makers.get(kind)
             if fn is None:
                 raise ValueError(f"attention type {kind!r} of this model has no mask function in transformers."
                                  f"masking_utils; roundpipe.hf supports {sorted(k for k, v in makers.items() if v)}")
-            out[kind] = fn(**_mask_fn_kwargs(fn, self.config, embeds, attention_mask, position_ids))
+            kw = _mask_fn_kwargs(fn, self.config, embeds, attention_mask, position_ids)
+            if kept is not None and "allow_is_causal_skip" in inspect.signature(fn).parameters:
+                kw["allow_is_causal_skip"] = False   # the forward's mask was not None: no skip, so no check (sync)
+            out[kind] = fn(**kw)
         return out
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -99,14 +123,33 @@ class Embed(nn.Module):
         # searches them for packed sequences with .item(), a device sync per microbatch on CUDA and an
         # error on the meta device, where the planner's dry run then lost every activation byte of
         # the model (GPU workers planned HF models as if activations were free).
-        masks = self._masks(hidden, attention_mask, given)
+        kept = get_recompute_data() if doing_recompute() else None   # the forward's (recompute_data.py)
+        masks = self._masks(hidden, attention_mask, given, None if kept is None else kept[0])
         cos = sin = None
-        if self.rotary_emb is not None:
+        if kept is not None and not _is_rebuild(kept[1]):
+            cos, sin = kept[1]
+        elif self.rotary_emb is not None:
             cos, sin = self.rotary_emb(hidden, position_ids)
+        if kept is None:   # a no-op unless a backward stage recomputes this run
+            rotary = (cos, sin) if all(_keepable(t) is t for t in (cos, sin)) else _REBUILD
+            save_for_recompute({k: _keepable(v) for k, v in masks.items()}, rotary)
         if self.router is None:
             return Activation(hidden, masks, position_ids, cos, sin)
         stats = empty_router_stats(self.router.num_experts, hidden.device)
         return Activation(hidden, masks, position_ids, cos, sin, attention_mask, stats)
+
+
+def _keepable(value):
+    """What the forward keeps of a value for the recompute: itself (None, a tensor of at most KEEP_BYTES),
+    else _REBUILD (a larger tensor; any other object, such as flex attention's BlockMask, which holds
+    device tensors that would not travel)."""
+    if value is None or (isinstance(value, torch.Tensor) and value.numel() * value.element_size() <= KEEP_BYTES):
+        return value
+    return _REBUILD
+
+
+def _is_rebuild(value) -> bool:
+    return isinstance(value, str) and value == _REBUILD
 
 
 def _detached(t):

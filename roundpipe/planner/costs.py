@@ -109,5 +109,6 @@ def forward_memory(costs: Sequence[LayerCost], layers: range) -> float:
     return sum(costs[i].param_bytes for i in layers) + forward_bytes(layer_memory(costs), layers)
 
 
-def backward_memory(costs: Sequence[LayerCost], layers: range, fused: bool = False) -> float:
-    return sum(costs[i].param_bytes + costs[i].grads for i in layers) + backward_bytes(layer_memory(costs), layers, fused)
+def backward_memory(costs: Sequence[LayerCost], layers: range, fused: bool = False, layer_grain: bool = False) -> float:
+    return sum(costs[i].param_bytes + costs[i].grads for i in layers) + backward_bytes(
+        layer_memory(costs), layers, fused, layer_grain)

@@ -23,6 +23,10 @@ A stage of layers a..b on one worker then holds, at its worst moment (docs/archi
                           max_j (sum_{i<j} saved_i + backward_j + out_j + param_grads of the layers above j) )
                + the fp32 gradient accumulators of a..b
     fused      as backward, with the loss's workspace at the top (measured; else twice the last output)
+    backward, layer grain (RoundPipe(recompute="layer"): each layer recomputed and backpropagated on its
+               own, from its input saved by the forward)
+               max_j (in_j + max(recompute_j, backward_j + out_j + param_grads above j)), plus in_{j-1}
+               while layer j runs (the next layer's input is uploaded ahead)
 
 plus the stage's weights, and the next stage's weights where the worker prefetches them.
 Layers run one microbatch at a time, so one microbatch's bytes count (and the next
@@ -83,7 +87,7 @@ class BackwardFootprint:
     microbatch, fp32 gradient accumulators not included; grown a layer at a time downwards (`add` the next layer down) (the
     partitioner packs backward stages from the fused boundary down)."""
 
-    def __init__(self, mem: Sequence[LayerMemory], top: int, fused: bool = False) -> None:
+    def __init__(self, mem: Sequence[LayerMemory], top: int, fused: bool = False, layer_grain: bool = False) -> None:
         self.mem = mem
         m = mem[top]
         self.bottom = top
@@ -91,6 +95,14 @@ class BackwardFootprint:
         self.loss = m.saved + (m.loss or LOSS_WORKSPACE * m.out_bytes) if fused else 0
         self.backward = m.backward + m.out_bytes  # max_j (saved below j + backward_j + out_j + grads above j)
         self.grads_above = m.param_grads
+        # layer grain (never the fused stage, which does not recompute): one layer's worst at a time
+        self.layer_grain = layer_grain and not fused
+        self.last = self._one(top, 0)   # the bottom layer's worst, alone
+        self.worst = self.last          # the worst so far, with the input uploaded ahead of each layer
+
+    def _one(self, j: int, grads_above: int) -> int:
+        m = self.mem[j]
+        return m.in_bytes + max(m.recompute, m.backward + m.out_bytes + grads_above)
 
     def add(self, j: int) -> None:
         m = self.mem[j]
@@ -99,10 +111,15 @@ class BackwardFootprint:
         if self.loss:
             self.loss += m.saved
         self.backward = max(self.backward + m.saved, m.backward + m.out_bytes + self.grads_above)
+        self.worst = max(self.worst, self.last + m.in_bytes)   # j's input arrives while j + 1 runs
+        self.last = self._one(j, self.grads_above)
+        self.worst = max(self.worst, self.last)
         self.grads_above += m.param_grads
 
     @property
     def bytes(self) -> int:
+        if self.layer_grain:
+            return self.worst
         return self.mem[self.bottom].in_bytes + max(self.recompute, self.loss, self.backward)
 
 
@@ -120,16 +137,17 @@ def forward_bytes(mem: Sequence[LayerMemory], layers: range) -> int:
     return fp.bytes
 
 
-def backward_bytes(mem: Sequence[LayerMemory], layers: range, fused: bool = False) -> int:
-    fp = BackwardFootprint(mem, layers.stop - 1, fused)
+def backward_bytes(mem: Sequence[LayerMemory], layers: range, fused: bool = False, layer_grain: bool = False) -> int:
+    fp = BackwardFootprint(mem, layers.stop - 1, fused, layer_grain)
     for j in reversed(layers[:-1]):
         fp.add(j)
     return fp.bytes
 
 
 def stage_bytes(kind: str, layers: range, weights: Sequence[int], grads: Sequence[int],
-                mem: Sequence[LayerMemory], microbatches: int = 2) -> int:
-    """Weights, gradient accumulators and activations of one stage at its worst moment, one microbatch.
+                mem: Sequence[LayerMemory], microbatches: int = 2, layer_grain: bool = False) -> int:
+    """Weights, gradient accumulators and activations of one stage at its worst moment, one microbatch
+    (`layer_grain`: backward stages recompute a layer at a time).
 
     In low precision the fp32 accumulators are made after a microbatch's backward: a stage run of one
     microbatch holds them only at its end, when its activations are gone (one more microbatch and
@@ -137,12 +155,19 @@ def stage_bytes(kind: str, layers: range, weights: Sequence[int], grads: Sequenc
     own = sum(weights[l] for l in layers)
     if kind == "F":
         return own + forward_bytes(mem, layers)
-    acts = backward_bytes(mem, layers, kind == "fused")
+    acts = backward_bytes(mem, layers, kind == "fused", layer_grain)
     accumulators = sum(grads[l] for l in layers)
     low_precision = sum(mem[l].param_grads for l in layers)
     if microbatches == 1 and low_precision:
         return own + max(acts, accumulators + low_precision)
     return own + accumulators + acts
+
+
+def first_input(task, layer_grain: bool = False) -> int:
+    """The layer whose input a stage task uploads first for a microbatch: its first layer's, or at layer
+    grain a backward stage's last layer's (it recomputes from the top down)."""
+    r = task.layers
+    return r.stop - 1 if layer_grain and task.kind == "B" else r.start
 
 
 def _output_bytes(task, mem: Sequence[LayerMemory]) -> int:
@@ -155,7 +180,7 @@ def _output_bytes(task, mem: Sequence[LayerMemory]) -> int:
 
 
 def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads: Sequence[int],
-                 mem: Sequence[LayerMemory], prefetches: bool) -> dict[str, int]:
+                 mem: Sequence[LayerMemory], prefetches: bool, layer_grain: bool = False) -> dict[str, int]:
     """Predicted peak device bytes of each worker over its stage tasks (one call): the worst stage,
     with the previous microbatch's output, and the gradients and last output of the worker's
     previous stage beside it (they leave during this one, roundpipe/workers/transfers.py `pace`),
@@ -165,13 +190,13 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
     for name, tasks in tasks_by_worker.items():
         worst = 0
         for i, task in enumerate(tasks):
-            need = stage_bytes(task.kind, task.layers, weights, grads, mem, len(task.mbs))
+            need = stage_bytes(task.kind, task.layers, weights, grads, mem, len(task.mbs), layer_grain)
             if i > 0:   # the previous stage's gradients and last output, until their downloads complete
                 need += _output_bytes(tasks[i - 1], mem)
                 if tasks[i - 1].kind != "F":
                     need += sum(grads[l] for l in tasks[i - 1].layers)
             if prefetches:
-                need += mem[task.layers.start].in_bytes
+                need += mem[first_input(task, layer_grain)].in_bytes
                 if i + 1 < len(tasks):
                     need += sum(weights[l] for l in tasks[i + 1].layers)
             worst = max(worst, need)

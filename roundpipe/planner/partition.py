@@ -105,8 +105,9 @@ def _pack(order: range, t: float, mem_limit: float, times: list[float], params: 
     return parts
 
 
-def greedy(costs: Sequence[LayerCost], t: float, mem_limit: float = math.inf) -> Plan | None:
-    """The plan with the fewest stages whose times are all <= t (None when none exists)."""
+def greedy(costs: Sequence[LayerCost], t: float, mem_limit: float = math.inf, layer_grain: bool = False) -> Plan | None:
+    """The plan with the fewest stages whose times are all <= t (None when none exists); `layer_grain`:
+    backward stages recompute a layer at a time (planner/memory.py), so their activations are one layer's."""
     L = len(costs)
     fwd = [c.fwd_s for c in costs]
     bwd = [c.bwd_s for c in costs]
@@ -127,7 +128,8 @@ def greedy(costs: Sequence[LayerCost], t: float, mem_limit: float = math.inf) ->
         time, param = time + bwd[a], param + bparam[a]
     if a == L:
         return None
-    backward = _pack(range(a - 1, -1, -1), t, mem_limit, bwd, bparam, lambda i: BackwardFootprint(mem, i))
+    backward = _pack(range(a - 1, -1, -1), t, mem_limit, bwd, bparam,
+                     lambda i: BackwardFootprint(mem, i, layer_grain=layer_grain))
     forward = _pack(range(0, a), t, mem_limit, fwd, fparam, lambda i: ForwardFootprint(mem, i))
     if backward is None or forward is None:
         return None
@@ -145,9 +147,10 @@ def candidates(costs: Sequence[LayerCost]) -> np.ndarray:
 
 
 def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
-              memory_budget: float | None = None, stage_limit: float | None = None) -> Partition:
+              memory_budget: float | None = None, stage_limit: float | None = None,
+              layer_grain: bool = False) -> Partition:
     """The optimal plan under the objective above (see the module docstring); each stage within
-    `stage_limit` bytes (default: half the memory budget)."""
+    `stage_limit` bytes (default: half the memory budget); `layer_grain`: see `greedy`."""
     costs = check_costs(costs)
     mem_limit = check_args(workers, microbatches, memory_budget)
     if stage_limit is not None and memory_budget is not None:
@@ -159,12 +162,13 @@ def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
 
     def at(i: int) -> Plan | None:
         if i not in cache:
-            cache[i] = greedy(costs, float(cand[i]), mem_limit)
+            cache[i] = greedy(costs, float(cand[i]), mem_limit, layer_grain)
         return cache[i]
 
     count = lambda i: math.inf if at(i) is None else len(at(i).stages())
     if at(len(cand) - 1) is None:
-        need = [backward_memory(costs, range(i, i + 1), fused=i == len(costs) - 1) for i in range(len(costs))]
+        need = [backward_memory(costs, range(i, i + 1), fused=i == len(costs) - 1, layer_grain=layer_grain)
+                for i in range(len(costs))]
         worst = max(range(len(costs)), key=need.__getitem__)
         raise LayerTooLarge(worst, need[worst], mem_limit, memory_budget)
     lo, hi = 0, len(cand) - 1
@@ -202,17 +206,18 @@ def cap_stage_limit(costs: Sequence[LayerCost], memory_budget: float, prefetch: 
 
 
 def partition_for_cap(costs: Sequence[LayerCost], workers: int, microbatches: int,
-                      memory_budget: float | None = None, prefetch: bool = False) -> Partition:
+                      memory_budget: float | None = None, prefetch: bool = False,
+                      layer_grain: bool = False) -> Partition:
     """`partition` for a device cap: each stage within half the budget; when one layer does not fit that,
     within `cap_stage_limit`.  The schedule's predicted peaks are checked against the cap after
     (memory.worker_peaks).  LayerTooLarge names the last limit tried."""
     try:
-        return partition(costs, workers, microbatches, memory_budget)
+        return partition(costs, workers, microbatches, memory_budget, layer_grain=layer_grain)
     except LayerTooLarge as e:
         limit = cap_stage_limit(costs, memory_budget, prefetch)
         if limit <= e.limit:
             raise
-        return partition(costs, workers, microbatches, memory_budget, stage_limit=limit)
+        return partition(costs, workers, microbatches, memory_budget, stage_limit=limit, layer_grain=layer_grain)
 
 
 def plan(costs: Sequence[LayerCost], workers: int, microbatches: int,

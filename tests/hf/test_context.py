@@ -23,11 +23,12 @@ TINY = {
 CAP = 8_000_000
 
 
-def train_once(kind, seq_len, workers):
+def train_once(kind, seq_len, workers, recompute="stage"):
     """One forward_backward of [1, seq_len] tokens under CAP; returns (loss or the ValueError, per-worker peaks)."""
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY[kind])).float()
-    with rp.hf.wrap(hf, devices=["cpu"] * workers, num_microbatches=1, device_memory=CAP) as model:
+    with rp.hf.wrap(hf, devices=["cpu"] * workers, num_microbatches=1, device_memory=CAP,
+                    recompute=recompute) as model:
         for w in model.workers:
             if hasattr(w, "records_workspace"):   # CPU workers that can record the layers' own workspace
                 w.records_workspace = True
@@ -40,18 +41,20 @@ def train_once(kind, seq_len, workers):
     return out, peaks
 
 
-@pytest.mark.parametrize("kind, workers", [("qwen3", 1), ("llama", 2)])
-def test_the_predicted_length_trains_under_the_cap_and_ten_percent_more_is_refused(kind, workers):
+@pytest.mark.parametrize("kind, workers, recompute", [("qwen3", 1, "stage"), ("llama", 2, "stage"),
+                                                     ("llama", 2, "layer")])
+def test_the_predicted_length_trains_under_the_cap_and_ten_percent_more_is_refused(kind, workers, recompute):
     """CPU workers, fp32: at the predicted length one call trains and no worker's peak passes the cap; at 10%
     more the engine refuses with its ValueError before any work (nothing ever held on a worker)."""
-    fit = rp.hf.max_seq_len(TINY[kind], CAP, workers=workers, dtype=torch.float32)
+    fit = rp.hf.max_seq_len(TINY[kind], CAP, workers=workers, dtype=torch.float32, recompute=recompute)
+    assert fit.recompute == recompute
     assert isinstance(fit, ContextFit) and 64 < fit.seq_len < 4096 and not fit.at_search_limit
     assert fit.binding.total <= fit.stage_limit and fit.binding.name.startswith("decoder")
     assert 0 < fit.binding.attention < fit.binding.activations
-    loss, peaks = train_once(kind, fit.seq_len, workers)
+    loss, peaks = train_once(kind, fit.seq_len, workers, recompute)
     assert isinstance(loss, torch.Tensor) and torch.isfinite(loss), loss
     assert all(0 < p <= CAP for p in peaks), (peaks, CAP)
-    err, peaks = train_once(kind, int(fit.seq_len * 1.1), workers)
+    err, peaks = train_once(kind, int(fit.seq_len * 1.1), workers, recompute)
     assert isinstance(err, ValueError) and "device_memory" in str(err) and "needs about" in str(err), err
     assert all(p == 0 for p in peaks), peaks
 
@@ -61,6 +64,16 @@ def test_the_worker_count_does_not_move_the_limit():
     one, three = (rp.hf.max_seq_len(TINY["qwen3"], CAP, workers=n, dtype=torch.float32) for n in (1, 3))
     assert one.seq_len == three.seq_len
     assert one.seq_len < rp.hf.max_seq_len(TINY["qwen3"], 2 * CAP, dtype=torch.float32).seq_len
+
+
+def test_layer_grain_does_not_move_the_limit():
+    """A one-layer backward stage holds the same at either grain, so recompute="layer" predicts the same length
+    (hf/context.py); a bad grain is named."""
+    stage, layer = (rp.hf.max_seq_len(TINY["llama"], CAP, workers=2, dtype=torch.float32, recompute=r)
+                    for r in ("stage", "layer"))
+    assert stage.seq_len == layer.seq_len and layer.recompute == "layer" and "recompute='layer'" in layer.table()
+    with pytest.raises(ValueError, match="recompute='block'"):
+        rp.hf.max_seq_len(TINY["llama"], CAP, recompute="block")
 
 
 def test_config_forms_and_bad_arguments(tmp_path):

@@ -12,6 +12,7 @@ import torch
 from roundpipe.core.errors import Aborted
 from roundpipe.core.tree import tree_leaves
 from roundpipe.engine.calls.precision import dtype_mismatch_note
+from roundpipe.engine.calls.recompute_data import LayerRuns
 from roundpipe.workers.base import Worker
 from roundpipe.workers.rng import layer_seed
 
@@ -72,12 +73,15 @@ def float_leaves(x: Any) -> list[torch.Tensor]:
 
 def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                publish: Callable[[int, Any], None] | None = None,
-               report: Callable[[float, float], None] | None = None) -> Any:
+               report: Callable[[float, float], None] | None = None, recompute: bool = False) -> Any:
     """Runs layers on x, each from its own seed (recompute.py); publish(b, x) at saved boundaries inside.
 
     Random draws go to the worker's own generator, so workers run layers side by side; long
-    compute runs outside the worker's turn (Worker.compute_span)."""
+    compute runs outside the worker's turn (Worker.compute_span).  recompute: a backward stage's
+    recompute, whose layers get what their first run saved (recompute_data.py); a forward stage
+    (one that publishes) of a training call is that first run."""
     reps = ctx.replicas[w.name]
+    runs = LayerRuns(ctx, w, layers, m, recompute, first=publish is not None)   # may wait: before the span
     with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop), report) as span, w.rng.stream(), \
             ctx.precision.autocast_on(w.device.type):
         for l in layers:
@@ -85,10 +89,14 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                 raise Aborted()
             w.rng.reseed(layer_seed(ctx.rng_base, l, m))
             try:
-                x = reps[l].module(*x[0], **x[1]) if l == 0 else reps[l].module(x)
+                with runs.layer(l):
+                    x = reps[l].module(*x[0], **x[1]) if l == 0 else reps[l].module(x)
             except Exception as e:  # noqa: BLE001 - any layer error is tagged with where it happened
                 dtype_mismatch_note(e)
                 raise tag(e, f"layer {l}")  # noqa: B904 - re-raises e itself, tagged
+            if runs.saving:
+                with span.untracked():   # its host staging is not the layer's workspace
+                    runs.keep(l)
             if publish is not None and (l + 1 in ctx.points or l + 1 == layers.stop):
                 with span.untracked():   # host staging of the handoff is not the layers' workspace
                     publish(l + 1, x)

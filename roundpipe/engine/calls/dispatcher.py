@@ -64,20 +64,25 @@ def slot_kinds(plan: Plan, training: bool) -> list[tuple[str, range]]:
     return [("F", r) for r in plan.forward] + [("F", plan.fused)]
 
 
-def saved_points(plan: Plan, training: bool) -> frozenset[int]:
-    """Layer indices whose input is a stage input (kept for a consumer, RNG reseeded there)."""
+def saved_points(plan: Plan, training: bool, layer_grain: bool = False) -> frozenset[int]:
+    """Layer indices whose input is kept for a consumer: a stage's input, and at layer grain every layer's of
+    a (non-fused) backward stage, which recomputes each layer from its own input."""
     starts = {r.start for r in plan.forward} | {plan.fused.start}
     if training:
         starts |= {r.start for r in plan.backward}
+        if layer_grain:
+            starts |= {l for r in plan.backward[1:] for l in r}
     return frozenset(starts)
 
 
 class Schedule:
     """The per-worker slot lists of one call."""
 
-    def __init__(self, plan: Plan, training: bool, num_mb: int, round_size: int, workers: list[Worker], g0: int):
+    def __init__(self, plan: Plan, training: bool, num_mb: int, round_size: int, workers: list[Worker], g0: int,
+                 layer_grain: bool = False):
         kinds = slot_kinds(plan, training)
-        self.points = saved_points(plan, training)
+        self.layer_grain = layer_grain and training   # backward stages recompute a layer at a time
+        self.points = saved_points(plan, training, layer_grain)
         self.num_layers = plan.num_layers
         n = len(workers)
         rounds = [list(range(r, min(num_mb, r + round_size))) for r in range(0, num_mb, round_size)]
@@ -94,7 +99,8 @@ class Schedule:
                 for l in r:
                     self.uploads[l] += 1
             for kind, r, w, s in placed:
-                task = StageTask(kind, r, ri, s - g0, mbs, last_round=ri == len(rounds) - 1)
+                task = StageTask(kind, r, ri, s - g0, mbs, last_round=ri == len(rounds) - 1,
+                                 by_layer=kind == "B" and self.layer_grain)
                 if kind == "F":
                     for b in [b for b in self.points if r.start < b <= r.stop] + [r.stop]:
                         task.consumers[b] = self._readers(placed, b)
@@ -108,9 +114,11 @@ class Schedule:
         self.fits_checked = False   # set by RoundPipe once its stages were checked against the device caps
         self.predicted: dict[str, int] = {}   # worker name -> predicted peak device bytes (device_memory.PeakPredictions)
 
-    @staticmethod
-    def _readers(placed: list, b: int) -> list[Consumer]:
-        return [Consumer(w, kind != "B") for kind, r, w, _ in placed if r.start == b]
+    def _readers(self, placed: list, b: int) -> list[Consumer]:
+        """The stages that read the activation at boundary b: those starting there, and at layer grain the
+        backward stage holding layer b (it recomputes layer b from it)."""
+        return [Consumer(w, kind != "B") for kind, r, w, _ in placed
+                if r.start == b or (self.layer_grain and kind == "B" and b in r)]
 
 
 _KIND_WORDS = {"F": "forward", "fused": "the fused tail: forward, loss and backward", "B": "recompute and backward"}
@@ -365,8 +373,9 @@ class CallRun:
 class Dispatcher:
     """Owns the rotation g0 and runs each call's schedule on the workers."""
 
-    def __init__(self, workers: list[Worker], stall_timeout: float | None = None):
+    def __init__(self, workers: list[Worker], stall_timeout: float | None = None, layer_grain: bool = False):
         self.workers = workers
+        self.layer_grain = layer_grain   # RoundPipe(recompute="layer")
         self.g0 = 0
         self._schedules: dict[tuple, Schedule] = {}
         self.watchdog = Watchdog(workers, stall_timeout)
@@ -378,7 +387,8 @@ class Dispatcher:
         if sched is None:
             if len(self._schedules) >= 4 * len(self.workers):   # a new plan or batch shape: start over
                 self._schedules.clear()
-            sched = self._schedules[key] = Schedule(plan, training, num_mb, round_size, self.workers, self.g0)
+            sched = self._schedules[key] = Schedule(plan, training, num_mb, round_size, self.workers, self.g0,
+                                                    self.layer_grain)
         return sched
 
     def start(self, ctx: CallContext, sched: Schedule, on_end: Callable[[CallRun], None]) -> CallRun:

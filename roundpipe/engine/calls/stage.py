@@ -9,7 +9,10 @@ Three kinds of stage (docs/architecture.md, "Computation dispatch"):
     B      recompute from the saved input, then backward once the output gradient arrives
 
 A B stage recomputes microbatch m before it asks for m's output gradient, so the
-recompute overlaps with the upstream backward; only the backward part waits.
+recompute overlaps with the upstream backward; only the backward part waits.  At layer grain
+(RoundPipe(recompute="layer"), `StageTask.by_layer`) it recomputes and backpropagates one layer
+at a time from the top, each from its own input saved by the forward (uploaded while the layer
+above runs), so it holds one layer's activations whatever its size.
 Parameter gradients accumulate in fp32 on the worker over the stage's
 microbatches and are downloaded once per stage, in the compute dtype; buffers are written back after
 F and fused stages only, so a recompute never updates them twice.  Constant buffers (a 4-bit base
@@ -53,6 +56,7 @@ class StageTask:
     # F: boundary -> consumers of the activation published there; fused/B: consumers of grad at start
     consumers: dict[int, list[Consumer]] = field(default_factory=dict)
     last_round: bool = True
+    by_layer: bool = False   # B: layer-grain recompute (one layer at a time, each from its saved input)
 
     @property
     def label(self) -> str:
@@ -68,7 +72,7 @@ class StageRun:
         self.reps = [ctx.replicas[w.name][l] for l in task.layers]
         self.bound: list[list[torch.nn.Parameter]] = []
         self.acc: list[list[torch.Tensor | None]] = []
-        self.early: dict[int, Arrival] = {}   # microbatch -> input upload issued one microbatch early
+        self.early: dict[tuple[int, int], Arrival] = {}   # (layer, microbatch) -> input upload issued early
         self._routes: dict[tuple, tuple[bool, bool]] = {}   # (kind, boundary) -> (keep_device, need_host)
         self.keep: DequantKeep | None = None   # the stage's dequantized 4-bit weights, while it runs
         self.quantized: list = []              # the replicas' 4-bit modules the keep is attached to
@@ -86,17 +90,24 @@ class StageRun:
         """The arrived tensors as they were sent (no cast at stage boundaries: precision.py)."""
         return self.w.use(arrival)
 
-    def _input(self, m: int, cast: bool = True) -> Any:
+    def _input(self, m: int, cast: bool = True, layer: int | None = None) -> Any:
+        """Microbatch m's input of `layer` (default: the stage's first layer)."""
+        layer = self.task.layers.start if layer is None else layer
         # a backward stage recomputes from the host copy, never from the forward consumer's tensors
-        x = self._use(self.early.pop(m)) if m in self.early else \
-            self._use(self.w.receive(self._get(("act", self.task.layers.start, m)), self.task.kind != "B"))
-        return self.ctx.precision.cast_call_inputs(x) if self.task.layers.start == 0 and cast else x
+        arrival = self.early.pop((layer, m), None)
+        if arrival is None:
+            arrival = self.w.receive(self._get(("act", layer, m)), self.task.kind != "B")
+        x = self._use(arrival)
+        return self.ctx.precision.cast_call_inputs(x) if layer == 0 and cast else x
 
-    def upload_input_early(self, m: int) -> None:
-        """Issues microbatch m's input upload now if it has arrived (it then overlaps m-1's compute)."""
-        found, h = self.ctx.board.poll(("act", self.task.layers.start, m))
+    def upload_input_early(self, m: int, layer: int | None = None) -> None:
+        """Issues microbatch m's input upload of `layer` now if it has arrived (it then overlaps the compute
+        before it); default: the first input the stage reads (its top layer's at layer grain)."""
+        r = self.task.layers
+        layer = (r.stop - 1 if self.task.by_layer else r.start) if layer is None else layer
+        found, h = self.ctx.board.poll(("act", layer, m))
         if found:
-            self.early[m] = self.w.receive(h, self.task.kind != "B")
+            self.early[(layer, m)] = self.w.receive(h, self.task.kind != "B")
 
     def upload(self, prefetched: Upload | None) -> None:
         ctx, task, w = self.ctx, self.task, self.w
@@ -182,43 +193,49 @@ class StageRun:
         with torch.no_grad(), recording(self.ctx.bn_stats):
             run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m), self._report(m, "forward"))
 
-    def _input_with_grad(self, m: int) -> tuple[Any, list | None]:
-        """The stage input with its floating leaves requiring grad, and the leaves whose gradients the stage
-        publishes: a later stage's every leaf; of the call's inputs (layer 0) only those a composed call
-        wants (`ctx.input_grad_leaves`, made fresh leaves before the cast to the compute dtype), else none."""
-        start, wanted = self.task.layers.start, self.ctx.input_grad_leaves
+    def _input_with_grad(self, m: int, layer: int | None = None) -> tuple[Any, list | None]:
+        """The input of `layer` (default: the stage's first) with its floating leaves requiring grad, and the
+        leaves whose gradients are sent on: a later layer's every leaf; of the call's inputs (layer 0) only
+        those a composed call wants (`ctx.input_grad_leaves`, made fresh leaves before the cast to the compute
+        dtype), else none."""
+        start, wanted = self.task.layers.start if layer is None else layer, self.ctx.input_grad_leaves
         if start == 0 and not wanted:
-            return self._input(m), None
+            return self._input(m, layer=0), None
         if start > 0:
-            x = self._input(m)
+            x = self._input(m, layer=start)
             for t in float_leaves(x):
                 t.requires_grad_(True)
             return x, tree_leaves(x)
-        raw = self._input(m, cast=False)
+        raw = self._input(m, cast=False, layer=0)
         leaves = tree_leaves(raw)
         for i in wanted:
             leaves[i] = leaves[i].detach().requires_grad_(True)
         return self.ctx.precision.cast_call_inputs(tree_unflatten(raw, leaves)), [leaves[i] for i in wanted]
 
+    @staticmethod
+    def _input_grads(watched: list) -> list:
+        return [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in watched]
+
     def _publish_input_grad(self, m: int, watched: list | None) -> None:
         if watched is None:
             return
-        grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in watched]
+        grads = self._input_grads(watched)
         start = self.task.layers.start
         if start == 0:   # a composed call's input gradients: home to its caller
             self.ctx.input_grads[m] = self.w.send(grads, need_host=True, keep_device=False)
             return
         self._handoff(("grad", start, m), grads, self.task.consumers.get(start, []))
 
-    def _backward(self, roots: list[torch.Tensor], grads: list[torch.Tensor] | None, m: int) -> None:
+    def _backward(self, roots: list[torch.Tensor], grads: list[torch.Tensor] | None, m: int,
+                  r: range | None = None) -> None:
+        """Backward of `r` (default: the stage's layers) from roots seeded with grads."""
         if not roots:
             return
+        r = self.task.layers if r is None else r
         try:
-            with self.w.compute_span(self.ctx.compute_s, ("b", self.task.layers.start, self.task.layers.stop),
-                                     self._report(m, "backward")):
+            with self.w.compute_span(self.ctx.compute_s, ("b", r.start, r.stop), self._report(m, "backward")):
                 autograd_backward(roots, grads)
         except Exception as e:  # noqa: BLE001 - tagged and re-raised
-            r = self.task.layers
             raise tag(e, f"backward of layers {r.start}-{r.stop - 1}")  # noqa: B904 - re-raises e itself, tagged
 
     def _fold(self, acc: list[torch.Tensor | None], k: int, p: torch.nn.Parameter) -> None:
@@ -297,22 +314,60 @@ class StageRun:
         seeds = [g.to(o.dtype) * scale if scale != 1.0 else g.to(o.dtype) for o, g in pairs]
         return [o for o, _ in pairs], seeds
 
+    def _check_recompute(self, r: range, m: int, out: Any) -> None:
+        """With RoundPipe._check_recompute: the recompute of r equals its forward's output, bitwise (called
+        after the output gradient arrived: the forward has surely run)."""
+        if self.ctx.check_recompute is None:
+            return
+        ref = self.ctx.check_recompute.get((r.stop, m))
+        got = [t.detach().cpu() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        exp = [t for t in tree_leaves(ref) if isinstance(t, torch.Tensor)]
+        assert len(got) == len(exp) and all(torch.equal(a, b) for a, b in zip(got, exp)), \
+            f"recompute of layers {r.start}-{r.stop - 1} microbatch {m} differs from its forward"
+
     def backward(self, m: int) -> None:
+        if self.task.by_layer:
+            return self._backward_by_layer(m)
         ctx, r = self.ctx, self.task.layers
         x, watched = self._input_with_grad(m)
         with torch.enable_grad():
-            out = run_layers(ctx, self.w, r, x, m, report=self._report(m, "recompute"))
+            out = run_layers(ctx, self.w, r, x, m, report=self._report(m, "recompute"), recompute=True)
         grads = self._use(self.w.receive(self._get(("grad", r.stop, m))))
-        if ctx.check_recompute is not None:   # after the gradient: its forward has surely run
-            ref = ctx.check_recompute.get((r.stop, m))
-            got = [t.detach().cpu() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            exp = [t for t in tree_leaves(ref) if isinstance(t, torch.Tensor)]
-            assert len(got) == len(exp) and all(torch.equal(a, b) for a, b in zip(got, exp)), \
-                f"recompute of layers {r.start}-{r.stop - 1} microbatch {m} differs from its forward"
+        self._check_recompute(r, m, out)
+        self._backward(*self._pairs(out, grads), m)
+        self._publish_input_grad(m, watched)
+
+    @staticmethod
+    def _pairs(out: Any, grads: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The output leaves that require grad and have a gradient, and those gradients."""
         pairs = [(o, g) for o, g in zip(tree_leaves(out), grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        self._backward([o for o, _ in pairs], [g for _, g in pairs], m)
-        self._publish_input_grad(m, watched)
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_by_layer(self, m: int) -> None:
+        """Layer grain: from the top layer down, recompute one layer from its saved input, backpropagate it,
+        and hand its input gradient to the layer below on the worker.  The next layer's input is uploaded
+        while this one runs; a layer's activations die before the next one is recomputed."""
+        ctx, r = self.ctx, self.task.layers
+        grads = None
+        for l in reversed(r):
+            x, watched = self._input_with_grad(m, l)
+            if l > r.start:
+                self.upload_input_early(m, l - 1)
+            one = range(l, l + 1)
+            with torch.enable_grad():
+                out = run_layers(ctx, self.w, one, x, m, report=self._report(m, "recompute"), recompute=True)
+            if grads is None:   # the stage's output gradient, once the top layer is recomputed
+                grads = self._use(self.w.receive(self._get(("grad", r.stop, m))))
+            self._check_recompute(one, m, out)
+            self._backward(*self._pairs(out, grads), m, one)
+            del x, out
+            if l == r.start:
+                self._publish_input_grad(m, watched)
+            else:
+                grads = self._input_grads(watched)
+            del watched
+            self.w.copies.release_completed()   # this layer's input upload dies now, not at the microbatch's end
 
     # ---- end of stage
     def finish(self) -> None:
