@@ -14,7 +14,9 @@ weights in every process), one random batch of token ids [batch, seq] reused eve
 the ids (HF's shifted causal-LM loss, mean over tokens), bf16 compute with fp32 masters and fp32
 Adam state on CUDA (fp32 throughout on CPU), `warmup` steps, then `steps` timed ones.  tokens/s is
 batch * seq * steps over the timed steps' wall time (an asynchronous run's last update included);
-the loss printed is the last step's (the first is kept beside it).
+the loss printed is the last step's (the first is kept beside it).  Our rows also measure the step's
+exposed seconds per iteration: 2 more iterations with the step and 2 with forward_backward alone (the
+gradients accumulate), each after one untimed call; exposed = the difference per iteration.
 
 Providers (the spec's "provider"):
 
@@ -136,10 +138,32 @@ def run_ours(spec: dict) -> dict:
         model.step(opt, asynchronous=asynchronous)
         return loss
 
+    def alone(_):   # no step: the gradients accumulate, which does not change the timing
+        return model.forward_backward(input_ids=ids, labels=ids)
+
     try:
-        return timed(spec, step, model.synchronize)
+        out = timed(spec, step, model.synchronize)
+        out["exposed_step_s"] = exposed_step(spec, step, alone, model.synchronize)
+        return out
     finally:
         model.close()
+
+
+def exposed_step(spec: dict, step, alone, finish, calls: int = 2) -> float:
+    """Seconds per iteration the optimizer step adds: `calls` iterations with the step, then as many with
+    forward_backward alone, each run after one untimed call and timed to its sync; the difference per call."""
+    calls = min(calls, spec["steps"])
+
+    def seconds(fn) -> float:
+        fn(0)
+        finish()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        finish()
+        return (time.perf_counter() - t0) / calls
+
+    return seconds(step) - seconds(alone)
 
 
 def run_torch(spec: dict) -> dict:

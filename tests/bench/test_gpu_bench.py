@@ -36,6 +36,8 @@ def test_dry_run_has_a_row_for_every_provider(tmp_path):
     first = {r["provider"]: r for r in rows if r["workload"] == "tiny-qwen3" and r["cap"] != "full"}
     for provider in ("ours-sync", "ours-async", "torch"):
         assert first[provider]["tokens_per_s"] > 0, first[provider]
+    for provider in ("ours-sync", "ours-async"):   # the step's exposed seconds: a number beside tokens/s
+        assert math.isfinite(first[provider]["exposed step s"]), first[provider]
     torch_loss = first["torch"]["final_loss"]
     # the same fp32 weights, batch and AdamW: the synchronous step trains as PyTorch does (rounding apart);
     # the asynchronous one reads weights one step stale, a few hundredths of a nat after 4 steps at lr 1e-4
