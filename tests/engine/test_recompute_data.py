@@ -149,3 +149,10 @@ def test_outside_a_call():
     assert rp.doing_recompute() is False
     with pytest.raises(RuntimeError, match="doing_recompute"):
         rp.get_recompute_data()
+
+
+def test_a_wait_for_recompute_data_is_named():
+    """A stall report names what a backward stage waits for (board.describe)."""
+    from roundpipe.engine.calls.board import describe
+    assert describe(("recompute", 3, 1)) == ("what layer 3's forward of microbatch 1 saved for its recompute "
+                                             "(rp.save_for_recompute)")

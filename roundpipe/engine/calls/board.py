@@ -2,7 +2,8 @@
 
 Keys are small tuples: ("act", boundary, microbatch) is the input of the layer
 at `boundary`, ("grad", boundary, microbatch) the gradient with respect to it,
-("buf", layer, round) says that round's forward wrote the layer's buffers.  A
+("buf", layer, round) says that round's forward wrote the layer's buffers, ("recompute", layer,
+microbatch) holds what a layer's forward saved for its recompute (recompute_data.py).  A
 value is put once with the number of consumers that will `get` it and is
 dropped after the last one, so host memory holds a stage input only until its
 backward stage has used it.  Every wait gives up with `Aborted` as soon as the
@@ -28,6 +29,8 @@ def describe(key: Hashable) -> str:
             return f"the input of layer {at}, microbatch {index} (another stage's output)"
         if kind == "grad":
             return f"the gradient at layer {at}, microbatch {index} (from the backward stage after it)"
+        if kind == "recompute":
+            return f"what layer {at}'s forward of microbatch {index} saved for its recompute (rp.save_for_recompute)"
         if kind == "buf":
             return f"layer {at}'s buffers from round {index}'s forward"
     return f"board entry {key!r}"
