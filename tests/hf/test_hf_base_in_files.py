@@ -147,3 +147,49 @@ def test_bad_uses_are_refused(base_dir):
                               compute_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="base_in_ram must be True or False"):
         rp.hf.from_pretrained(base_dir, peft_config=lora, base_in_ram="no", devices=["cpu"])
+
+
+def _lora_model(path, in_ram: bool):
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+    return rp.hf.from_pretrained(path, peft_config=lora, base_in_ram=in_ram, devices=["cpu"],
+                                 compute_dtype=torch.bfloat16)
+
+
+def _steps(model, opt, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        ids = torch.randint(1, 1024, (2, 6), generator=g)
+        model.forward_backward(input_ids=ids, labels=ids)
+        model.step(opt)
+
+
+def test_a_checkpoint_leaves_the_mapped_base_in_its_files(tiny_dir, tmp_path):
+    """save_checkpoint writes the adapters and fingerprints of the mapped base, not the base (before: every base
+    weight, read back into RAM by load_checkpoint); a resumed run equals an unbroken one bitwise, its base still
+    the file's map; a model with the base in RAM refuses the checkpoint, naming a base weight."""
+    with _lora_model(tiny_dir, False) as model:
+        opt = rp.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        _steps(model, opt, 1, seed=0)
+        model.save_checkpoint(tmp_path / "ckpt", opt)
+        _steps(model, opt, 1, seed=1)
+        model.synchronize()
+        unbroken = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    saved = os.path.getsize(tmp_path / "ckpt" / "model.safetensors")
+    assert saved < base_bytes(tiny_dir) / 4, (saved, base_bytes(tiny_dir))
+    manifest = json.loads((tmp_path / "ckpt" / "checkpoint.json").read_text())
+    assert any(n.endswith("q_proj.base_layer.weight") for n in manifest["constants"])
+    with _lora_model(tiny_dir, False) as model:
+        frozen = {n: p.data_ptr() for n, p in model.named_parameters() if not p.requires_grad}
+        opt = rp.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model.load_checkpoint(tmp_path / "ckpt", opt)
+        assert {n: p.data_ptr() for n, p in model.named_parameters() if not p.requires_grad} == frozen
+        _steps(model, opt, 1, seed=1)
+        model.synchronize()
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                assert torch.equal(p, unbroken[n]), n
+    with _lora_model(tiny_dir, True) as model:
+        opt = rp.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        with pytest.raises(ValueError, match=r"was saved over a base tensor '[^']*weight'.*base_in_ram=False"):
+            model.load_checkpoint(tmp_path / "ckpt", opt)

@@ -518,7 +518,7 @@ def test_checkpoint_refuses_a_model_over_another_base(saved, tmp_path):
     assert any(n.endswith("q_proj.base_layer.weight") for n in constants)
     with rp.hf.wrap(qlora(saved["llama"], quant_type="fp4"), devices=["cpu"]) as other:
         before = {n: p.detach().clone() for n, p in other.named_parameters()}
-        with pytest.raises(ValueError, match=r"layer \d+: the constant buffer '[^']*base_layer\.weight' differs"):
+        with pytest.raises(ValueError, match=r"layer \d+: the base tensor '[^']*base_layer\.weight' differs"):
             other.load_checkpoint(tmp_path / "ckpt")
         assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
     with rp.hf.wrap(qlora(saved["llama"]), devices=["cpu"]) as same:

@@ -84,6 +84,7 @@ import torch
 
 from roundpipe.engine.state import tensor_file
 from roundpipe.engine.state.tensor_file import TensorFile
+from roundpipe.engine.step.host_state import FILE_BACKED
 from roundpipe.offload import state_tier
 
 if TYPE_CHECKING:
@@ -101,10 +102,22 @@ OWNER = ".writer.json"      # in a save's temporary folder: who writes it (clean
 REPLACED = ".replaced"      # in a save's temporary folder: the checkpoint it replaces, during the swap
 
 
+def _left_out(model: "RoundPipe") -> dict[int, int]:
+    """id -> layer of the tensors a checkpoint leaves out, the base the run was wrapped over rather than its
+    state: constant buffers (a 4-bit base's packed bytes) and frozen parameters mapped from their safetensors
+    files (rp.hf.from_pretrained(base_in_ram=False): written into a checkpoint they would be read into RAM
+    again on load, the RAM the option saves).  A fingerprint of each is saved and checked instead."""
+    out = {}
+    for l, st in enumerate(model.host.layers):
+        out.update((id(b), l) for b in st.constants)
+        out.update((id(p), l) for p in st.params if getattr(p, FILE_BACKED, False) is True and not p.requires_grad)
+    return out
+
+
 def _saved_state(model: "RoundPipe") -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint holds: the model's named state but its constant buffers."""
-    constants = {id(b) for st in model.host.layers for b in st.constants}
-    return {name: t for name, t in model.named_state().items() if id(t) not in constants}
+    """The tensors a checkpoint holds: the model's named state but what `_left_out` names."""
+    left_out = _left_out(model)
+    return {name: t for name, t in model.named_state().items() if id(t) not in left_out}
 
 
 def fingerprint(t: torch.Tensor) -> str:
@@ -122,29 +135,33 @@ def fingerprint(t: torch.Tensor) -> str:
 
 
 def _constants(model: "RoundPipe") -> dict[str, dict]:
-    """name -> {"layer", "fingerprint"} of every constant buffer a checkpoint leaves out."""
-    layer_of = {id(b): l for l, st in enumerate(model.host.layers) for b in st.constants}
+    """name -> {"layer", "fingerprint"} of every base tensor a checkpoint leaves out (`_left_out`)."""
+    layer_of = _left_out(model)
     return {name: {"layer": layer_of[id(t)], "fingerprint": fingerprint(t)}
             for name, t in model.named_state().items() if id(t) in layer_of}
 
 
 def _check_constants(model: "RoundPipe", saved: dict | None, mpath: str) -> None:
-    """The model's constant buffers are those the checkpoint was saved over (None: not recorded)."""
+    """The model's base tensors (constant buffers, file-mapped frozen weights) are those the checkpoint was
+    saved over (None: not recorded)."""
     if saved is None:
         return
     mine = _constants(model)
     for name in sorted(set(saved) | set(mine)):
         if name not in mine:
-            raise ValueError(f"load_checkpoint: {mpath} was saved over a constant buffer {name!r} (layer "
-                             f"{saved[name]['layer']}) that this model does not have; wrap the same quantized base "
-                             "the checkpoint was saved with (checkpoints leave the base out)")
+            raise ValueError(f"load_checkpoint: {mpath} was saved over a base tensor {name!r} (layer "
+                             f"{saved[name]['layer']}: a 4-bit base's packed bytes or a weight left in its file) "
+                             "that this model does not have; wrap the same base the same way the checkpoint was "
+                             "saved with (quantize=, base_in_ram=False: checkpoints leave that base out)")
         if name not in saved:
-            raise ValueError(f"load_checkpoint: layer {mine[name]['layer']} of this model has a constant buffer "
-                             f"{name!r} that {mpath} was not saved over (a base quantized here but not there?)")
+            raise ValueError(f"load_checkpoint: layer {mine[name]['layer']} of this model has a base tensor "
+                             f"{name!r} (a 4-bit base's packed bytes or a weight left in its file) that {mpath} was "
+                             "not saved over (a base quantized or left in its files here but not there?  a "
+                             "checkpoint written with the base in RAM loads into a model made the same way)")
         if saved[name]["fingerprint"] != mine[name]["fingerprint"]:
-            raise ValueError(f"load_checkpoint: layer {mine[name]['layer']}: the constant buffer {name!r} differs "
-                             f"from the one {mpath} was saved over (dtype, shape or packed bytes); load it into a "
-                             "model wrapped over the same quantized base (checkpoints leave the base out)")
+            raise ValueError(f"load_checkpoint: layer {mine[name]['layer']}: the base tensor {name!r} differs "
+                             f"from the one {mpath} was saved over (dtype, shape or bytes); load it into a "
+                             "model made over the same base (checkpoints leave that base out)")
 
 
 def _unique_state(model: "RoundPipe") -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
