@@ -284,11 +284,12 @@ class RoundPipe:
             t.raise_error()
 
     def forward_backward(self, *args, labels: Any = None, loss_fn: Callable | None = None,
-                         return_outputs: bool = False, num_microbatches: int | None = None, **kwargs) -> Any:
+                         return_outputs: bool = False, num_microbatches: int | None = None,
+                         recompute: str | None = None, **kwargs) -> Any:
         """Forward, loss and backward of one batch; returns the batch loss as a 0-dim fp32 CPU tensor.
 
-        Other keywords are the first layer's inputs (`labels`, `loss_fn`, `return_outputs` and
-        `num_microbatches` are this method's own, so a layer cannot take inputs of those names).
+        Other keywords are the first layer's inputs (`labels`, `loss_fn`, `return_outputs`, `num_microbatches`
+        and `recompute` are this method's own, so a layer cannot take inputs of those names).
         loss_fn(output, labels) returns the microbatch's loss, or a tuple/list (the first entry is the
         loss) or a dict (its "loss" entry, else its first) whose other entries are tensors returned
         detached, in fp32 on the CPU, each reduced over the microbatches as the loss is (weighted by
@@ -299,9 +300,11 @@ class RoundPipe:
             (loss, outputs)               return_outputs=True: outputs as model(x) returns them, detached
             (loss, extras, outputs)       both
 
-        num_microbatches: this call's microbatch count instead of the model's (docs/semantics.md)."""
+        num_microbatches: this call's microbatch count instead of the model's (docs/semantics.md).
+        recompute: this call's recompute grain, "stage" or "layer", instead of the model's (its plan stays)."""
         with self._api:
             self._check_open()
+            grain = self._layer_grain(recompute)
             if loss_fn is not None and not callable(loss_fn):
                 raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
             if labels is not None and loss_fn is None:
@@ -317,7 +320,7 @@ class RoundPipe:
                                                   (self._as_run(loss_fn), labels) if loss_fn is not None else None)):
                 mb = split(args, kwargs, labels, 1, 1, labels_required=required)   # the model fits: unsplit
             mb.reduction = self.loss_reduction
-            ctx = self._run(mb, training=True, loss_fn=loss_fn, keep_outputs=return_outputs)
+            ctx = self._run(mb, training=True, loss_fn=loss_fn, keep_outputs=return_outputs, layer_grain=grain)
             losses = []
             for m in range(len(mb)):
                 loss, ready = ctx.losses[m]
@@ -330,6 +333,16 @@ class RoundPipe:
             if return_outputs:
                 result.append(merge(_on_host(ctx.outputs, len(mb))))
             return result[0] if len(result) == 1 else tuple(result)
+
+    @staticmethod
+    def _layer_grain(recompute: Any) -> bool | None:
+        """A call's recompute= checked, as layer grain or not; None: the model's."""
+        if recompute is None:
+            return None
+        if recompute not in ("stage", "layer"):
+            raise ValueError(f"recompute={recompute!r} must be 'stage', 'layer' (this call's recompute grain) or "
+                             "None (the model's)")
+        return recompute == "layer"
 
     def _microbatch_count(self, num_microbatches: Any) -> int | None:
         """A call's num_microbatches= checked; None: the model's."""
@@ -349,7 +362,7 @@ class RoundPipe:
         reduced = [weighted_sum([v[k] for v in per_mb], weights) for k in range(len(per_mb[0]))]
         return tuple(reduced) if kind == "tuple" else dict(zip(names, reduced))
 
-    def __call__(self, *args, num_microbatches: int | None = None, **kwargs) -> Any:
+    def __call__(self, *args, num_microbatches: int | None = None, recompute: str | None = None, **kwargs) -> Any:
         """The model's output, its tensors concatenated along dim 0 on the CPU.
 
         Forward only (nothing kept for a backward) under torch.no_grad(), or when no input requires grad
@@ -357,23 +370,25 @@ class RoundPipe:
         of the caller's autograd graph: a backward through it lands every parameter's gradient (and the
         inputs' that require grad) as an nn.Sequential's would, at the cost of one more forward
         (roundpipe/engine/calls/composed.py; forward_backward is the fast path, docs/semantics.md).
-        num_microbatches: this call's microbatch count instead of the model's (so a layer cannot take
-        an input of that name)."""
+        num_microbatches: this call's microbatch count instead of the model's; recompute: the grain of a
+        composed call's backward instead of the model's (so a layer cannot take inputs of those names)."""
         with self._api:
             self._check_open()
             count = self._microbatch_count(num_microbatches)
+            grain = self._layer_grain(recompute)
             self.sync.flush()   # a sync point: a forward after step() sees the updated weights
             if self._bn:
                 self._retire()   # whole-batch BatchNorm statistics land at call ends: eval sees them
             grad = torch.is_grad_enabled()
             wanted = composed.requires_grad(args, kwargs) if grad else []
             if wanted or (grad and self._owner.training and any(p.requires_grad for p in self.parameters())):
-                return self._composed(args, kwargs, count, wanted)
+                return self._composed(args, kwargs, count, wanted, grain)
             mb = split(args, kwargs, None, count, self.round_size, self.split_fn)
             ctx = self._run(mb, training=False, loss_fn=None)
             return merge(_on_host(ctx.outputs, len(mb)))
 
-    def _composed(self, args: tuple, kwargs: dict, count: int | None, wanted: list[int]) -> Any:
+    def _composed(self, args: tuple, kwargs: dict, count: int | None, wanted: list[int],
+                  layer_grain: bool | None = None) -> Any:
         """model(x) as a node of the caller's autograd graph (roundpipe/engine/calls/composed.py); `wanted`:
         the positions of the inputs that require grad."""
         if wanted and self.split_fn is not None:
@@ -386,11 +401,13 @@ class RoundPipe:
 
         def forward(mb) -> list:
             return _on_host(self._run(mb, training=False, loss_fn=None, rng_base=base).outputs, len(mb))
-        call = composed.ComposedCall(mb, inputs, wanted, forward, functools.partial(self._composed_backward, base, steps))
+        call = composed.ComposedCall(mb, inputs, wanted, forward,
+                                     functools.partial(self._composed_backward, base, steps, layer_grain))
         leaves = tree_leaves((args, kwargs))
         return composed.compose(call, [leaves[i] for i in wanted])
 
-    def _composed_backward(self, base: int, steps: int, mb, wanted: tuple[int, ...]) -> list[list]:
+    def _composed_backward(self, base: int, steps: int, layer_grain: bool | None, mb,
+                           wanted: tuple[int, ...]) -> list[list]:
         """A composed call's backward: a training call seeded with the output's gradients (composed.py)."""
         with self._api:
             self._check_open()
@@ -399,7 +416,7 @@ class RoundPipe:
                                    "forward used were updated since (as PyTorch refuses a backward through weights "
                                    "modified in place); call backward() before step()")
             ctx = self._run(mb, training=True, loss_fn=None, rng_base=base, seeded=True, write_buffers=False,
-                            bn_stats=None, input_grad_leaves=wanted)
+                            bn_stats=None, input_grad_leaves=wanted, layer_grain=layer_grain)
             if not wanted:
                 return [[] for _ in range(len(mb))]
             self._retire()   # the input gradients come from the call's last stage: wait for its end
@@ -428,7 +445,7 @@ class RoundPipe:
                 host.refresh(l)
 
     def _run(self, mb, training: bool, loss_fn: Callable | None, rng_base: int | None = None,
-             **fields: Any) -> CallContext:
+             layer_grain: bool | None = None, **fields: Any) -> CallContext:
         """Starts a call; returns once its loss is known (training) or its outputs are (forward).
 
         A training call's last backward stages, gradient landings and its end run on under the
@@ -436,7 +453,8 @@ class RoundPipe:
         the calls before it ended (they run first on every worker); if one failed it is cancelled and
         raises that error.  A failing call folds the errors of those before it into its own: each
         error is raised once (tests/engine/test_call_errors.py).  rng_base: the call's RNG base when
-        given (a composed call's backward repeats its forward's); fields: more CallContext fields."""
+        given (a composed call's backward repeats its forward's); layer_grain: the call's recompute grain
+        (None: the model's); fields: more CallContext fields."""
         self._refresh_edited()
         loss = (self._as_run(loss_fn), mb.labels[0]) if training and loss_fn is not None else None
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training, loss)   # the safe point
@@ -446,7 +464,7 @@ class RoundPipe:
         if self._inflight and plan != self._inflight[-1].plan:
             self._retire(cancelled=key)   # a new plan starts from an empty pipeline
         self._retire(keep=1, cancelled=key)   # at most one earlier call still draining
-        sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size)
+        sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size, layer_grain)
         self.predictions.check(sched, self.host, self.autoplan, (mb.args[0], mb.kwargs[0]), loss)   # before any work
         if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
             self._grads_reserved = True

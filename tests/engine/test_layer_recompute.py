@@ -173,3 +173,23 @@ def test_the_planner_packs_bigger_backward_stages_at_layer_grain():
 def test_recompute_option_is_checked():
     with pytest.raises(ValueError, match="recompute='block'.*'stage'.*'layer'"):
         rp.RoundPipe(MODELS["mlp"](), devices=["cpu"], recompute="block")
+
+
+def test_one_call_may_choose_its_grain():
+    """forward_backward(..., recompute=) and model(x, recompute=) override the model's grain for one call (as the
+    published run_config's recompute_grain): each call is scheduled at its own grain, the results are the same."""
+    torch.manual_seed(3)
+    layers = MODELS["mlp"](6)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=2, plan=PLAN6) as model:
+        model._check_recompute = True
+        grains = []
+        real = model.dispatcher.schedule
+        model.dispatcher.schedule = lambda *a: grains.append(real(*a).layer_grain) or real(*a)
+        losses = [model.forward_backward(x, labels=y, loss_fn=F.mse_loss, recompute=r) for r in ("layer", None)]
+        model(x.clone().requires_grad_(True), recompute="layer").sum().backward()
+        assert grains == [True, False, False, True]   # the composed call: its forward, then its backward's
+        assert torch.equal(losses[0], losses[1])
+        for bad in ("Layer", 1):
+            with pytest.raises(ValueError, match=f"recompute={bad!r} must be 'stage', 'layer'"):
+                model.forward_backward(x, labels=y, loss_fn=F.mse_loss, recompute=bad)

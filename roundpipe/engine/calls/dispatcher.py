@@ -380,15 +380,18 @@ class Dispatcher:
         self._schedules: dict[tuple, Schedule] = {}
         self.watchdog = Watchdog(workers, stall_timeout)
 
-    def schedule(self, plan: Plan, training: bool, num_mb: int, round_size: int) -> Schedule:
-        """The call's schedule; built once per (plan, mode, sizes, g0) since a run only reads it."""
-        key = (tuple(plan.forward), tuple(plan.backward), training, num_mb, round_size, self.g0)
+    def schedule(self, plan: Plan, training: bool, num_mb: int, round_size: int,
+                 layer_grain: bool | None = None) -> Schedule:
+        """The call's schedule; built once per (plan, mode, sizes, grain, g0) since a run only reads it.
+        layer_grain: this call's recompute grain (None: the model's)."""
+        layer_grain = self.layer_grain if layer_grain is None else layer_grain
+        key = (tuple(plan.forward), tuple(plan.backward), training, num_mb, round_size, layer_grain, self.g0)
         sched = self._schedules.get(key)
         if sched is None:
             if len(self._schedules) >= 4 * len(self.workers):   # a new plan or batch shape: start over
                 self._schedules.clear()
             sched = self._schedules[key] = Schedule(plan, training, num_mb, round_size, self.workers, self.g0,
-                                                    self.layer_grain)
+                                                    layer_grain)
         return sched
 
     def start(self, ctx: CallContext, sched: Schedule, on_end: Callable[[CallRun], None]) -> CallRun:
