@@ -1,4 +1,4 @@
-"""Saves killed mid-way: the checkpoint stays whole and their temporary folders go (roundpipe/engine/state/checkpoint.py)."""
+"""Saves killed mid-way: the checkpoint stays whole and their temporary folders go (roundpipe/engine/state/save_folders.py)."""
 import json
 import os
 import queue
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import roundpipe as rp
-from roundpipe.engine.state import checkpoint
+from roundpipe.engine.state import save_folders
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, SIGKILL and os.kill(pid, 0)")
 
@@ -158,7 +158,7 @@ def dead_pid():
 
 def owned(folder, pid, host=None):
     os.makedirs(folder)
-    with open(os.path.join(folder, checkpoint.OWNER), "w") as f:
+    with open(os.path.join(folder, save_folders.OWNER), "w") as f:
         json.dump({"host": host or socket.gethostname(), "pid": pid}, f)
     with open(os.path.join(folder, "model.safetensors"), "wb") as f:
         f.write(b"partial")
@@ -209,20 +209,20 @@ def test_a_save_killed_between_its_renames_is_rolled_back_by_the_next_load(tmp_p
         fill(m, 3)
         m.save_checkpoint(path)
         tmp = owned(tmp_path / f".c.tmp-{dead}", dead)
-        os.rename(path, os.path.join(tmp, checkpoint.REPLACED))
+        os.rename(path, os.path.join(tmp, save_folders.REPLACED))
         fill(m, 4)
         m.load_checkpoint(path)
         assert the_value(m) == 3 and leftovers(tmp_path) == []
         # killed after the second rename: .replaced and .writer.json inside the new checkpoint
         m.save_checkpoint(tmp_path / "old")
-        os.rename(tmp_path / "old", path / checkpoint.REPLACED)
-        with open(path / checkpoint.OWNER, "w") as f:
+        os.rename(tmp_path / "old", path / save_folders.REPLACED)
+        with open(path / save_folders.OWNER, "w") as f:
             json.dump({"host": socket.gethostname(), "pid": dead}, f)
         m.load_checkpoint(path)
         assert leftovers(tmp_path) == []
         # the same leftovers of a live writer (this process, about to remove them itself) stay
-        os.makedirs(path / checkpoint.REPLACED)
-        with open(path / checkpoint.OWNER, "w") as f:
+        os.makedirs(path / save_folders.REPLACED)
+        with open(path / save_folders.OWNER, "w") as f:
             json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
         m.load_checkpoint(path)
-        assert leftovers(tmp_path) == ["c/" + checkpoint.REPLACED, "c/" + checkpoint.OWNER]
+        assert leftovers(tmp_path) == ["c/" + save_folders.REPLACED, "c/" + save_folders.OWNER]

@@ -486,7 +486,7 @@ def test_quant_state_is_cached_without_holding_the_buffers():
 
 def test_constant_fingerprint_sees_dtype_shape_and_sampled_bytes():
     """The fingerprint of a constant buffer changes with its dtype, its shape and a byte it samples."""
-    from roundpipe.engine.state.checkpoint import fingerprint
+    from roundpipe.engine.state.base_tensors import fingerprint
 
     t = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     base = fingerprint(t)

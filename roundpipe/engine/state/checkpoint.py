@@ -8,11 +8,11 @@ A checkpoint is a directory:
 
     checkpoint.json       format and version, every file's size, the engine's counters, the
                           pending step, the loss scaler, the plan (for inspection), and a
-                          fingerprint of each constant buffer left out (`constants`, below)
+                          fingerprint of each base tensor left out (`constants`, below)
     model.safetensors     the masters and buffers under the model's own names (state_dict);
                           a tensor shared by several names is stored once (metadata `aliases`);
-                          constant buffers (a 4-bit base's packed weights: host_state.py) are
-                          not: the model they came from holds them, and loading leaves them
+                          the base the run was wrapped over is not (a 4-bit base's packed weights,
+                          weights left in their files): the model holds it, loading leaves it
     engine.safetensors    gradients not yet applied: what the next step reads (`p.grad`, or a
                           held low-precision one, in its dtype) and the landing sums not yet
                           moved into it; the caller's CPU (and CUDA) RNG state.  Saved as
@@ -47,44 +47,38 @@ The RNG: each call draws its dropout seed from the caller's CPU generator
 layer from it, so the caller's generator state is the only random state the
 engine depends on; it is saved and restored (loading sets it).
 
-Constant buffers are left out but fingerprinted: `constants` maps each one's name to
-its layer and a hash of its dtype, shape and bytes, of all of them up to 64 KiB and of
-64 evenly spaced 1 KiB slices above that (O(1) a tensor: a full pass over a 235B
-model's 123 GB of NF4 would add seconds to every save).  Loading into a model whose
-base differs (another model, another quantization) is then a ValueError naming the
-layer and the buffer; a few changed bytes between the samples go unseen.  Checkpoints
-written before the fingerprints load without the check.
+The base is left out but fingerprinted (base_tensors.py): loading into a model over
+another base is a ValueError naming the layer and the tensor.
 
 Files are written to a temporary directory beside the target and renamed into
 place; loading checks every file's size against the manifest, every tensor's
 name, shape and dtype against the model, and the format version before it
 changes anything, with a ValueError naming the file and the mismatch.  A save
 killed mid-way leaves its temporary directory: the next save or load of the
-path removes it once its writer is dead (clean_crashed, below).  Checkpoints
+path removes it once its writer is dead (save_folders.py, clean_crashed).  Checkpoints
 may come from elsewhere: the manifest's fields are type-checked, its files must
 be regular files inside the directory, the tensor files' headers are checked
 against their real sizes before anything is allocated (tensor_file.py), and
 the RNG state, the aliases and the optimizer's and scheduler's own
-load_state_dict are tried before the model changes.
+load_state_dict are tried before the model changes (manifest.py checks the manifest and
+the files it lists).
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import re
 import shutil
-import socket
-import stat
 import zipfile
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from roundpipe.engine.state import tensor_file
+from roundpipe.engine.state.base_tensors import check_constants, constants, left_out
+from roundpipe.engine.state.manifest import FORMAT, MANIFEST, VERSION, read_manifest
+from roundpipe.engine.state.save_folders import clean_crashed, discard, replace, write_owner
 from roundpipe.engine.state.tensor_file import TensorFile
-from roundpipe.engine.step.host_state import FILE_BACKED
 from roundpipe.offload import state_tier
 
 if TYPE_CHECKING:
@@ -95,73 +89,12 @@ if TYPE_CHECKING:
 # reissue_step(), state_dict() and load_state_dict().
 RoundPipe = Any
 
-FORMAT = "roundpipe-checkpoint"
-VERSION = 1
-MANIFEST = "checkpoint.json"
-OWNER = ".writer.json"      # in a save's temporary folder: who writes it (clean_crashed, below)
-REPLACED = ".replaced"      # in a save's temporary folder: the checkpoint it replaces, during the swap
-
-
-def _left_out(model: "RoundPipe") -> dict[int, int]:
-    """id -> layer of the tensors a checkpoint leaves out, the base the run was wrapped over rather than its
-    state: constant buffers (a 4-bit base's packed bytes) and frozen parameters mapped from their safetensors
-    files (rp.hf.from_pretrained(base_in_ram=False): written into a checkpoint they would be read into RAM
-    again on load, the RAM the option saves).  A fingerprint of each is saved and checked instead."""
-    out = {}
-    for l, st in enumerate(model.host.layers):
-        out.update((id(b), l) for b in st.constants)
-        out.update((id(p), l) for p in st.params if getattr(p, FILE_BACKED, False) is True and not p.requires_grad)
-    return out
 
 
 def _saved_state(model: "RoundPipe") -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint holds: the model's named state but what `_left_out` names."""
-    left_out = _left_out(model)
-    return {name: t for name, t in model.named_state().items() if id(t) not in left_out}
-
-
-def fingerprint(t: torch.Tensor) -> str:
-    """A hash of a host tensor's dtype, shape and bytes (all up to 64 KiB, else 64 spaced 1 KiB slices)."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    h = hashlib.blake2b(f"{t.dtype} {list(t.shape)}".encode(), digest_size=16)
-    n, piece, pieces = raw.size, 1024, 64
-    if n <= piece * pieces:
-        h.update(raw.tobytes())
-    else:
-        for i in range(pieces):
-            start = i * (n - piece) // (pieces - 1)
-            h.update(raw[start:start + piece].tobytes())
-    return h.hexdigest()
-
-
-def _constants(model: "RoundPipe") -> dict[str, dict]:
-    """name -> {"layer", "fingerprint"} of every base tensor a checkpoint leaves out (`_left_out`)."""
-    layer_of = _left_out(model)
-    return {name: {"layer": layer_of[id(t)], "fingerprint": fingerprint(t)}
-            for name, t in model.named_state().items() if id(t) in layer_of}
-
-
-def _check_constants(model: "RoundPipe", saved: dict | None, mpath: str) -> None:
-    """The model's base tensors (constant buffers, file-mapped frozen weights) are those the checkpoint was
-    saved over (None: not recorded)."""
-    if saved is None:
-        return
-    mine = _constants(model)
-    for name in sorted(set(saved) | set(mine)):
-        if name not in mine:
-            raise ValueError(f"load_checkpoint: {mpath} was saved over a base tensor {name!r} (layer "
-                             f"{saved[name]['layer']}: a 4-bit base's packed bytes or a weight left in its file) "
-                             "that this model does not have; wrap the same base the same way the checkpoint was "
-                             "saved with (quantize=, base_in_ram=False: checkpoints leave that base out)")
-        if name not in saved:
-            raise ValueError(f"load_checkpoint: layer {mine[name]['layer']} of this model has a base tensor "
-                             f"{name!r} (a 4-bit base's packed bytes or a weight left in its file) that {mpath} was "
-                             "not saved over (a base quantized or left in its files here but not there?  a "
-                             "checkpoint written with the base in RAM loads into a model made the same way)")
-        if saved[name]["fingerprint"] != mine[name]["fingerprint"]:
-            raise ValueError(f"load_checkpoint: layer {mine[name]['layer']}: the base tensor {name!r} differs "
-                             f"from the one {mpath} was saved over (dtype, shape or bytes); load it into a "
-                             "model made over the same base (checkpoints leave that base out)")
+    """The tensors a checkpoint holds: the model's named state but its base (base_tensors.py)."""
+    out = left_out(model)
+    return {name: t for name, t in model.named_state().items() if id(t) not in out}
 
 
 def _unique_state(model: "RoundPipe") -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
@@ -230,7 +163,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
             clean_crashed(path)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            _write_owner(tmp)
+            write_owner(tmp)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
             error = e
     if dp is not None:
@@ -243,7 +176,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
         error = e
     if not (dp.all_true(error is None) if dp is not None else error is None):
         if rank == 0:
-            _discard(tmp, path)
+            discard(tmp, path)
         if error is not None:
             raise error
         raise RuntimeError(f"save_checkpoint: another rank failed to write its part of {path!r}; nothing was saved")
@@ -260,17 +193,17 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
                         "calls_since_step": model.sync.calls_since_step, "grads_pending": model.run_state.grads_pending,
                         "pending_step": step, "loss_scale": _scaler_state(model, pending),
                         "grads_unscaled": [st.inv_scale for st in model.host.layers],
-                        "latest_asynchronous": model.run_state.latest_asynchronous, "constants": _constants(model),
+                        "latest_asynchronous": model.run_state.latest_asynchronous, "constants": constants(model),
                         "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
                                  "backward": [[r.start, r.stop] for r in model.plan.backward]}}
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _replace(tmp, path)
+            replace(tmp, path)
     except BaseException:
         if rank == 0:
-            _discard(tmp, path)
+            discard(tmp, path)
         raise
     finally:
         if dp is not None:
@@ -286,120 +219,6 @@ def _scaler_state(model: "RoundPipe", pending: "StepRecord | None") -> dict | No
     if pending is not None and not pending.whole:
         state["history"].pop("0", None)
     return state
-
-
-# ---- a save's temporary folder, and what a save killed mid-way leaves of it
-#
-#   .<name>.tmp-<pid>   one process's save (.<name>.tmp: a data-parallel one, written by every rank)
-#     .writer.json        {"host", "pid"} of the process that made it (rank 0's)
-#     .replaced/          the checkpoint it replaces, from the first rename until it is removed
-#
-# A save renames <name> into .replaced, the folder to <name>, then removes .replaced and the owner
-# file.  Killed before the first rename, the folder is junk; between the renames, <name> is missing
-# and .replaced goes back (the save never returned, so the old checkpoint stands); after, only
-# .replaced and .writer.json inside <name> are left.  clean_crashed removes these once the writer
-# is dead: on this host (its owner file's host; without one, a writer killed before writing it,
-# the pid in the folder's name) and not a live pid (os.kill(pid, 0)), so a save in progress, here or
-# on another host sharing the filesystem, is never touched.
-
-
-def _pid_dead(pid: int) -> bool:
-    """No process has this pid (os.kill(pid, 0) -> ProcessLookupError); one we may not signal lives."""
-    if os.name == "nt":   # os.kill there terminates the process: nothing is judged dead
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, OverflowError):   # PermissionError: another user's process
-        return False
-    return False
-
-
-def _is_dir(path: str) -> bool:
-    return os.path.isdir(path) and not os.path.islink(path)
-
-
-def _write_owner(folder: str) -> None:
-    with open(os.path.join(folder, OWNER), "w") as f:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
-
-
-def _owner(folder: str) -> tuple[str, int] | None:
-    """(host, pid) from a folder's owner file, None without a readable one (a link is not read)."""
-    try:
-        fd = os.open(os.path.join(folder, OWNER), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) |
-                     getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            got = json.loads(f.read(4096)) if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    except (OSError, ValueError, RecursionError):
-        return None
-    if isinstance(got, dict) and isinstance(got.get("host"), str) and _is_int(got.get("pid")) and got["pid"] > 0:
-        return got["host"], got["pid"]
-    return None
-
-
-def _crashed(folder: str, name_pid: int | None) -> bool:
-    """The process that wrote `folder` is dead (see above); False whenever that cannot be told."""
-    owner = _owner(folder)
-    if owner is not None:
-        host, pid = owner
-        if host != socket.gethostname() or (name_pid is not None and pid != name_pid):
-            return False
-    elif name_pid is None:
-        return False
-    else:
-        pid = name_pid
-    return pid != os.getpid() and _pid_dead(pid)
-
-
-def _discard(folder: str, path: str) -> None:
-    """Removes a save's temporary folder, first putting back the checkpoint it was replacing."""
-    replaced = os.path.join(folder, REPLACED)
-    if os.path.lexists(replaced) and not os.path.lexists(path):
-        try:
-            os.rename(replaced, path)
-        except OSError:
-            return   # left whole: it holds the only copy of the old checkpoint
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _replace(tmp: str, path: str) -> None:
-    """Moves the finished folder to `path`, replacing what is there (the two renames above)."""
-    if os.path.lexists(path):
-        os.rename(path, os.path.join(tmp, REPLACED))
-    os.rename(tmp, path)
-    _remove_leftovers(path)
-
-
-def _remove_leftovers(path: str) -> None:
-    replaced = os.path.join(path, REPLACED)
-    if _is_dir(replaced):
-        shutil.rmtree(replaced, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        if os.path.lexists(replaced):
-            os.remove(replaced)   # a link that stood at the path
-        os.remove(os.path.join(path, OWNER))
-
-
-def clean_crashed(path: str) -> None:
-    """Removes what saves of `path` killed mid-way left beside and inside it; only the exact names
-    above, only real folders (never through a link), only when their writer is dead.  Errors are
-    ignored: cleaning up never fails a save or a load."""
-    parent, name = os.path.split(os.path.abspath(path))
-    pattern = re.compile(rf"\.{re.escape(name)}\.tmp(?:-([1-9][0-9]{{0,9}}))?")
-    try:
-        entries = [e for e in os.scandir(parent) if pattern.fullmatch(e.name)]
-    except OSError:
-        return
-    for entry in entries:
-        with contextlib.suppress(OSError):
-            name_pid = pattern.fullmatch(entry.name).group(1)
-            if entry.is_dir(follow_symlinks=False) and _crashed(entry.path, int(name_pid) if name_pid else None):
-                _discard(entry.path, path)
-    with contextlib.suppress(OSError):
-        if _is_dir(path) and _crashed(path, None):
-            _remove_leftovers(path)
 
 
 def checked_path(path: Any, what: str) -> str:
@@ -477,134 +296,6 @@ def _write_files(model: "RoundPipe", tmp: str, step: dict | None, optimizer: Any
     return sizes
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and abs(v) < float("inf")
-
-
-def _is_count(v: Any) -> bool:
-    return _is_int(v) and v >= 0
-
-
-def _is_bool(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-def _is_history(v: Any) -> bool:   # loss_scale.history: relative step -> [scale, growth tracker]
-    return isinstance(v, dict) and all(
-        re.fullmatch(r"-?[0-9]{1,18}", k) and isinstance(e, list) and len(e) == 2 and _is_number(e[0]) and e[0] > 0
-        and _is_count(e[1]) for k, e in v.items())
-
-
-# manifest field -> (check, what it must be, default when absent: _REQUIRED if it must be there)
-_REQUIRED = object()
-_FIELDS = {
-    "files": (lambda v: isinstance(v, dict) and all(_is_count(s) for s in v.values()),
-              "an object of file name -> size in bytes", _REQUIRED),
-    "world_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1", 1),
-    "num_layers": (_is_count, "an integer >= 0", _REQUIRED),
-    "master_dtype": (lambda v: isinstance(v, str), "a dtype's name", str(torch.float32)),
-    "calls": (_is_count, "an integer >= 0", _REQUIRED),
-    "steps": (_is_count, "an integer >= 0", _REQUIRED),
-    "calls_since_step": (_is_count, "an integer >= 0", _REQUIRED),
-    "grads_pending": (_is_bool, "true or false", _REQUIRED),
-    "latest_asynchronous": (_is_bool, "true or false", _REQUIRED),
-    "extra": (lambda v: isinstance(v, dict), "an object", {}),
-    "pending_step": (lambda v: v is None or isinstance(v, dict), "null or an object", _REQUIRED),
-    "loss_scale": (lambda v: v is None or (isinstance(v, dict) and _is_history(v.get("history"))
-                                           and _is_count(v.get("skipped"))),
-                   "null or {history: {step: [scale > 0, count]}, skipped: count}", _REQUIRED),
-    "constants": (lambda v: v is None or (isinstance(v, dict) and all(
-        isinstance(c, dict) and _is_count(c.get("layer")) and isinstance(c.get("fingerprint"), str)
-        for c in v.values())), "null or an object of name -> {layer, fingerprint}", None),
-}
-_STEP_FIELDS = {
-    "kind": (lambda v: v in ("copy", "update"), '"copy" or "update"'),
-    "window": (_is_count, "an integer >= 0"),
-    "max_grad_norm": (lambda v: v is None or (_is_number(v) and v >= 0), "null or a number >= 0"),
-    "scale_used": (_is_int, "an integer"),
-    "skipped": (_is_bool, "true or false"),
-    "predict": (_is_number, "a number"),
-    "lr_factor": (_is_number, "a number"),
-}
-
-
-def _bad(mpath: str, field: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"load_checkpoint: {mpath}: {field} is {tensor_file.short(value)}; expected {expected} "
-                      "(a corrupt or hand-edited checkpoint)")
-
-
-def _check_fields(manifest: dict, mpath: str) -> None:
-    """Every field load_checkpoint reads has its type and range (defaults filled in for older ones)."""
-    for key, (ok, expected, default) in _FIELDS.items():
-        if key not in manifest:
-            if default is _REQUIRED:
-                raise ValueError(f"load_checkpoint: {mpath} has no field {key!r} (not written by save_checkpoint?)")
-            manifest[key] = default
-        if not ok(manifest[key]):
-            raise _bad(mpath, key, manifest[key], expected)
-    step = manifest["pending_step"]
-    for key, (ok, expected) in _STEP_FIELDS.items() if step is not None else ():
-        if not ok(step.get(key)):
-            raise _bad(mpath, f"pending_step.{key}", step.get(key), expected)
-
-
-def _member(path: str, name: Any) -> str:
-    """The path of a file the checkpoint names: a plain name, a regular file, inside the folder
-    once links are followed (a checkpoint from elsewhere must not make us read outside it)."""
-    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or os.path.basename(name) != name \
-            or (os.altsep and os.altsep in name):
-        raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)} lists the file {tensor_file.short(name)}; "
-                         "a checkpoint's files are plain names inside its folder")
-    fpath, folder = os.path.join(path, name), os.path.realpath(path)
-    real = os.path.realpath(fpath)
-    if os.path.commonpath([real, folder]) != folder:
-        raise ValueError(f"load_checkpoint: {fpath} is a link to {real}, outside the checkpoint folder {path!r}")
-    if not os.path.lexists(fpath):
-        raise ValueError(f"load_checkpoint: {fpath} is missing (" + ("the manifest lists it)" if name != MANIFEST else
-                         "not a roundpipe checkpoint, or not completely written)"))
-    if not (os.path.exists(fpath) and stat.S_ISREG(os.stat(fpath).st_mode)):
-        raise ValueError(f"load_checkpoint: {fpath} is not a regular file (a dangling link, FIFO, device or folder)")
-    return fpath
-
-
-def read_manifest(path: str) -> dict:
-    """The checked manifest: format, version, every field's type, every file present, inside the
-    folder and of its recorded size."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"load_checkpoint: {path!r} is not a directory (a checkpoint is one, written by "
-                         "save_checkpoint)")
-    mpath = _member(path, MANIFEST)
-    with os.fdopen(tensor_file.open_regular(mpath, "the manifest"), "rb") as f:
-        raw = f.read(tensor_file.MAX_HEADER + 1)
-    if len(raw) > tensor_file.MAX_HEADER:
-        raise ValueError(f"load_checkpoint: {mpath} is over {tensor_file.MAX_HEADER} bytes; not a manifest")
-    try:
-        manifest = json.loads(raw, object_pairs_hook=tensor_file.no_duplicates)
-    except RecursionError:
-        raise ValueError(f"load_checkpoint: {mpath} nests too deeply to be a manifest") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"load_checkpoint: {mpath} is not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: {mpath} is not a roundpipe checkpoint manifest (format "
-                         f"{tensor_file.short(manifest.get('format') if isinstance(manifest, dict) else None)})")
-    if manifest.get("version") != VERSION:
-        raise ValueError(f"load_checkpoint: {mpath} has format version {tensor_file.short(manifest.get('version'))}; "
-                         f"this roundpipe reads version {VERSION}")
-    _check_fields(manifest, mpath)
-    for name, size in manifest["files"].items():
-        fpath = _member(path, name)
-        got = os.path.getsize(fpath)
-        if got != size:
-            raise ValueError(f"load_checkpoint: {fpath} has {got} bytes but the manifest says {size} (truncated or "
-                             "from another checkpoint)")
-    return manifest
-
-
 def _load_obj(path: str) -> Any:
     """torch.load with weights_only (no code runs), of a zip whose members are stored as torch.save
     stores them: a compressed member could unpack to far more than the file (a zip bomb)."""
@@ -658,7 +349,7 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
     if manifest["num_layers"] != len(model.host):
         raise ValueError(f"load_checkpoint: {os.path.join(path, MANIFEST)} is of a model with {manifest['num_layers']} "
                          f"layers; this one has {len(model.host)}")
-    _check_constants(model, manifest.get("constants"), os.path.join(path, MANIFEST))
+    check_constants(model, manifest.get("constants"), os.path.join(path, MANIFEST))
     if optimizer is not None and model.shards is not None:
         model.shards.adopt(optimizer)   # its groups hold this rank's slices, as the saved state does
     opt_state = _load_obj(os.path.join(path, opt_file)) if optimizer is not None else None
