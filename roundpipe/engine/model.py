@@ -15,20 +15,22 @@ mean over samples the loss and the gradients equal the whole batch's.
 Gradients accumulate into `p.grad` across calls until `step()`, which runs the
 optimizer and then clears them (do not call `optimizer.zero_grad()` yourself:
 with an asynchronous step it would race with the update).
+
+The class is in three files: this one (construction and the calls), model_steps.py (`step` and what
+it issues) and model_state.py (the wrapped module's API, checkpoints, memory figures, traces).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from roundpipe.core import omp
-from roundpipe.core.executor import SerialExecutor, engine_thread, on_thread, register_then_queue, stop_when_collected
+from roundpipe.core.executor import SerialExecutor, engine_thread, stop_when_collected
 from roundpipe.core.tree import tree_leaves, tree_map
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine.calls import batchnorm as batchnorm_stats
@@ -42,14 +44,14 @@ from roundpipe.engine.calls.replica import Replica
 from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig, engine_config
 from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.device_memory import PeakPredictions
-from roundpipe.engine.state import checkpoint
+from roundpipe.engine.model_state import ModelState
+from roundpipe.engine.model_steps import ModelSteps
 from roundpipe.engine.state.run_state import RunState
 from roundpipe.engine.step import loss_scale
-from roundpipe.engine.step.async_step import LayerSync, run_gcopy, run_step
+from roundpipe.engine.step.async_step import LayerSync
 from roundpipe.engine.step.host_state import HostState
-from roundpipe.engine.step.optimizer_step import check_step_args, copy_step, make_step
 from roundpipe.engine.step.staleness import StalenessCompensation
-from roundpipe.planner.autosplit import SplitModule, split_module
+from roundpipe.planner.autosplit import split_module
 from roundpipe.planner.plan import Plan
 from roundpipe.trace import Trace
 from roundpipe.workers import make_workers
@@ -115,7 +117,7 @@ class _InFlight:
     run: CallRun
 
 
-class RoundPipe:
+class RoundPipe(ModelState, ModelSteps):
     """A model kept in host memory whose stages are dispatched round-robin to a pool of workers.
 
     `RoundPipe(layers, **options)` or `RoundPipe(layers, config=EngineConfig(...))`: the options are
@@ -212,65 +214,6 @@ class RoundPipe:
 
     def _host_threads(self) -> list[SerialExecutor]:
         return [self.host_thread, self.gcopy_thread]
-
-    # ---- state of the wrapped module
-    @property
-    def _owner(self) -> nn.Module:
-        """The module whose parameters, names and state dict this model presents: the wrapped
-        layers (an rp.hf.wrap model: the HF model; a module cut into layers: that module; both hold the same
-        tensors)."""
-        return self.module.source if isinstance(self.module, SplitModule) else self.module
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self._owner.parameters(recurse)
-
-    def named_parameters(self, *args, **kwargs):
-        return self._owner.named_parameters(*args, **kwargs)
-
-    def buffers(self, recurse: bool = True):
-        return self._owner.buffers(recurse)
-
-    def named_buffers(self, *args, **kwargs):
-        return self._owner.named_buffers(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """The module's state_dict after every pending step; masters on disk (offload_dir, phase 2) are read into
-        copies (their bytes in RAM: save_checkpoint streams them instead)."""
-        with self._api:
-            self._check_open()
-            self._drain()
-            sd = self._owner.state_dict(*args, **kwargs)
-            if self.offload is not None and self.offload.placeholders:
-                for name in self.offload.masters_on_disk(sd):
-                    sd[name] = self.offload.master(sd[name])
-            return sd
-
-    def named_state(self) -> dict[str, torch.Tensor]:
-        """Every master and buffer under the names a checkpoint stores them by: the owner's state_dict
-        names, plus any tensor of the layers that state dict does not hold, under its layer name."""
-        named = dict(self._owner.state_dict(keep_vars=True))
-        if self._owner is not self.module:
-            held = {(t.data_ptr(), t.dtype, tuple(t.shape)) for t in named.values()}
-            for name, t in self.module.state_dict(keep_vars=True).items():
-                if (t.data_ptr(), t.dtype, tuple(t.shape)) not in held:
-                    named[f"roundpipe.layers.{name}"] = t
-        return named
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        with self._api:
-            self._check_open()
-            self._drain()
-            result = self._owner.load_state_dict(state_dict, strict=strict)
-            for l in range(len(self.host)):
-                self.host.refresh(l)
-            return result
-
-    def train(self, mode: bool = True) -> "RoundPipe":
-        self._owner.train(mode)
-        return self
-
-    def eval(self) -> "RoundPipe":
-        return self.train(False)
 
     # ---- calls
     def _check_open(self) -> None:
@@ -575,71 +518,6 @@ class RoundPipe:
                 errors.append(rec.run.error)
         return errors
 
-    def _issue_gcopy(self) -> None:
-        """Moves the gradients landed since the last G-copy into p.grad (after earlier steps read it)."""
-        if not self.run_state.grads_pending:
-            return
-        self.run_state.grads_pending = False
-        sync, host, dp = self.sync, self.host, self.dp   # a queued job must not keep the model alive
-        reduce = dp.reducer(host) if dp is not None else None
-        register_then_queue(sync.issue_gcopy, lambda after: self.gcopy_thread.submit(
-            lambda: run_gcopy(sync, after, host.gcopy, reduce)))
-
-    def step(self, optimizer, asynchronous: bool = True, *, lr_scheduler=None,
-             max_grad_norm: float | None = None) -> None:
-        """Applies the gradients accumulated since the last step, then clears them.
-
-        optimizer: a torch.optim.Optimizer over `parameters()` (every parameter that requires
-        grad, nothing else), a zero-argument callable, or a per-layer fused optimizer (an object
-        with `step_layer(params, upload)`, e.g. roundpipe.optim.AdamW: updates one layer's fp32
-        masters from their `.grad` and writes their upload copies, layer by layer as the next
-        call frees them).  asynchronous=True overlaps the update with the next call (one step
-        stale, see roundpipe/engine/step/async_step.py); False returns with the update applied.
-        lr_scheduler: stepped right after this update, as `opt.step(); sched.step()` would.
-        max_grad_norm: clip like torch.nn.utils.clip_grad_norm_ over every gradient first.
-        Errors inside the update are raised here (synchronous), else by the engine call during
-        which they happen or by the next one (README: Errors).
-        """
-        with self._api:
-            self._check_open()
-            max_norm = check_step_args(asynchronous, lr_scheduler, max_grad_norm, optimizer)
-            comp = self.compensation
-            fns = self._make_step(optimizer, lr_scheduler, max_norm, self._scale_index(),
-                                  comp.predict if comp is not None and asynchronous else 0.0,
-                                  comp.lr_factor(self.run_state.counted[1] + self.sync.steps_issued) if comp else 1.0)
-            self._issue_step(fns, asynchronous)
-
-    def _make_step(self, optimizer, lr_scheduler, max_norm: float | None, scale_used: int, predict: float,
-                   lr_factor: float):
-        """The next step's StepFns; what it was given is kept for a checkpoint saved while it is pending."""
-        self.run_state.step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
-                           "scale_used": scale_used, "predict": predict, "lr_factor": lr_factor}
-        fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
-                        self.scaler, self.sync.steps_issued + 1, scale_used, self.shards, predict, lr_factor)
-        return self.offload.wrap(fns, optimizer) if self.offload is not None else fns
-
-    def _scale_index(self) -> int:
-        """The loss-scale history entry of the calls issued now and of the step after them."""
-        return loss_scale.LossScaler.group_index(self.sync.steps_issued, self.run_state.latest_asynchronous)
-
-    @property
-    def loss_scale(self) -> float | None:
-        """The current fp16 loss scale (after the last step that checked its gradients), or None."""
-        return self.scaler.scale if self.scaler is not None else None
-
-    def _issue_step(self, fns, asynchronous: bool, window: int | None = None) -> None:
-        if asynchronous and self._grads_reserved:   # the set a pending step holds while the next calls land theirs
-            self.host.reserve_gradients(2, reduced=self.dp is not None)
-        self._refresh_edited()   # calls in this step's stale window read the masters as they are now
-        self._issue_gcopy()
-        sync, w, host = self.sync, self.workers[0], self.host_thread   # a queued job must not keep the model alive
-        warm = not asynchronous and len(self.workers) == 1 and w.device.type == "cpu" and not (self.dp or self.offload)
-        register_then_queue(lambda: sync.new_step(asynchronous, fns.before_gates, window), lambda rec: host.submit(
-            on_thread(w.submit, lambda: run_step(sync, rec, fns)) if warm else lambda: run_step(sync, rec, fns)))
-        self.run_state.latest_asynchronous = asynchronous
-        if not asynchronous:
-            self._drain()
-
     def _drain(self) -> None:
         """A sync point: every call ended, landed gradient in p.grad and issued step applied; raises their errors."""
         self._retire()
@@ -665,46 +543,6 @@ class RoundPipe:
             for l in range(len(self.host)):   # fp32 p.grad, unscaled by the scale its calls used (loss_scale.py)
                 self.host.materialize(l, inv)
 
-    # ---- checkpoints (roundpipe/engine/state/checkpoint.py)
-    def save_checkpoint(self, path, optimizer=None, lr_scheduler=None, *, extra: dict | None = None) -> None:
-        """Writes a checkpoint directory that `load_checkpoint` resumes from bit for bit.
-
-        Not a sync point: an asynchronous step still pending (its stale window open) is saved as
-        pending, with what it will read, and the run goes on exactly as without the save.  Pass
-        the optimizer and lr_scheduler given to step() (required while a step is pending).
-        extra: JSON-serialisable values of the caller's (epoch, data position), returned by
-        load_checkpoint."""
-        with self._api:
-            self._check_open()
-            self._retire()   # calls in flight end; nothing is issued or closed
-            pending = self.sync.wait_settled()
-            for t in self._host_threads():
-                t.raise_error()
-            checkpoint.save(self, path, pending, optimizer, lr_scheduler, extra)
-
-    def load_checkpoint(self, path, optimizer=None, lr_scheduler=None) -> dict:
-        """Restores a checkpoint of this model (masters, buffers, pending gradients and step, loss
-        scale, the CPU RNG state) and, if given, the optimizer's and lr scheduler's state; build
-        them over this model's parameters first.  Everything is checked before anything changes.
-        Returns the `extra` dict it was saved with ({} if none)."""
-        with self._api:
-            self._check_open()
-            self._drain()
-            return checkpoint.load(self, path, optimizer, lr_scheduler)
-
-    def reissue_step(self, step: dict, optimizer, lr_scheduler) -> None:
-        """A checkpoint's pending step, issued again with its stale window (used by load_checkpoint)."""
-        used = step["scale_used"] + self.sync.steps_issued + 1   # saved relative to the step's own index
-        if step["kind"] == "update":
-            fns = self._make_step(optimizer, lr_scheduler, step["max_grad_norm"], used, step["predict"],
-                                  step["lr_factor"])
-        else:
-            self.run_state.step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": None,
-                               "scale_used": used, "predict": 0.0, "lr_factor": 1.0}
-            fns = copy_step(optimizer, self.host, lr_scheduler, step["skipped"])
-        self._issue_step(fns, True, window=step["window"])
-        self.sync.wait_settled()   # a restored whole update clears p.grad before the gradients return
-
     def wait_calls(self) -> None:
         """Waits until the training calls still running after they returned (their last backward
         stages, the continuous pipeline) have ended; raises their errors.  Not a sync point: the
@@ -713,63 +551,12 @@ class RoundPipe:
             self._check_open()
             self._retire()
 
-    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Device bytes per worker (current and peak per category, roundpipe/workers/ledger.py) and host
-        bytes of the training state; with `optimizer`, its state's bytes too.  Peaks since the last
-        `reset_peak_memory()`.  On CUDA each worker also reports torch.cuda.memory_allocated.
-        Waits for the calls still draining (`wait_calls`), so the figures are not caught mid-call."""
-        if not self._closed:
-            self.wait_calls()
-        workers = self.predictions.worker_stats()
-        host = self.host.host_bytes()
-        if optimizer is not None:
-            host["optimizer_state"] = sum(v.nbytes for state in optimizer.state.values()
-                                          for v in state.values() if isinstance(v, torch.Tensor))
-        if self.offload is not None:
-            host.update(self.offload.stats())
-        return {"workers": workers, "host": host}
-
     def _as_run(self, loss_fn: Callable) -> Callable:
         """loss_fn as the fused stage runs it (in the precision's autocast), for the planner's dry run."""
         def run(out: Any, labels: Any) -> Any:
             with self.precision.autocast_on(self.devices[0].type):
                 return loss_fn(out, labels)
         return run
-
-    def reset_peak_memory(self) -> None:
-        self.predictions.reset()
-
-    @contextlib.contextmanager
-    def record_trace(self) -> Iterator[Trace]:
-        """Records the compute of every stage-microbatch of the calls begun in the block into a Trace.
-
-        One event per compute span (a forward, a recompute, a loss, a backward), waits left out,
-        and one per copy (issued to completed, on a row per worker queue, cat "copy"); leaving
-        the block waits for the calls begun in it to end, so the trace is complete."""
-        trace = Trace(metadata={"devices": [str(d) for d in self.devices], "plan": repr(self.plan)})
-        self._trace = trace
-        for w in self.workers:   # every copy too, one row per queue ("cpu:0 param_up"), cat "copy"
-            w.copies.record_copies(lambda q, n, t0, t1, w=w: trace.add(
-                f"{w.name} {q}", f"{q} {n} B", t0, t1, cat="copy", bytes=n))
-        try:
-            yield trace
-        finally:
-            self._trace = None
-            try:
-                with self._api:
-                    if not self._closed:
-                        self._retire()
-            finally:
-                for w in self.workers:
-                    w.copies.record_copies(None)
-
-    def _trace_call(self, plan: Plan):
-        """This call's view of the recording trace (events stamped with the iteration), or None."""
-        if self._trace is None:
-            return None
-        j = self.sync.iteration + 1   # the iteration this call begins
-        self._trace.metadata.setdefault("plans", {})[j] = repr(plan)   # the plan may change between calls
-        return self._trace.scoped(iteration=j)
 
     def close(self) -> None:
         with self._api:

@@ -404,7 +404,7 @@ def test_layers_ready_together_step_in_one_pass_bit_for_bit(monkeypatch, master_
                 fns = make(*a, **k)
                 fns.update_many = None
                 return fns
-            monkeypatch.setattr("roundpipe.engine.model.make_step", per_layer)
+            monkeypatch.setattr("roundpipe.engine.model_steps.make_step", per_layer)
         torch.manual_seed(0)
         layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(5)]
         x, y = torch.randn(8, 16), torch.randn(8, 16)
