@@ -18,7 +18,12 @@ count, an optimizer and a list of operations, printed whole on failure (`Case.de
                 The Fail layer raises on a NaN input and the failing call's batch is all NaN: a global
                 switch would also fail the call before it, whose last backward stages recompute the
                 layer after it returned (the continuous pipeline; tests/engine/test_soak_regressions.py)
-    plan        autoplan.request(a random valid plan): the next call switches plans
+    plan        autoplan.request(a random valid plan): the next call switches plans; most hold a backward
+                stage of several layers below the fused tail
+
+A case also draws RoundPipe(recompute=): "stage" or, half the time, "layer" (a backward stage recomputes
+and backpropagates one layer at a time; the default plans of these small models have one-layer backward
+stages, so the plan operations' multi-layer ones are what it splits).
 
 Model kinds (`KINDS`) and what each is checked against:
 
@@ -31,7 +36,11 @@ Model kinds (`KINDS`) and what each is checked against:
         itself, the same case rerun in its canonical form (`canonical`): plan changes and saves removed,
         each load replaced by the operations that led to its save.  Saving changes nothing later calls
         compute, a load restores bitwise and results do not depend on the plan (docs/training_state.md, docs/semantics.md), so every loss and output of the
-        kept operations and the final masters must be bitwise equal.
+        kept operations and the final masters must be bitwise equal.  The rerun recomputes a stage at a time
+        (the layer grain's results are the stage grain's, bit for bit), and its forward_backward calls without
+        a count of their own split their batch as the first run's did: with one worker the model's first
+        training call decides once whether they run unsplit (docs/planner.md), and the rerun may lack that call
+        (`run_case`'s split).
 
 Every run: no hang (the caller's watchdog; the engine's own stall_timeout names a stalled stage first),
 finite losses, an injected error raised once by its call and the model usable after.
@@ -75,6 +84,10 @@ OPS = {"fb": 10, "composed": 2, "eval": 3, "step": 6, "late_bwd": 1, "sync": 1, 
 # A failed training call counts as a call of the stale window (failed_call); False: as if it never happened.
 FAILED_CALL_USES_WINDOW = True
 DP_OPS = {k: v for k, v in OPS.items() if k not in ("fail", "edit")}   # a failing rank ends the job (docs)
+# How often a case's backward stages recompute a layer at a time instead of a stage (RoundPipe(recompute=),
+# docs/semantics.md "Layer-grain recompute"): the plan operations' fixed plans with multi-layer backward
+# stages give it something to split.  CI's seeds 0-4 draw it for 0, 1 and 4 (0 and 1 change plans).
+LAYER_GRAIN = 0.5
 
 
 def run_with_watchdog(fn, timeout_s=CASE_TIMEOUT_S):
@@ -169,8 +182,11 @@ class Case:
 
 
 def random_plan(rng: random.Random, n: int) -> tuple:
-    b = rng.randint(1, n)
-    return ("plan", b, rng.randint(1, 3), rng.randint(1, n))
+    """("plan", backward_per_stage b, forward_ratio, fused_layers) for n layers.  The fused tail leaves a
+    backward stage of min(b, n - 1) layers below it, one to split at recompute="layer" whenever b >= 2; the
+    draws are those of the plans before that rule, the tail's size folded into its range."""
+    b, ratio, fused = rng.randint(1, n), rng.randint(1, 3), rng.randint(1, n)
+    return ("plan", b, ratio, 1 + (fused - 1) % max(1, n - b))
 
 
 def draw_ops(rng: random.Random, n_layers: int, weights: dict, count: int) -> list:
@@ -215,8 +231,10 @@ def draw_case(seed: int, kind: str | None = None, n_ops: tuple[int, int] = (10, 
                "bf16master": {"compute_dtype": rng.choice(["bfloat16", "float32"]), "master_dtype": "bfloat16"}}.get(kind, {})
     weights = DP_OPS if kind == "dp2" else OPS
     ops = draw_ops(rng, layers, weights, rng.randint(*n_ops))
-    return Case(seed, kind, workers, layers, rng.randint(0, layers), rng.choice([None, workers + 2]),
-                optimizer, options, ops)
+    fail_at, num_mb = rng.randint(0, layers), rng.choice([None, workers + 2])
+    # drawn last, so that the draws above are those of the seeds before recompute="layer" existed
+    options["recompute"] = "layer" if rng.random() < LAYER_GRAIN else "stage"
+    return Case(seed, kind, workers, layers, fail_at, num_mb, optimizer, options, ops)
 
 
 def canonical(ops: list) -> list[tuple[int, tuple]]:
@@ -245,7 +263,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def engine_options(case: Case, tmp: str) -> dict:
-    kw = dict(devices=["cpu"] * case.workers, num_microbatches=case.num_mb, stall_timeout=STALL_S)
+    kw = dict(devices=["cpu"] * case.workers, num_microbatches=case.num_mb, stall_timeout=STALL_S,
+              recompute=case.options.get("recompute", "stage"))
     for name in ("compute_dtype", "master_dtype"):
         if name in case.options:
             kw[name] = DTYPES[case.options[name]]
@@ -327,9 +346,17 @@ class Checker:
             assert max_rel_err(got, want) <= TOL, (at, name, max_rel_err(got, want))
 
 
-def run_case(case: Case, tmp: str, *, kept: set | None = None, group=None, rank: int = 0, world: int = 1) -> dict:
+def run_case(case: Case, tmp: str, *, kept: set | None = None, group=None, rank: int = 0, world: int = 1,
+             split: dict | None = None) -> dict:
     """Runs `case` (only the operations with an index in `kept`, when given); returns what it recorded:
-    {(op index, name): tensor} and the final masters under "final"."""
+    {(op index, name): tensor} and the final masters under "final".
+
+    split: how a forward_backward without a per-call count splits its batch, shared by a case's two runs.
+    One worker and no num_microbatches: the model's first training call decides once whether such calls
+    run unsplit (docs/planner.md "No penalty when the model fits"; any call before it, one with a count of
+    its own or a model(x), rules it out), and the canonical run, which drops the calls before a load, may
+    have another first call.  An empty dict: the run records the decision in split["unsplit"]; one
+    holding it: the run gives those calls the count it stands for (1, or the default) explicitly."""
     layers = make_layers(case)
     b = BATCH // world
     rows = None if world == 1 else slice(rank * b, (rank + 1) * b)
@@ -340,6 +367,7 @@ def run_case(case: Case, tmp: str, *, kept: set | None = None, group=None, rank:
     if group is not None:
         kw["process_group"] = group
     loss_fn = F.mse_loss
+    default_count = case.workers == 1 and case.num_mb is None   # the unsplit rule's calls (split, above)
     with rp.RoundPipe(layers, **kw) as model:
         opt = make_optimizer(case.optimizer, model.parameters())
         sched = make_scheduler(opt)
@@ -352,6 +380,8 @@ def run_case(case: Case, tmp: str, *, kept: set | None = None, group=None, rank:
             name = op[0]
             if name == "fb":
                 _, mb, outputs = op
+                if mb is None and split and default_count:
+                    mb = 1 if split["unsplit"] else model.round_size
                 got = model.forward_backward(lx, labels=ly, loss_fn=loss_fn, return_outputs=outputs,
                                              num_microbatches=mb)
                 loss, out = got if outputs else (got, None)
@@ -454,6 +484,10 @@ def run_case(case: Case, tmp: str, *, kept: set | None = None, group=None, rank:
                 raise ValueError(f"unknown operation {op!r}")
         model.synchronize()
         final = [p.detach().float().clone() for p in model.parameters()]
+        if split is not None and not split:   # the first such call's decision (every batch has BATCH rows);
+            # without one, asking now decides it: False, a call came first
+            split["unsplit"] = default_count and model.autoplan.whole_batch(((torch.zeros(BATCH, WIDTH),), {}),
+                                                                            BATCH, None)
     if ref is not None:
         ref.flush()
         for k, (p, q) in enumerate(zip(final, ref.cur.parameters())):
@@ -462,18 +496,22 @@ def run_case(case: Case, tmp: str, *, kept: set | None = None, group=None, rank:
 
 
 def check_case(case: Case) -> None:
-    """One case and its check (the module docstring): against plain PyTorch, or its canonical rerun."""
+    """One case and its check (the module docstring): against plain PyTorch, or its canonical rerun, which
+    recomputes a stage at a time (the layer grain's results are the stage grain's, bit for bit)."""
+    split: dict = {}
     with tempfile.TemporaryDirectory(prefix="rp-soak-") as tmp:
-        got = run_case(case, tmp)
+        got = run_case(case, tmp, split=split)
     if case.kind not in CANONICAL_KINDS:
         return
     kept = canonical(case.ops)
+    rerun = dataclasses.replace(case, fail_key=next(_keys), options={**case.options, "recompute": "stage"})
     with tempfile.TemporaryDirectory(prefix="rp-soak-") as tmp:
-        want = run_case(dataclasses.replace(case, fail_key=next(_keys)), tmp, kept={i for i, _ in kept})
+        want = run_case(rerun, tmp, kept={i for i, _ in kept}, split=split)
     for key, w in want.items():
         g = got[key]
         same = all(torch.equal(a, b) for a, b in zip(g, w)) if key == "final" else torch.equal(g, w)
-        assert same, (f"{case.describe()}\n  {key} differs from the canonical run (kept ops "
+        assert same, (f"{case.describe()}\n  {key} differs from the canonical run (recompute 'stage', "
+                      f"{'unsplit' if split['unsplit'] else 'split'} default-count calls, kept ops "
                       f"{[i for i, _ in kept]})")
 
 

@@ -40,6 +40,7 @@ def main() -> int:
     if args.cases is None and args.minutes is None:
         ap.error("give --cases, --minutes or both")
     start, seed, counts, failures, dp_pending = time.monotonic(), args.seed, {}, [], []
+    layer_grain = {}   # kind -> its cases at recompute="layer"
 
     def report(s, kind, error):
         case = soak.draw_case(s, kind)
@@ -58,6 +59,8 @@ def main() -> int:
     while (args.cases is None or seed < args.seed + args.cases) and \
             (args.minutes is None or time.monotonic() - start < 60 * args.minutes):
         kind = kinds[seed % len(kinds)]
+        if soak.draw_case(seed, kind).options["recompute"] == "layer":
+            layer_grain[kind] = layer_grain.get(kind, 0) + 1
         if kind == "dp2":
             dp_pending.append(seed)
             if len(dp_pending) == 10:
@@ -73,8 +76,9 @@ def main() -> int:
     if dp_pending:
         run_dp()
     total = sum(counts.values())
-    print(f"{total} cases in {time.monotonic() - start:.0f} s (seeds {args.seed}..{seed - 1}): {counts}; "
-          f"{len(failures)} failed: {[(s, k) for s, k, _ in failures]}", flush=True)
+    print(f"{total} cases in {time.monotonic() - start:.0f} s (seeds {args.seed}..{seed - 1}): {counts}, of them "
+          f"at recompute='layer' {layer_grain}; {len(failures)} failed: {[(s, k) for s, k, _ in failures]}",
+          flush=True)
     return 1 if failures else 0
 
 

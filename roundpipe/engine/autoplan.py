@@ -282,6 +282,17 @@ class AutoPlanner:
         fits, size = self._whole
         return fits and batch <= size
 
+    @property
+    def whole_decision(self) -> tuple[bool, int] | None:
+        """whole_batch's decision, (fits, batch size), once made: a checkpoint keeps it, so a resumed run
+        splits its calls as the run that saved did (None: not made yet)."""
+        return self._whole
+
+    def restore_whole_decision(self, decision: tuple[bool, int] | None) -> None:
+        """A checkpoint's whole_batch decision, in place of any this model made (load_checkpoint)."""
+        self._whole = decision
+        self._first_costs = None   # a dry run of this model's own first call: not the saved run's
+
     def before_call(self, sample: tuple[tuple, dict], num_microbatches: int, training: bool,
                     loss: tuple[Callable, Any] | None = None) -> Plan:
         """The plan of the call about to start (the only place the plan changes); `loss`: its

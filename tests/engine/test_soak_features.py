@@ -3,10 +3,11 @@
 Vocabulary: forward_backward (return_outputs, per-call num_microbatches), composed model(x) calls with their
 backward, model(x) under no_grad and in eval(), asynchronous and synchronous steps with an lr scheduler and
 max_grad_norm, a backward after a step (refused), synchronize, state_dict, load_state_dict, edited masters,
-save_checkpoint / load_checkpoint, a failing layer or loss_fn, a plan change.  Kinds: fp32, AdamW8bit, the
+save_checkpoint / load_checkpoint, a failing layer or loss_fn, a plan change; backward stages recompute a
+stage or a layer at a time (RoundPipe(recompute=)).  Kinds: fp32, AdamW8bit, the
 NVMe tier and a 4-bit (NF4) LoRA base against plain PyTorch with the documented asynchronous window
 (tests/stale_reference.py, TOL 1e-4); bf16 and fp16 compute and bf16 masters against the engine's own
-canonical rerun of the case (bitwise); 2 data-parallel ranks against one process on the whole batch.
+canonical rerun of the case at stage grain (bitwise); 2 data-parallel ranks against one process on the whole batch.
 Every case runs under a watchdog (a hang fails it with every thread's stack).  ROUNDPIPE_SOAK=N runs N
 more seeds per kind; tools/soak.py runs long soaks.
 """
@@ -14,6 +15,8 @@ import os
 
 import pytest
 import soak
+
+import roundpipe as rp
 
 CI_SEEDS = 5   # per kind: ~36 single-process cases and 2 data-parallel ones, about 90 s on a quiet 2-core VM
 SOAK = int(os.environ.get("ROUNDPIPE_SOAK", "0"))
@@ -25,6 +28,20 @@ def test_random_feature_sequence(kind, seed):
     """A random ordering of the whole API neither hangs nor departs from the kind's reference."""
     case = soak.draw_case(seed, kind)
     soak.run_with_watchdog(lambda: soak.check_case(case))
+
+
+def test_ci_seeds_recompute_at_both_grains_and_split_multi_layer_stages():
+    """Every kind's CI seeds run recompute="stage" and "layer", and some layer-grain case switches to a plan
+    with a backward stage of several layers below the fused tail (the only stages the layer grain splits:
+    the default plans of these models have one-layer backward stages)."""
+    for kind in soak.KINDS:
+        cases = [soak.draw_case(seed, kind) for seed in range(CI_SEEDS)]
+        assert {c.options["recompute"] for c in cases} == {"stage", "layer"}, kind
+        split = [c.seed for c in cases if c.options["recompute"] == "layer" and any(
+            len(r) >= 2 for op in c.ops if op[0] == "plan"
+            for r in rp.Plan.uniform(c.layers + 1, backward_per_stage=op[1], forward_ratio=op[2],
+                                     fused_layers=op[3]).backward[1:])]
+        assert split, kind
 
 
 def test_random_feature_sequences_on_two_ranks(tmp_path):

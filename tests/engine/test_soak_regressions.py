@@ -10,6 +10,16 @@ error raised by the failing call) while the reference kept its gradients.  Seeds
 compute span down by DELAY_S keeps the earlier call's tail running while the failing call starts
 (the caller needs well under a millisecond between the two), so these fail on every run with such a
 switch; the failing call's batch marks it now (soak.poisoned).
+
+Seed 201388 (bf16, one worker, torch AdamW) failed on every run, no race: the soak's canonical rerun was
+wrong.  With one worker and no num_microbatches, the model's first training call decides once whether
+forward_backward calls without a count of their own run unsplit (docs/planner.md "No penalty when the
+model fits"); a first call with a count of its own (or a forward-only one) rules it out.  The case's
+first calls had counts and came before a load of a checkpoint saved before any training, so the rerun,
+which drops them, made its last call its first: unsplit, where the run it checks split it in two, and
+the bf16 loss differs in its last bit.  The rerun now splits those calls as the first run did.  The same
+decision was missing from checkpoints: a new model resuming one decided anew at its first call (now
+the manifest's "whole_batch", restored by load_checkpoint).
 """
 from __future__ import annotations
 
@@ -19,7 +29,9 @@ import time
 import pytest
 import soak  # tests/soak.py
 import torch
+import torch.nn.functional as F
 
+import roundpipe as rp
 from roundpipe.testing import inject_delays
 
 DELAY_S = 0.02
@@ -60,3 +72,41 @@ def test_failing_call_in_a_bf16_run_has_no_effect():
         have = got["with"][key]
         same = all(map(torch.equal, have, want)) if key == "final" else torch.equal(have, want)
         assert same, f"{key}: the failed call changed it"
+
+
+def test_canonical_rerun_splits_default_calls_as_the_run_it_checks():
+    """Seed 201388, shrunk: save, forward_backward with 2 microbatches, load, two asynchronous steps,
+    forward_backward without a count.  Equal to the canonical rerun, which without the first run's
+    decision runs its only call unsplit and gets another bf16 loss (so the check could tell)."""
+    ops = [("save", "c0"), ("fb", 2, False), ("load", "c0"), ("step", True, None), ("step", True, None),
+           ("fb", None, False)]
+    c = soak.Case(201388, "bf16", 1, 3, 3, None, "torch", {"compute_dtype": "bfloat16"}, ops)
+    soak.run_with_watchdog(lambda: soak.check_case(c), 60)
+    got = {}
+    for name, kept in (("run", None), ("rerun", {3, 4, 5})):
+        with tempfile.TemporaryDirectory(prefix="rp-soak-") as tmp:
+            got[name] = soak.run_with_watchdog(lambda: soak.run_case(c, tmp, kept=kept), 60)
+    assert not torch.equal(got["run"][(5, "loss")], got["rerun"][(5, "loss")])
+
+
+def test_a_resumed_run_splits_default_calls_as_the_run_that_saved():
+    """bf16, one worker: a run that evaluated before training splits its default-count calls in two; a new model
+    resuming its checkpoint split the next call too only once the checkpoint held that decision (before, it ran
+    unsplit and the loss differed from the saving run's in its last bit)."""
+    c = soak.Case(7, "bf16", 1, 3, 3, None, "torch", {}, [])
+    (x0, _), (x1, y1), (x2, y2) = (soak.data(c, i) for i in range(3))
+    losses = []
+    with tempfile.TemporaryDirectory(prefix="rp-soak-") as tmp:
+        for resumed in (False, True):
+            with rp.RoundPipe(soak.make_layers(c), devices=["cpu"], compute_dtype=torch.bfloat16) as model:
+                opt = torch.optim.AdamW(model.parameters(), lr=soak.LR)
+                if resumed:
+                    model.load_checkpoint(f"{tmp}/c", opt)
+                else:
+                    with torch.no_grad():
+                        model(x0)   # a forward-only first call: later calls without a count split
+                    model.forward_backward(x1, labels=y1, loss_fn=F.mse_loss)
+                    model.step(opt, asynchronous=False)
+                    model.save_checkpoint(f"{tmp}/c", opt)
+                losses.append(model.forward_backward(x2, labels=y2, loss_fn=F.mse_loss))
+    assert torch.equal(losses[0], losses[1]), [float(v) for v in losses]

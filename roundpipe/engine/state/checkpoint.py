@@ -194,6 +194,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
                         "pending_step": step, "loss_scale": _scaler_state(model, pending),
                         "grads_unscaled": [st.inv_scale for st in model.host.layers],
                         "latest_asynchronous": model.run_state.latest_asynchronous, "constants": constants(model),
+                        "whole_batch": _whole(model.autoplan.whole_decision),
                         "plan": {"forward": [[r.start, r.stop] for r in model.plan.forward],
                                  "backward": [[r.start, r.stop] for r in model.plan.backward]}}
             with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -208,6 +209,12 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
     finally:
         if dp is not None:
             dp.barrier()   # the checkpoint is in place on every rank's return
+
+
+def _whole(decision: tuple[bool, int] | None) -> dict | None:
+    """The one-worker rule's decision (autoplan.py, whole_batch) as the manifest stores it: calls without a
+    count of their own then split alike after a resume (null: not made yet)."""
+    return None if decision is None else {"fits": bool(decision[0]), "batch": int(decision[1])}
 
 
 def _scaler_state(model: "RoundPipe", pending: "StepRecord | None") -> dict | None:
@@ -424,6 +431,9 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
                 st.gbuf[j], st.ghas[j] = ef.read(name), True
     model.sync.calls_since_step = manifest["calls_since_step"]
     model.run_state.grads_pending = manifest["grads_pending"]
+    if manifest["whole_batch"] != "unknown":   # older checkpoints did not record it
+        model.autoplan.restore_whole_decision(None if manifest["whole_batch"] is None else
+                                              (manifest["whole_batch"]["fits"], manifest["whole_batch"]["batch"]))
     model.run_state.counted = (manifest["calls"] - model.sync.iteration, manifest["steps"] - model.sync.steps_issued)
     return manifest["extra"]
 

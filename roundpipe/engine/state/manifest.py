@@ -62,6 +62,9 @@ _FIELDS = {
     "loss_scale": (lambda v: v is None or (isinstance(v, dict) and _is_history(v.get("history"))
                                            and _is_count(v.get("skipped"))),
                    "null or {history: {step: [scale > 0, count]}, skipped: count}", _REQUIRED),
+    "whole_batch": (lambda v: v in (None, "unknown") or (isinstance(v, dict) and set(v) == {"fits", "batch"}
+                                                          and _is_bool(v["fits"]) and _is_count(v["batch"])),
+                    "null or {fits: true or false, batch: count}", "unknown"),
     "constants": (lambda v: v is None or (isinstance(v, dict) and all(
         isinstance(c, dict) and _is_count(c.get("layer")) and isinstance(c.get("fingerprint"), str)
         for c in v.values())), "null or an object of name -> {layer, fingerprint}", None),
