@@ -1,6 +1,8 @@
 """A training run for the checkpoint tests, importable by them and runnable as a separate process.
 
     python tests/checkpoint_run.py CONFIG_JSON   # loads config["load"], trains on, writes config["out"]
+    python tests/checkpoint_run.py --serve       # the same for each CONFIG_JSON line on stdin, answering
+                                                 # one line each: "ok" or the traceback as a JSON string
 
 The data of step i depend on i only, so a run resumed at step k sees what the uninterrupted
 one saw; dropout draws from the caller's generator (saved in the checkpoint), so the
@@ -78,5 +80,25 @@ def main(cfg: dict) -> None:
                     "scale": model.loss_scale}, cfg["out"])
 
 
+def serve() -> None:
+    """One process for many resumes (tests/engine/test_checkpoint.py): it starts Python and imports torch once,
+    and still never holds the state of the run that saved the checkpoint it loads."""
+    import contextlib
+    import traceback
+
+    answers = sys.stdout
+    for line in sys.stdin:
+        try:
+            with contextlib.redirect_stdout(sys.stderr):   # stdout carries the answers only
+                main(json.loads(line))
+            answer = "ok"
+        except Exception:   # noqa: BLE001 - any failure goes back to the test that sent the config
+            answer = json.dumps(traceback.format_exc())
+        print(answer, file=answers, flush=True)
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--serve":
+        serve()
+    else:
+        main(json.loads(sys.argv[1]))

@@ -1,8 +1,10 @@
 """Checkpoints: resume bit for bit in both step modes, atomic files, clear errors (roundpipe/engine/state/checkpoint.py)."""
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 
 import checkpoint_run as run  # noqa: E402
 import pytest
@@ -14,6 +16,45 @@ from roundpipe.engine.state import tensor_file
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/: the scripts
 STEPS, SAVE_AT = 6, 3
+
+
+@pytest.fixture(scope="module")
+def resume(tmp_path_factory):
+    """resume(cfg): a separate process loads cfg["load"] and trains on (checkpoint_run.main); returns None or
+    that process's traceback.  One process serves the module's cases in turn, so Python and torch start once;
+    it never ran the training that saved the checkpoint it loads."""
+    log = tmp_path_factory.mktemp("resume") / "stderr.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "checkpoint_run.py"), "--serve"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    answers = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            answers.put(line)
+        answers.put(None)   # the process ended
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def send(cfg):
+        proc.stdin.write(json.dumps(cfg) + "\n")
+        proc.stdin.flush()
+        try:
+            answer = answers.get(timeout=240)
+        except queue.Empty:
+            answer = None
+        if answer is None:   # ended, or stuck: later cases must not read this one's answer
+            proc.kill()
+            raise AssertionError(f"the resuming process gave no answer; stderr: {log.read_text()[-3000:]}")
+        return None if answer.strip() == "ok" else json.loads(answer)
+
+    yield send
+    try:
+        proc.stdin.close()
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert code in (0, -9), log.read_text()[-3000:]   # -9: killed by send() above, which already failed
 
 
 def uninterrupted(cfg):
@@ -43,7 +84,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_save_resume_and_never_save_end_bitwise_equal(tmp_path, case):
+def test_save_resume_and_never_save_end_bitwise_equal(tmp_path, case, resume):
     """(A) saves after step 3 and goes on, (B) a new process loads that checkpoint and goes on, (C) never saves:
     equal masters, losses and learning rate, with dropout, clipping, LambdaLR and rp or torch AdamW."""
     cfg = dict(case, path=str(tmp_path / "ckpt"), save_at=SAVE_AT, steps=STEPS, out=str(tmp_path / "b.pt"),
@@ -51,9 +92,8 @@ def test_save_resume_and_never_save_end_bitwise_equal(tmp_path, case):
     c_masters, c_losses, c_lr, c_scale = uninterrupted({k: v for k, v in cfg.items() if k != "save_at"})
     a_masters, a_losses, a_lr, a_scale = uninterrupted(cfg)
     assert os.path.exists(cfg["path"])
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint_run.py"), json.dumps(cfg)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    failure = resume(cfg)
+    assert failure is None, failure[-3000:]
     b = torch.load(cfg["out"])
     per_step = case.get("accum", 1)
     assert a_losses == c_losses

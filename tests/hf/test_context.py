@@ -1,4 +1,5 @@
 """rp.hf.max_seq_len and `roundpipe plan max-seq-len`: the predicted length trains under the cap, 10% more is refused."""
+import functools
 import json
 
 import pytest
@@ -21,6 +22,13 @@ TINY = {
                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=4096, tie_word_embeddings=True),
 }
 CAP = 8_000_000
+
+
+@functools.cache
+def fit_of(kind, workers=1, recompute="stage", cap=CAP):
+    """rp.hf.max_seq_len of a TINY config in fp32, searched once per argument set for the whole module (each
+    search runs a dozen dry runs); the tests only read the ContextFit."""
+    return rp.hf.max_seq_len(TINY[kind], cap, workers=workers, dtype=torch.float32, recompute=recompute)
 
 
 def train_once(kind, seq_len, workers, recompute="stage"):
@@ -46,7 +54,7 @@ def train_once(kind, seq_len, workers, recompute="stage"):
 def test_the_predicted_length_trains_under_the_cap_and_ten_percent_more_is_refused(kind, workers, recompute):
     """CPU workers, fp32: at the predicted length one call trains and no worker's peak passes the cap; at 10%
     more the engine refuses with its ValueError before any work (nothing ever held on a worker)."""
-    fit = rp.hf.max_seq_len(TINY[kind], CAP, workers=workers, dtype=torch.float32, recompute=recompute)
+    fit = fit_of(kind, workers, recompute)
     assert fit.recompute == recompute
     assert isinstance(fit, ContextFit) and 64 < fit.seq_len < 4096 and not fit.at_search_limit
     assert fit.binding.total <= fit.stage_limit and fit.binding.name.startswith("decoder")
@@ -61,16 +69,15 @@ def test_the_predicted_length_trains_under_the_cap_and_ten_percent_more_is_refus
 
 def test_the_worker_count_does_not_move_the_limit():
     """Only one layer has to fit a stage, so 1 and 3 workers give the same length (their plans differ)."""
-    one, three = (rp.hf.max_seq_len(TINY["qwen3"], CAP, workers=n, dtype=torch.float32) for n in (1, 3))
+    one, three = (fit_of("qwen3", workers=n) for n in (1, 3))
     assert one.seq_len == three.seq_len
-    assert one.seq_len < rp.hf.max_seq_len(TINY["qwen3"], 2 * CAP, dtype=torch.float32).seq_len
+    assert one.seq_len < fit_of("qwen3", cap=2 * CAP).seq_len
 
 
 def test_layer_grain_does_not_move_the_limit():
     """A one-layer backward stage holds the same at either grain, so recompute="layer" predicts the same length
     (hf/context.py); a bad grain is named."""
-    stage, layer = (rp.hf.max_seq_len(TINY["llama"], CAP, workers=2, dtype=torch.float32, recompute=r)
-                    for r in ("stage", "layer"))
+    stage, layer = (fit_of("llama", workers=2, recompute=r) for r in ("stage", "layer"))
     assert stage.seq_len == layer.seq_len and layer.recompute == "layer" and "recompute='layer'" in layer.table()
     with pytest.raises(ValueError, match="recompute='block'"):
         rp.hf.max_seq_len(TINY["llama"], CAP, recompute="block")
@@ -78,7 +85,7 @@ def test_layer_grain_does_not_move_the_limit():
 
 def test_config_forms_and_bad_arguments(tmp_path):
     """A dict, a config object, a config.json and its folder give one answer; bad arguments are named."""
-    want = rp.hf.max_seq_len(TINY["qwen3"], CAP, dtype=torch.float32).seq_len
+    want = fit_of("qwen3").seq_len
     (tmp_path / "config.json").write_text(json.dumps(TINY["qwen3"]))
     cfg = AutoConfig.for_model(**TINY["qwen3"])
     for form in (cfg, tmp_path / "config.json", str(tmp_path)):
@@ -103,7 +110,7 @@ def test_the_command_prints_the_table(tmp_path, capsys):
     bad flag values are named."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY["qwen3"]))
-    want = rp.hf.max_seq_len(str(path), CAP, dtype=torch.float32).seq_len
+    want = fit_of("qwen3").seq_len   # the same config, searched through the Python API
     assert plan_cmd.main(["max-seq-len", "--hf-config", str(path), "--device-memory", f"{CAP}B",
                           "--dtype", "fp32", "--details"]) == 0
     out = capsys.readouterr().out
