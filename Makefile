@@ -16,7 +16,7 @@ demo: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(DEMO_STAMP))
 	$(BIN)/roundpipe train
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # A quick subset (about 2 minutes on 2 cores): layering, config, planner, simulator, microbatching
 FAST_TESTS := tests/test_layering.py tests/test_import.py tests/test_shapes.py tests/planner tests/sim \
