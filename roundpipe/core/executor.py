@@ -107,11 +107,14 @@ def innermost(ident: int | None) -> str | None:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
-def engine_stacks() -> str:
-    """Every running engine thread's current stack under its name (sys._current_frames): a stall's evidence."""
+def engine_stacks(first: set[int] | None = None) -> str:
+    """Every running engine thread's current stack under its name (sys._current_frames): a stall's evidence.
+    `first`: thread idents listed before the others (the stalled model's workers: other RoundPipes alive in
+    the process have threads of the same names, "roundpipe-cpu:1" for one, listed after them)."""
     frames = sys._current_frames()
+    first = first or set()
     with _registry_lock:
-        executors = sorted(_running, key=lambda e: e.name)
+        executors = sorted(_running, key=lambda e: (e.ident not in first, e.name))
     parts = []
     for e in executors:
         frame = frames.get(e.ident) if e.ident is not None else None

@@ -64,8 +64,12 @@ def release(model) -> None:
 def test_a_blocked_layer_is_named_and_the_caller_is_not_blocked():
     """Layer 3 blocks in microbatch 1 of its forward stage: RoundPipeStalled names worker cpu:1, stage F1[2-3],
     microbatch 1 and the layer's frame, says what the other worker waits for, and holds the blocked thread's
-    stack; later calls raise at once and close() returns while the layer is still blocked."""
+    stack; later calls raise at once and close() returns while the layer is still blocked.  Another model's
+    threads of the same names, alive in the process, come after its own (before, the report could show the
+    other model's idle "roundpipe-cpu:1" where this one's blocked thread was looked for)."""
     x, y = data()
+    other = rp.RoundPipe(layers(), devices=["cpu"] * 2, num_microbatches=2, plan=PLAN)
+    other.forward_backward(x, labels=y, loss_fn=F.mse_loss)   # its worker threads now idle, alive
     model = rp.RoundPipe(layers(block=1), devices=["cpu"] * 2, num_microbatches=2, plan=PLAN,
                          stall_timeout=0.5)
     try:
@@ -80,7 +84,8 @@ def test_a_blocked_layer_is_named_and_the_caller_is_not_blocked():
         behind = msg.split("\n")[1]
         assert behind.startswith("waiting behind it: worker cpu:0 in stage fused2[4-5]"), behind
         assert "the input of layer 4, microbatch 1" in behind or "the CPU workers' turn" in behind, behind
-        stacks = msg.split("Engine threads:\n", 1)[1]
+        stacks = msg.split("Engine threads (the stalled model's workers first):\n", 1)[1]
+        assert stacks.count("thread 'roundpipe-cpu:1'") == 2   # this model's and the other one's
         blocked = stacks.split("thread 'roundpipe-cpu:1'", 1)[1].split("thread 'roundpipe-", 1)[0]
         assert "GATE[\"event\"].wait()" in blocked and "run_layers" in blocked, blocked
         assert isinstance(info.value, RuntimeError)
@@ -92,6 +97,7 @@ def test_a_blocked_layer_is_named_and_the_caller_is_not_blocked():
             [w.name for w in model.workers if w.stalled] == ["cpu:1"]
     finally:
         release(model)
+        other.close()
 
 
 def test_a_stall_in_a_calls_tail_is_raised_by_the_sync_point():

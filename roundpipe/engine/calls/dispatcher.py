@@ -245,7 +245,8 @@ class Watchdog:
             lines.append("waiting behind it: " + "; ".join(waiting))
         lines.append("The call was aborted, but a thread that does not return cannot be stopped: this RoundPipe takes "
                      "no more calls; close() it (it does not wait for the stuck worker) and build a new one.")
-        lines.append("Engine threads:\n" + engine_stacks())
+        own = {e.ident for w in self.workers.values() for e in w.executors()}
+        lines.append("Engine threads (the stalled model's workers first):\n" + engine_stacks(own))
         return "\n".join(lines)
 
 
