@@ -103,7 +103,8 @@ def the_value(m):
 def leftovers(parent, name="c"):
     """Everything beside the checkpoint and inside it that a checkpoint does not hold."""
     beside = sorted(set(os.listdir(parent)) - {name, "zygote.err"})
-    inside = sorted(set(os.listdir(os.path.join(parent, name))) - FILES)
+    folder = os.path.join(parent, name)   # missing after a save killed between its two renames
+    inside = sorted(set(os.listdir(folder)) - FILES) if os.path.isdir(folder) else []
     return beside + [f"{name}/{n}" for n in inside]
 
 
