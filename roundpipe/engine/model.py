@@ -41,7 +41,7 @@ from roundpipe.engine.calls.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.engine.calls.microbatch import SplitFn, batch_size_of, merge, split, weighted_sum
 from roundpipe.engine.calls.precision import Precision
 from roundpipe.engine.calls.replica import Replica
-from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig, engine_config
+from roundpipe.engine.config import ENGINE_OPTIONS, RECOMPUTE_MODES, EngineConfig, engine_config
 from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.device_memory import PeakPredictions
 from roundpipe.engine.model_state import ModelState
@@ -282,7 +282,7 @@ class RoundPipe(ModelState, ModelSteps):
         """A call's recompute= checked, as layer grain or not; None: the model's."""
         if recompute is None:
             return None
-        if recompute not in ("stage", "layer"):
+        if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={recompute!r} must be 'stage', 'layer' (this call's recompute grain) or "
                              "None (the model's)")
         return recompute == "layer"

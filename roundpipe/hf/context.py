@@ -296,7 +296,8 @@ def max_seq_len(config: Any, device_memory: int, workers: int = 1, dtype: torch.
     recompute= the plan is made for, "stage" or "layer" (it does not move the limit either: module docstring)."""
     check_int("device_memory", device_memory, 1)
     check_int("workers", workers, 1)
-    if recompute not in ("stage", "layer"):
+    from roundpipe.engine.config import RECOMPUTE_MODES
+    if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} must be 'stage' or 'layer' (RoundPipe's recompute= grain)")
     grain = recompute == "layer"
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

@@ -36,6 +36,7 @@ from roundpipe.core.tree import tree_leaves, tree_map, tree_unflatten
 from roundpipe.engine.calls.batchnorm import recording
 from roundpipe.engine.calls.compute import autograd_backward, float_leaves, loss_parts, run_layers, tag
 from roundpipe.engine.calls.context import CallContext
+from roundpipe.planner.memory import first_input
 from roundpipe.quant.keep import DequantKeep, attach
 from roundpipe.workers.base import Arrival, Handoff, Upload, Worker
 
@@ -103,8 +104,7 @@ class StageRun:
     def upload_input_early(self, m: int, layer: int | None = None) -> None:
         """Issues microbatch m's input upload of `layer` now if it has arrived (it then overlaps the compute
         before it); default: the first input the stage reads (its top layer's at layer grain)."""
-        r = self.task.layers
-        layer = (r.stop - 1 if self.task.by_layer else r.start) if layer is None else layer
+        layer = first_input(self.task, self.task.by_layer) if layer is None else layer
         found, h = self.ctx.board.poll(("act", layer, m))
         if found:
             self.early[(layer, m)] = self.w.receive(h, self.task.kind != "B")
