@@ -123,7 +123,9 @@ def _peaks(recompute: str, cap: int) -> dict:
                           recompute=recompute) as model:
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
             model.synchronize()
-            return model.memory_stats()["workers"]
+            stats = model.memory_stats()["workers"]
+            assert all(v == 0 for s in stats.values() for v in s["current"].values()), stats   # nothing left held
+            return stats
 
 
 def test_a_stage_holds_one_layer_s_activations_at_layer_grain():
