@@ -7,10 +7,19 @@ roundpipe.sim.gains:
     today          every backward stage but the fused one recomputes; every slot uploads its weights
     (a) no recomp  backward stages whose activations (all microbatches) fit beside the working set keep
                    them: no recompute, no re-upload of their input
-    (b) resident   a prefix of layers whose bf16 weights (2 B/param) stays on the GPU; updated weights go
-                   up once an iteration.  Every prefix is tried: the other layers are planned under the
-                   cap less the prefix's bytes (their working set, twice the largest stage, within it),
-                   and the prefix with the shortest simulated iteration is the row's
+    (b) resident   a prefix of layers whose bf16 weights (2 B/param; a frozen base as stored) stays on the
+                   GPU; updated weights go up once an iteration, a frozen base once in the run.  Every
+                   prefix is tried: the other layers are planned under the cap less the prefix's bytes
+                   (their working set, twice the largest stage, within it), and the prefix with the
+                   shortest simulated iteration is the row's
+    (b) engine     the engine's resident weights with the host step (roundpipe.sim.gains): today's plan
+                   unchanged, and the largest prefix whose bytes (trained layers at 2 B/param; a frozen
+                   base as stored: bf16 2, NF4 packed 0.516 B/param) beside each stage and the one it
+                   prefetches keep the predicted peak under the cap (the engine's rule, not the simulated
+                   time).  That peak counts the whole prefetched stage (this file's working set, above the
+                   engine's, which counts its weights and next input only), so the engine's 5% headroom
+                   is not applied on top.  A trained layer goes up once an iteration instead of twice; a
+                   frozen base once in the run; the step stays on the host
     (b) + dev step the same with the prefix's state on the GPU (fp32 AdamW: 16 B/param = fp32 master 4 +
                    m, v 8 + bf16 weights 2 + gradient 2; 8-bit AdamW with bf16 masters: 6): no upload, no
                    host step for them, a device step instead
@@ -22,7 +31,20 @@ roundpipe.sim.gains:
                    the simulated iteration time as in (b), (a) in the room the working set leaves, (c)
 
 against plain PyTorch (model, fp32 gradients and AdamW state on the GPU, no recompute, no transfer)
-where it fits the cap: 16 B/param + every layer's saved activations + 10 B a logit.
+where it fits the cap: 16 B/param + every layer's saved activations + 10 B a logit (LoRA: the frozen
+base as stored + 16 B an adapter parameter).
+
+LoRA workloads (Llama-3.1-8B, rank 16 on q, k, v, o, gate, up, down: 1.31 M adapter parameters a layer,
+fp32 AdamW on the host): the base (embedding, layers, final norm + LM head) is frozen, bf16 or NF4
+(the decoder layers' seven projections; 0.5 B + 1/64 B absmax + double-quantization statistics a
+weight, roundpipe/quant/format.py; norms, embedding and head stay bf16).  Per layer and token, forward
+2 x (base + adapters) + 2 x seq x q_dim FLOPs, backward 2 x base (the input gradient only) + 4 x
+adapters + 4 x seq x q_dim; the head's backward is its input gradient (2 x hidden x vocab).  An NF4
+layer is dequantized once a stage run (forward slot; backward slot's recompute or fused stage):
+1.48 ps a weight on the H200 (docs/quantization.md: 348 us for 8192 x 28672), scaled by HBM bandwidth
+for the H100, charged to its forward as dequant / microbatches; the planner holds the dequantized bf16
+layer beside the packed one.  The adapters' bf16 copy (2 B/param) is uploaded with its layer and is the
+only part of a resident layer that goes up after the first iteration.
 
 Costs (per microbatch): a decoder layer's forward 2 x params + 2 x seq x q_dim FLOPs a token (causal
 attention), backward 2 x forward, recompute one more forward; the LM head 2 x hidden x vocab FLOPs a
@@ -45,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +82,7 @@ from roundpipe.planner.costs import backward_memory, forward_memory  # noqa: E40
 from roundpipe.planner.partition import LayerTooLarge, partition_for_cap  # noqa: E402
 from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, DecoderShape  # noqa: E402
 from roundpipe.sim import Costs, HostStep, Uploads, sizes_from_plan  # noqa: E402
-from roundpipe.sim.gains import GpuPath, plain_time, simulate_path  # noqa: E402
+from roundpipe.sim.gains import GpuPath, plain_time, resident_prefix, simulate_path  # noqa: E402
 
 GiB = 1 << 30
 DEVICES = {"H100": {"hbm": 3.35e12, "card": 80e9}, "H200": {"hbm": 4.8e12, "card": 141e9}}
@@ -84,12 +107,34 @@ class Workload:
     seq: int
     state: str                   # "fp32" or "8bit" (AdamW8bit, bf16 masters)
     cap: float | None            # device bytes; None: the whole card
+    base: str | None = None      # None: full fine-tuning; "bf16" or "nf4": LoRA over a frozen base stored so
 
 
 WORKLOADS = (Workload("0.8b decoder", DECODER_08B, 32, 1024, "fp32", None),
              Workload("qwen3-1.7b", QWEN3_1_7B, 4, 2048, "fp32", 24 * GiB),
              Workload("qwen3-1.7b", QWEN3_1_7B, 4, 2048, "fp32", None),
-             Workload("llama-3.1-8b", LLAMA_3_1_8B, 4, 2048, "8bit", 24 * GiB))
+             Workload("llama-3.1-8b", LLAMA_3_1_8B, 4, 2048, "8bit", 24 * GiB),
+             Workload("llama-3.1-8b lora", LLAMA_3_1_8B, 4, 2048, "fp32", 24 * GiB, "bf16"),
+             Workload("llama-3.1-8b lora", LLAMA_3_1_8B, 4, 2048, "fp32", None, "bf16"),
+             Workload("llama-3.1-8b qlora", LLAMA_3_1_8B, 4, 2048, "fp32", 24 * GiB, "nf4"),
+             Workload("llama-3.1-8b qlora", LLAMA_3_1_8B, 4, 2048, "fp32", None, "nf4"))
+ENGINE_ROW = "(b) resident, host step (engine)"
+LORA_RANK = 16                   # on q, k, v, o, gate, up, down
+# docs/quantization.md, H200: NF4 (double quantization) -> bf16 of 8192 x 28672 in 348 us
+H200_DEQUANT_S_PER_WEIGHT = 348e-6 / (8192 * 28672)
+
+
+def lora_params(m: DecoderShape, rank: int = LORA_RANK) -> int:
+    """LoRA A and B of a layer's seven projections: rank x (inputs + outputs) each."""
+    h, q, kv, i = m.hidden, m.q_dim, m.kv_dim, m.intermediate
+    return rank * (2 * (h + q) + 2 * (h + kv) + 3 * (h + i))
+
+
+def nf4_bytes(numel: int) -> int:
+    """One tensor packed as NF4 with double-quantized absmax (roundpipe/quant/format.py): the 4-bit values,
+    an 8-bit absmax a block of 64, an fp32 statistic a block of 256 absmax, the 256-entry code, the offset."""
+    blocks = math.ceil(numel / 64)
+    return math.ceil(numel / 2) + blocks + 4 * math.ceil(blocks / 256) + 4 * 256 + 4
 
 
 def host_rates(path: Path) -> dict[str, tuple[float, float, list[str]]]:
@@ -120,19 +165,46 @@ class Model:
         head_mm = 2 * m.hidden * m.vocab * tokens / flops
         loss = 8 * tokens * m.vocab / device["hbm"]
         act = 2 * tokens * m.hidden
-        self.costs = Costs((0.0,) + (fwd,) * m.layers, (0.0,) + (2 * fwd,) * m.layers, head_mm + loss,
-                           2 * head_mm + loss)
-        self.uploads = Uploads((2.0 * embed,) + (2.0 * layer,) * m.layers, gbps, 2.0 * head, act)
         saved = ACT_PER_TOKEN_HIDDEN * tokens * m.hidden
-        self.planner = [LayerCost(0.0, 0.0, 2 * embed, act, 4 * embed)]
-        self.planner += [LayerCost(fwd, 3 * fwd, 2 * layer, saved, 4 * layer) for _ in range(m.layers)]
-        self.planner.append(LayerCost(head_mm + loss, 2 * (head_mm + loss), 2 * head,
-                                      LOGIT_BYTES * tokens * m.vocab + 4 * act, 4 * head))
         self.params = (float(embed),) + (float(layer),) * m.layers + (float(head),)
         self.saved = [0.0] + [float(saved)] * m.layers
+        if w.base is None:
+            self.costs = Costs((0.0,) + (fwd,) * m.layers, (0.0,) + (2 * fwd,) * m.layers, head_mm + loss,
+                               2 * head_mm + loss)
+            self.uploads = Uploads((2.0 * embed,) + (2.0 * layer,) * m.layers, gbps, 2.0 * head, act)
+            self.planner = [LayerCost(0.0, 0.0, 2 * embed, act, 4 * embed)]
+            self.planner += [LayerCost(fwd, 3 * fwd, 2 * layer, saved, 4 * layer) for _ in range(m.layers)]
+            self.planner.append(LayerCost(head_mm + loss, 2 * (head_mm + loss), 2 * head,
+                                          LOGIT_BYTES * tokens * m.vocab + 4 * act, 4 * head))
+            self.trained = self.params
+            self.frozen = (0.0,) * len(self.params)
+        else:
+            self._lora(m, w.base, tokens, flops, device, gbps, embed, layer, head, head_mm, loss, act, saved)
         self.cap = w.cap if w.cap is not None else device["card"]
         self.hbm = hbm
         self._plans: dict = {}
+        self.stages: dict = {}     # (layer_grain, budget) -> the plan's (layers, bytes) of each stage, in run order
+
+    def _lora(self, m, base, tokens, flops, device, gbps, embed, layer, head, head_mm, loss, act, saved):
+        """Costs, uploads and the planner's view of LoRA over a frozen `base` (module docstring)."""
+        lora = lora_params(m)
+        linear = [*m.attention_numels(), *[m.intermediate * m.hidden] * 3]
+        norms = layer - sum(linear)
+        stored = 2 * layer if base == "bf16" else sum(nf4_bytes(n) for n in linear) + 2 * norms
+        fwd = tokens * (2 * (layer + lora) + 2 * self.w.seq * m.q_dim) / flops
+        bwd = tokens * (2 * layer + 4 * lora + 4 * self.w.seq * m.q_dim) / flops
+        held = stored + 2 * lora
+        if base == "nf4":   # dequantized once a stage run, held beside the packed layer
+            fwd += H200_DEQUANT_S_PER_WEIGHT * DEVICES["H200"]["hbm"] / device["hbm"] * sum(linear) / MICROBATCHES
+            held += 2 * sum(linear)
+        self.costs = Costs((0.0,) + (fwd,) * m.layers, (0.0,) + (bwd,) * m.layers, head_mm + loss, head_mm + loss)
+        self.uploads = Uploads((2.0 * embed,) + (float(stored + 2 * lora),) * m.layers, gbps, 2.0 * head, act)
+        self.planner = [LayerCost(0.0, 0.0, 2 * embed, act, 0)]
+        self.planner += [LayerCost(fwd, fwd + bwd, held, saved, 4 * lora) for _ in range(m.layers)]
+        self.planner.append(LayerCost(head_mm + loss, 2 * (head_mm + loss), 2 * head,
+                                      LOGIT_BYTES * tokens * m.vocab + 4 * act, 0))
+        self.trained = (0.0,) + (float(lora),) * m.layers + (0.0,)
+        self.frozen = (2.0 * embed,) + (float(stored),) * m.layers + (2.0 * head,)
 
     def plan(self, layer_grain: bool, budget: float | None = None) -> tuple[list[int], list[int], float] | None:
         """The planner's stage sizes under `budget` (default: the cap) and the working set: twice the largest
@@ -149,14 +221,20 @@ class Model:
             stages = [forward_memory(self.planner, r) for r in p.forward]
             stages += [backward_memory(self.planner, r, fused=j == 0, layer_grain=layer_grain)
                        for j, r in enumerate(p.backward)]
+            self.stages[key] = list(zip([*p.forward, *p.backward], stages))
             fwd, bwd = sizes_from_plan(p, self.costs)
             self._plans[key] = (fwd, bwd, 2 * max(stages))
         return self._plans[key]
 
+    def resident_sizes(self, per_param: float) -> list[float]:
+        """Device bytes of each layer kept resident: a frozen base as stored, `per_param` a trained parameter."""
+        return [f + per_param * p for f, p in zip(self.frozen, self.trained)]
+
     def resident_plans(self, per_param: float, layer_grain: bool = False):
-        """(plan, resident layers) for every prefix of layers kept at `per_param` bytes a parameter: the rest
-        planned under the cap less the prefix, working set included (the residency the simulator ranks)."""
-        sizes = [per_param * p for p in self.params]
+        """(plan, resident layers) for every prefix of layers kept at `per_param` bytes a trained parameter
+        (a frozen base as stored): the rest planned under the cap less the prefix, working set included (the
+        residency the simulator ranks)."""
+        sizes = self.resident_sizes(per_param)
         for r in range(len(sizes) + 1):
             budget = self.cap - sum(sizes[:r])
             if budget <= 0:
@@ -179,9 +257,9 @@ class Model:
 
     def plain(self) -> float | None:
         """Plain PyTorch's seconds per iteration, None where its state and activations exceed the cap."""
-        P = sum(self.params)
+        P = sum(self.trained)
         m = self.w.shape
-        need = 16 * P + MICROBATCHES * (sum(self.saved) + LOGIT_BYTES * self.tokens * m.vocab)
+        need = sum(self.frozen) + 16 * P + MICROBATCHES * (sum(self.saved) + LOGIT_BYTES * self.tokens * m.vocab)
         if need > self.cap:
             return None
         return plain_time(self.costs, MICROBATCHES, 28 * P / self.hbm)
@@ -190,13 +268,13 @@ class Model:
 def run_case(model: Model, rate: float, step_bytes: float, reuse_s: float, lag: int, iterations: int) -> list[dict]:
     """Today, each change and all together for one workload, device and step mode."""
     w = model.w
-    step = HostStep(model.params, rate)
-    device_s = [p * step_bytes / model.hbm for p in model.params]
+    step = HostStep(model.trained, rate)
+    device_s = [p * step_bytes / model.hbm for p in model.trained]
     sb = STATE_BYTES[w.state]
 
     def sim(fwd, bwd, path):
         return simulate_path(model.costs, MICROBATCHES, fwd, bwd, path, model.uploads, step, device_s,
-                             iterations, lag)
+                             iterations, lag, frozen_bytes=model.frozen)
 
     def fastest(options):
         """The (fwd, bwd, path, result) of the shortest simulated iteration among (fwd, bwd, path) options."""
@@ -219,6 +297,8 @@ def run_case(model: Model, rate: float, step_bytes: float, reuse_s: float, lag: 
         found = fastest((f, b, GpuPath(resident=r, device_step=per == sb and r > 0))
                         for (f, b, _), r, _ in model.resident_plans(per))
         out.insert(len(out) - 2, (label, *found))
+    r = resident_prefix(model.stages[False, model.cap], model.resident_sizes(2.0), model.cap)
+    out.insert(len(out) - 2, (ENGINE_ROW, fwd, bwd, GpuPath(resident=r), sim(fwd, bwd, GpuPath(resident=r))))
     found = fastest((f, b, GpuPath(model.kept(b, left), r, per == sb and r > 0, reuse_s, grain))
                     for grain in (False, True) for per in (2.0, sb)
                     for (f, b, _), r, left in model.resident_plans(per, grain))
@@ -260,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                     res, path = row["result"], row["path"]
                     free = simulate_path(model.costs, MICROBATCHES, row["fwd"], row["bwd"], path, model.uploads,
                                          HostStep(tuple(0.0 for _ in model.params), rate),
-                                         [p * step_bytes / model.hbm for p in model.params], args.iterations, lag)
+                                         [p * step_bytes / model.hbm for p in model.trained], args.iterations, lag,
+                                         frozen_bytes=model.frozen)
                     exposed = res.iteration - free.iteration
                     exposed = exposed if exposed > 1e-9 * res.iteration else 0.0   # same steady state
                     report.add(device=dev_name, workload=w.name, cap=cap, mode=mode, change=row["change"], **{

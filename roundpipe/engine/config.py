@@ -87,6 +87,12 @@ class EngineConfig:
     backward: a stage holds all its layers' saved activations) or "layer" (one layer at a time, top down, each
     from its input saved by the forward: a stage holds one layer's, so stages may have more layers under a
     cap; the forward downloads every layer's input).  The fused tail stage never recomputes."""
+    resident_layers: int | None = None
+    """How many first layers keep their uploaded weights on each worker between stage runs
+    (roundpipe/engine/calls/resident.py): a frozen weight is then uploaded once per run, a trained one once per
+    step instead of once per stage on that worker.  None: the most whose weights keep every worker's predicted
+    peak under its device_memory cap (none where a worker has no cap: CPU workers by default); 0: none; k: the
+    first k (counted in the predicted peak, with a warning where that exceeds a cap)."""
     precision: Precision | None = None
     """The precision policy (autocast, input casting, fp16 loss scaling); None: Precision(compute_dtype)."""
     process_group: Any = None
@@ -133,6 +139,9 @@ class EngineConfig:
             raise ValueError(f"recompute={self.recompute!r} must be 'stage' (a backward stage recomputes all its "
                              "layers, then backpropagates) or 'layer' (one layer at a time, from each layer's "
                              "input saved by the forward)")
+        if self.resident_layers is not None and (not is_int(self.resident_layers) or self.resident_layers < 0):
+            raise ValueError(f"resident_layers={self.resident_layers!r} must be None (as many as the device_memory "
+                             "caps leave room for) or an int >= 0 (that many first layers)")
         if self.split_fn is not None and not callable(self.split_fn):
             raise TypeError(f"split_fn must be callable, got {type(self.split_fn).__name__}")
         if self.plan is not None and not isinstance(self.plan, Plan):

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from roundpipe.core.checks import is_int
-from roundpipe.planner.memory import worker_peaks
+from roundpipe.planner.memory import resident_prefix, worker_peaks
 
 MIN_RESERVE = 512 << 20
 RESERVE_FRACTION = 0.05
@@ -116,10 +116,14 @@ class PeakPredictions:
     figures into the maxima since the last `reset()`, as a worker's measured peak covers
     every schedule it ran (the rotation gives each call its own)."""
 
-    def __init__(self, workers: Sequence, caps: dict[str, int | None]):
+    def __init__(self, workers: Sequence, caps: dict[str, int | None], resident_layers: int | None = None):
         self.workers = workers
         self.caps = caps
         self.peaks: dict[str, int] = {}   # worker name -> predicted peak since the last reset()
+        # RoundPipe(resident_layers=): None picks per schedule under the caps; `auto_resident` False
+        # after a call with resident weights ran out of device memory (none kept from then on)
+        self.resident_layers = resident_layers
+        self.auto_resident = True
         for w in workers:   # named in out-of-memory errors; a CPU worker's ledger enforces it
             w.set_cap(caps.get(w.name))
 
@@ -131,16 +135,26 @@ class PeakPredictions:
             check_schedule(sched.tasks, self.caps, host)
             sched.predicted = self._predict(sched, host, autoplan, sample, loss)
             sched.fits_checked = True
+        if not self.auto_resident and sched.resident:   # a call with them ran out of memory: none from now on
+            sched.resident = 0
+            sched.predicted = self._predict(sched, host, autoplan, sample, loss)
         for name, need in sched.predicted.items():
             self.peaks[name] = max(self.peaks.get(name, 0), need)
 
     def _predict(self, sched, host, autoplan, sample, loss) -> dict[str, int]:
+        L = len(host)
+        if self.resident_layers is not None:
+            sched.resident = min(self.resident_layers, L) if self.auto_resident else 0
         if autoplan.profiler is None and not any(c is not None for c in self.caps.values()):
             return {}   # a fixed plan without caps: no dry run just for the figure
         weights, grads = layer_bytes(host)
         prefetches = any(w.prefetches for w in self.workers)
-        predicted = worker_peaks(sched.tasks, weights, grads, autoplan.layer_memory(sample, loss), prefetches,
-                                 sched.layer_grain)
+        mem = autoplan.layer_memory(sample, loss)
+        if self.resident_layers is None and self.auto_resident:   # the most the caps leave room for
+            sched.resident = resident_prefix(sched.tasks, weights, grads, mem, prefetches, self.caps,
+                                             sched.layer_grain)
+        predicted = worker_peaks(sched.tasks, weights, grads, mem, prefetches, sched.layer_grain,
+                                 resident=sched.resident)
         for name, need in predicted.items():
             cap = self.caps.get(name)
             if cap is not None and need > cap:

@@ -41,6 +41,7 @@ from roundpipe.engine.calls.dispatcher import CallRun, Dispatcher, default_plan
 from roundpipe.engine.calls.microbatch import SplitFn, batch_size_of, merge, split, weighted_sum
 from roundpipe.engine.calls.precision import Precision
 from roundpipe.engine.calls.replica import Replica
+from roundpipe.engine.calls.resident import ResidentWeights
 from roundpipe.engine.config import ENGINE_OPTIONS, RECOMPUTE_MODES, EngineConfig, engine_config
 from roundpipe.engine.data_parallel import DataParallel, OptimizerShards
 from roundpipe.engine.device_memory import PeakPredictions
@@ -129,6 +130,7 @@ class RoundPipe(ModelState, ModelSteps):
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
                  planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
                  loss_reduction: str = "mean", batchnorm: str = "per-microbatch", recompute: str = "stage",
+                 resident_layers: int | None = None,
                  precision: Precision | None = None,
                  process_group: Any = None, shard_optimizer: bool = False,
                  compensation: StalenessCompensation | None = None, master_dtype: torch.dtype = torch.float32,
@@ -181,7 +183,11 @@ class RoundPipe(ModelState, ModelSteps):
         self.host_thread = SerialExecutor("roundpipe-step", idle_release_s=0)      # optimizer steps and P-copies
         self.gcopy_thread = SerialExecutor("roundpipe-gcopy", idle_release_s=0)    # G-copies
         self.workers = make_workers(self.devices, self.compute_dtype, self.host.alloc, self.host.owns)
-        self.predictions = PeakPredictions(self.workers, self.device_memory)   # memory_stats()'s "predicted_peak"
+        if cfg.resident_layers is not None and cfg.resident_layers > L:
+            raise ValueError(f"resident_layers={cfg.resident_layers} is more than the model's {L} layers")
+        # memory_stats()'s "predicted_peak", and how many first layers keep their weights on the workers
+        self.predictions = PeakPredictions(self.workers, self.device_memory, cfg.resident_layers)
+        self.resident = ResidentWeights()   # their kept device copies (roundpipe/engine/calls/resident.py)
         for w in self.workers:   # a capped CPU worker also counts compute workspace (ledger.py; ~12% slower)
             w.records_workspace = self.device_memory[w.name] is not None
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
@@ -422,7 +428,8 @@ class RoundPipe(ModelState, ModelSteps):
                           trace=self._trace_call(plan),
                           on_timing=self.autoplan.recorder(key, training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
-                          bn_skip=self._bn_skip, precision=self.precision, **fields)
+                          bn_skip=self._bn_skip, precision=self.precision, resident=self.resident,
+                          resident_count=sched.resident, **fields)
         # A training call's inputs already on a GPU are copied on the caller's stream, owned by the call:
         # its last backward stages recompute from them after it returned (labels are read before it returns).
         own = gpu_input_snapshots(self.workers) if training else None
@@ -435,9 +442,14 @@ class RoundPipe(ModelState, ModelSteps):
             ctx.board.put(("act", 0, m), Handoff(host=inputs[m], gpu_ready=ctx.gpu_ready), sched.input_consumers)
         ctx.call = self.sync.begin_call(training, sched.uploads)
         host, sync, bn = self.host, self.sync, self._bn   # the end runs on a worker thread: no reference to the model
+        resident, predictions = self.resident, self.predictions
 
         def on_end(run: CallRun) -> None:
             try:
+                if not run.ok:   # kept weights go with a failed call; after running out of memory, none are kept
+                    resident.clear()
+                    if isinstance(run.error, torch.OutOfMemoryError) and run.ctx.resident_count:
+                        predictions.auto_resident = False
                 host.end_call(run.ok)   # keeps or takes back the gradients the call landed
                 if run.ok and run.ctx.bn_stats is not None:
                     run.ctx.bn_stats.apply(bn)   # whole-batch BatchNorm statistics, once per call
@@ -574,6 +586,7 @@ class RoundPipe(ModelState, ModelSteps):
                     t.close()
                 for w in self.workers:
                     w.close()
+                self.resident.clear()
                 self.host.close()
                 if self.offload is not None:
                     self.offload.close()

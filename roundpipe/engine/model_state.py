@@ -103,6 +103,7 @@ class ModelState:
         with self._api:
             self._check_open()
             self._drain()
+            self.resident.clear()   # the weights change under the kept copies (their keys would move too)
             return checkpoint.load(self, path, optimizer, lr_scheduler)
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
@@ -113,6 +114,9 @@ class ModelState:
         if not self._closed:
             self.wait_calls()
         workers = self.predictions.worker_stats()
+        for name, stats in workers.items():   # resident weights (roundpipe/engine/calls/resident.py)
+            stats["resident_bytes"] = self.resident.nbytes(name)
+            stats["resident_layers"] = len(self.resident.layers(name))
         host = self.host.host_bytes()
         if optimizer is not None:
             host["optimizer_state"] = sum(v.nbytes for state in optimizer.state.values()

@@ -180,17 +180,28 @@ def _output_bytes(task, mem: Sequence[LayerMemory]) -> int:
 
 
 def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads: Sequence[int],
-                 mem: Sequence[LayerMemory], prefetches: bool, layer_grain: bool = False) -> dict[str, int]:
+                 mem: Sequence[LayerMemory], prefetches: bool, layer_grain: bool = False,
+                 resident: int = 0) -> dict[str, int]:
     """Predicted peak device bytes of each worker over its stage tasks (one call): the worst stage,
     with the previous microbatch's output, and the gradients and last output of the worker's
     previous stage beside it (they leave during this one, roundpipe/workers/transfers.py `pace`),
     and where the worker prefetches, the next stage's
-    weights and the next microbatch's input."""
+    weights and the next microbatch's input.  `resident`: the first layers whose weights every worker
+    keeps between stages (roundpipe/engine/calls/resident.py): beside each stage, the weights of those it
+    neither runs nor prefetches.  All of them on every worker: the dispatch rotates from call to call
+    (roundpipe/engine/calls/dispatcher.py), so in time each worker has run, and keeps, every such layer
+    (the steady state; earlier calls hold less)."""
     peaks = {}
     for name, tasks in tasks_by_worker.items():
         worst = 0
+        kept = range(resident)
         for i, task in enumerate(tasks):
             need = stage_bytes(task.kind, task.layers, weights, grads, mem, len(task.mbs), layer_grain)
+            if kept:
+                counted = set(task.layers)
+                if prefetches and i + 1 < len(tasks):
+                    counted.update(tasks[i + 1].layers)
+                need += sum(weights[l] for l in kept if l not in counted)
             if i > 0:   # the previous stage's gradients and last output, until their downloads complete
                 need += _output_bytes(tasks[i - 1], mem)
                 if tasks[i - 1].kind != "F":
@@ -202,3 +213,30 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
             worst = max(worst, need)
         peaks[name] = worst
     return peaks
+
+
+def resident_prefix(tasks_by_worker: dict[str, list], weights: Sequence[int], grads: Sequence[int],
+                    mem: Sequence[LayerMemory], prefetches: bool, caps: dict[str, int | None],
+                    layer_grain: bool = False, headroom: float = 0.15) -> int:
+    """The most first layers whose weights every worker can keep between stages with its predicted peak
+    (`worker_peaks(resident=)`) at most (1 - headroom) of its cap: a margin for what the model misses
+    (measured peaks on CPU workers reach 1.1x the prediction, tests/engine/test_memory.py; with 5% a
+    24-layer bf16 decoder ran out of its cap).  Kept weights only fill room the plan leaves: they must
+    never make a call fail that would have trained without them.  0 when a worker has no cap."""
+    limits = {name: caps.get(name) for name in tasks_by_worker}
+    if not limits or any(c is None for c in limits.values()):
+        return 0
+
+    def fits(k: int) -> bool:
+        peaks = worker_peaks(tasks_by_worker, weights, grads, mem, prefetches, layer_grain, resident=k)
+        return all(peaks[n] <= (1 - headroom) * limits[n] for n in limits)
+    lo, hi = 0, len(weights)   # the peak grows with k: the largest k that fits, by bisection
+    if not fits(0):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -7,12 +7,17 @@ the host.  The changes, as the simulator can justify them:
     kept         (a) no recompute where activations fit: a backward stage that keeps its forward's
                  activations on the GPU has no recompute task (its duration is 0) and does not
                  upload its input again (one activation per microbatch less)
-    resident     (b) layers 0..resident-1 (resident = num_layers + 1: the LM head too) stay on the
-                 GPU across iterations.  Weights only: their updated weights cross PCIe once an
-                 iteration (charged to the first slot of the iteration that holds them), not once
-                 per slot.  With `device_step` their masters and optimizer state live there too:
-                 no upload at all, their host step is 0 and a device step of `device_step_s[l]`
-                 seconds is added to the GPU after the last microbatch of their backward stage
+    resident     (b) layers 0..resident-1 (resident = num_layers + 1: the LM head too) stay in each
+                 worker's weight cache across stage runs, with the host step (the engine's resident
+                 weights): a cached weight is reused while the host's upload copy has not been rewritten
+                 since it went up.  A trained weight is rewritten by every step, so it crosses PCIe once
+                 an iteration per worker (charged to the first slot of the iteration on that worker: on
+                 one GPU a backward stage's recompute reuses its forward's upload); a frozen one
+                 (`frozen_bytes`: a LoRA / QLoRA base) crosses once per worker in the whole run, in the
+                 first slot that holds it, and never again.  With `device_step` their masters and
+                 optimizer state live there too: no upload at all, their host step is 0 and a device
+                 step of `device_step_s[l]` seconds is added to the GPU after the last microbatch of
+                 their backward stage
     reuse_s      (c) a recompute that reuses the forward's masks, rotary tables and counts: every
                  recompute task that remains is `reuse_s` shorter (a mask build and a host sync)
     layer_grain  (d) layer-grain recompute: the FLOPs are the same; a recomputed stage uploads the
@@ -25,7 +30,13 @@ A slot that starts at layer 0 takes token ids, not activations: it uploads no in
 other PCIe direction, half the bytes of the uploads; roundpipe.sim.uploads).
 
 `simulate_path` runs `iterations` flowing iterations (lag 2: one step stale; 1: synchronous) and
-returns the steady-state seconds per iteration as `roundpipe.sim.simulate` measures it.
+returns the steady-state seconds per iteration as `roundpipe.sim.simulate` measures it, and the upload
+bytes of an iteration after the first (the first also fills the weight caches with the frozen bytes).
+`resident_prefix` is the engine's rule for how many layers are resident (as roundpipe.planner.memory's): the
+plan stays as it is, and the prefix is the largest whose kept bytes (a trained layer's compute-dtype
+weights; a frozen base as stored, a 4-bit one packed) beside each stage and the one it prefetches leave
+the predicted peak under the cap (`resident_peak`).  Since the plan does not change, the prefix only
+removes upload bytes.
 `plain_time` is one GPU that holds everything: the whole batch's forward and backward with no
 recompute and no transfer, then a device step.
 """
@@ -48,7 +59,7 @@ class GpuPath:
     """Which GPU-path changes an iteration has; the defaults are today's path (module docstring)."""
 
     kept: tuple[int, ...] = ()     # (a) backward stage indices (1..: 0 is the fused stage) keeping activations
-    resident: int = 0              # (b) layers 0..resident-1 resident (num_layers + 1: the head too)
+    resident: int = 0              # (b) layers 0..resident-1 cached on each worker (num_layers + 1: the head too)
     device_step: bool = False      # (b) ... and stepped on the GPU
     reuse_s: float = 0.0           # (c) seconds each remaining recompute task saves
     layer_grain: bool = False      # (d) per-layer saved inputs uploaded for a recompute
@@ -72,7 +83,8 @@ class GpuPath:
 @dataclass
 class PathResult:
     iteration: float          # seconds per iteration, steady state
-    upload_bytes: float       # bytes uploaded per iteration
+    upload_bytes: float       # bytes uploaded per iteration after the first (mean: the steady state)
+    uploads: tuple[float, ...]  # bytes uploaded in each iteration, the first included
     host_step: float          # seconds of host step work per iteration
     device_step: float        # seconds of device step work per iteration
     recompute: float          # seconds of recompute work per iteration
@@ -81,9 +93,10 @@ class PathResult:
 
 def path_schedule(costs: Costs, microbatches: int, forward: Sequence[int], backward: Sequence[int], path: GpuPath,
                   uploads: Uploads, step: HostStep, device_step_s: Sequence[float] = (), iterations: int = 6,
-                  lag: int = 2, workers: int = 1) -> Schedule:
+                  lag: int = 2, workers: int = 1, frozen_bytes: Sequence[float] = ()) -> Schedule:
     """RoundPipe's schedule with `path`'s changes; `device_step_s` gives a device step's seconds per layer
-    (LM head last) and is needed with `path.device_step`."""
+    (LM head last) and is needed with `path.device_step`; `frozen_bytes` (per layer, the LM head last; empty:
+    none) the bytes of each layer's upload that no step rewrites (a frozen base), at most its upload bytes."""
     L = costs.num_layers
     if not isinstance(path, GpuPath):
         raise TypeError(f"path={path!r} must be a roundpipe.sim.gains.GpuPath")
@@ -96,14 +109,15 @@ def path_schedule(costs: Costs, microbatches: int, forward: Sequence[int], backw
     device = [check_number(f"device_step_s[{i}]", v) for i, v in enumerate(device_step_s)]
     if path.device_step and len(device) != L + 1:
         raise ValueError(f"device_step_s has {len(device)} entries; give one per layer plus the LM head ({L + 1})")
+    frozen = _check_frozen(frozen_bytes, uploads, L)
     on_gpu = set(range(path.resident))
     params = tuple(0.0 if path.device_step and l in on_gpu else p for l, p in enumerate(step.params))
     sched = roundpipe_schedule(costs, workers, microbatches, forward, backward, iterations, lag=lag,
                                uploads=uploads, host_step=replace(step, params=params))
     ranges = _stage_ranges(forward, backward, L)
     round_size = default_round_size(workers)
-    sent: dict[int, set[int]] = {}   # per iteration, the resident layers whose weights went up (weights only)
-    total = 0.0
+    cache: dict[tuple[int, int], int] = {}   # (GPU, resident layer) -> the iteration its weights last went up
+    per_it = [0.0] * iterations
     last = {}                        # (stage, iteration) -> the id of its last backward task
     for i, t in enumerate(sched.tasks):
         if t.cat == "recompute":
@@ -113,15 +127,17 @@ def path_schedule(costs: Costs, microbatches: int, forward: Sequence[int], backw
             last[t.stage, t.iteration] = i
         elif t.cat == "copy" and t.name.endswith(" upload"):
             n = min(round_size, microbatches - t.mb)
-            nbytes = _slot_bytes(t.stage, ranges[t.stage], n, path, uploads, sent.setdefault(t.iteration, set()), L)
+            gpu = t.worker - workers                 # roundpipe_schedule: "GPU w upload" is worker N + w
+            nbytes = _slot_bytes(t.stage, ranges[t.stage], n, path, uploads, frozen, cache, gpu, t.iteration, L)
             t.duration = nbytes / uploads.bandwidth(workers)
-            total += nbytes
+            per_it[t.iteration] += nbytes
     if path.device_step:
         for (stage, _), i in last.items():
             r = ranges[stage]
             layers = list(r) + ([L] if stage == "B1" else [])
             sched.tasks[i].duration += sum(device[l] for l in layers if l in on_gpu)
-    sched.meta["upload_bytes"] = total
+    sched.meta["upload_bytes"] = sum(per_it)
+    sched.meta["upload_bytes_by_iteration"] = tuple(per_it)
     sched.meta["gpu_path"] = path
     return sched
 
@@ -138,17 +154,38 @@ def _stage_ranges(forward, backward, L) -> dict[str, range]:
     return out
 
 
-def _slot_bytes(stage: str, layers: range, n: int, path: GpuPath, uploads: Uploads, sent: set[int], L: int) -> float:
-    """Bytes one slot uploads on `path`: its weights not on the GPU, and its activations (module docstring)."""
+def _check_frozen(frozen_bytes: Sequence[float], uploads: Uploads, L: int) -> list[float]:
+    """`frozen_bytes` validated against the upload bytes (zeros where none is given)."""
+    sizes = list(uploads.layer_bytes) + [uploads.head_bytes]
+    if len(frozen_bytes) == 0:
+        return [0.0] * (L + 1)
+    if len(frozen_bytes) != L + 1:
+        raise ValueError(f"frozen_bytes has {len(frozen_bytes)} entries; give one per layer plus the LM head "
+                         f"({L + 1}), or none")
+    out = [check_number(f"frozen_bytes[{l}]", v) for l, v in enumerate(frozen_bytes)]
+    for l, (f, size) in enumerate(zip(out, sizes)):
+        if f > size:
+            raise ValueError(f"frozen_bytes[{l}]={f!r} exceeds that layer's upload bytes ({size!r}): the frozen "
+                             "part is a part of what the layer uploads")
+    return out
+
+
+def _slot_bytes(stage: str, layers: range, n: int, path: GpuPath, uploads: Uploads, frozen: list[float],
+                cache: dict[tuple[int, int], int], gpu: int, it: int, L: int) -> float:
+    """Bytes one slot of iteration `it` uploads to `gpu` on `path`: its weights not in that GPU's cache, and
+    its activations (module docstring)."""
     head = stage == "B1"
     weights = 0.0
     for l in list(layers) + ([L] if head else []):
         size = uploads.head_bytes if l == L else uploads.layer_bytes[l]
         if l >= path.resident:
             weights += size
-        elif not path.device_step and l not in sent:   # resident weights: the updated copy, once an iteration
-            weights += size
-            sent.add(l)
+        elif not path.device_step:
+            if (gpu, l) not in cache:                 # a frozen part goes up once per GPU, then stays valid
+                weights += frozen[l]
+            if cache.get((gpu, l)) != it:             # a trained part: rewritten by every step, once an iteration
+                weights += size - frozen[l]
+            cache[gpu, l] = it
     recomputed = stage.startswith("B") and not head and int(stage[1:]) - 1 not in path.kept
     inputs = 0 if layers.start == 0 or (stage.startswith("B") and not recomputed and not head) else 1
     if recomputed and path.layer_grain:
@@ -159,13 +196,13 @@ def _slot_bytes(stage: str, layers: range, n: int, path: GpuPath, uploads: Uploa
 
 def simulate_path(costs: Costs, microbatches: int, forward: Sequence[int], backward: Sequence[int], path: GpuPath,
                   uploads: Uploads, step: HostStep, device_step_s: Sequence[float] = (), iterations: int = 6,
-                  lag: int = 2, workers: int = 1) -> PathResult:
+                  lag: int = 2, workers: int = 1, frozen_bytes: Sequence[float] = ()) -> PathResult:
     """`path_schedule` simulated: steady-state seconds per iteration between the ends of the second and
     of the second-to-last iteration (as roundpipe.sim.simulate), and the work per iteration."""
     if not is_int(iterations) or iterations < 4:
         raise ValueError(f"iterations={iterations!r} must be an int >= 4 (the first and last are left out)")
     sched = path_schedule(costs, microbatches, forward, backward, path, uploads, step, device_step_s, iterations,
-                          lag, workers)
+                          lag, workers, frozen_bytes)
     run = run_schedule(sched, costs.comm)
     ends = [0.0] * iterations
     for i, t in enumerate(sched.tasks):
@@ -176,8 +213,40 @@ def simulate_path(costs: Costs, microbatches: int, forward: Sequence[int], backw
     device = 0.0
     if path.device_step:
         device = sum(device_step_s[l] for l in range(min(path.resident, costs.num_layers + 1)))
-    return PathResult(per_it, sched.meta["upload_bytes"] / iterations, work["optimizer"], device, work["recompute"],
-                      run)
+    by_it = sched.meta["upload_bytes_by_iteration"]
+    return PathResult(per_it, sum(by_it[1:]) / (iterations - 1), by_it, work["optimizer"], device,
+                      work["recompute"], run)
+
+
+def resident_peak(stages: Sequence[tuple[range, float]], resident_bytes: Sequence[float], resident: int) -> float:
+    """Predicted peak device bytes of a worker that runs `stages` ((layers, bytes) each, in its order, every
+    iteration) with layers 0..resident-1 kept: a stage, the next one it prefetches (after the last: the first,
+    of the next iteration) and the kept weights of the layers in neither.  roundpipe.planner.memory.worker_peaks
+    adds kept weights the same way; it counts only the prefetched stage's weights and next input."""
+    check_int("resident", resident, 0)
+    if not stages:
+        raise ValueError("stages is empty: give the (layers, bytes) of every stage the worker runs")
+    if resident > len(resident_bytes):
+        raise ValueError(f"resident={resident} must be <= {len(resident_bytes)} (the layers given resident_bytes)")
+    sizes = [check_number(f"resident_bytes[{l}]", v) for l, v in enumerate(resident_bytes)]
+    peak = 0.0
+    for i, (layers, nbytes) in enumerate(stages):
+        after, next_bytes = stages[(i + 1) % len(stages)]
+        beside = sum(sizes[l] for l in range(resident) if l not in layers and l not in after)
+        peak = max(peak, nbytes + next_bytes + beside)
+    return peak
+
+
+def resident_prefix(stages: Sequence[tuple[range, float]], resident_bytes: Sequence[float], cap: float) -> int:
+    """The planner's rule: the largest prefix whose kept weights leave `resident_peak` within `cap` with the plan
+    unchanged (0 where even none fits).  It never looks at time, and the peak only grows with the prefix."""
+    cap = check_number("cap", cap, positive=True)
+    best = 0
+    for r in range(1, len(resident_bytes) + 1):
+        if resident_peak(stages, resident_bytes, r) > cap:
+            break
+        best = r
+    return best
 
 
 def plain_time(costs: Costs, microbatches: int, step_s: float) -> float:

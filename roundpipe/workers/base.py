@@ -313,12 +313,20 @@ class Worker(ABC):
         report(start, time.perf_counter())
 
     # ---- parameters and buffers
-    def upload_params(self, host: list[list[torch.Tensor]], windows: int, urgent: bool = False) -> Upload:
+    def upload_params(self, host: list[list[torch.Tensor]], windows: int, urgent: bool = False,
+                      have: list[list[torch.Tensor | None]] | None = None) -> Upload:
         """Device copies of a stage's host upload copies (already in compute dtype), in LPT windows;
-        urgent: the caller waits for them next (Transfers.bulk)."""
-        dev = [[self._device_empty(u.shape, u.dtype, "param_up") for u in layer] for layer in host]
-        flat_dev = [d for layer in dev for d in layer]
-        flat_host = [u for layer in host for u in layer]
+        urgent: the caller waits for them next (Transfers.bulk).  `have`: per tensor a device copy this
+        worker already holds (resident weights, roundpipe/engine/calls/resident.py), bound as it is,
+        or None to upload it."""
+        dev = [[self._device_empty(u.shape, u.dtype, "param_up") if have is None or have[i][j] is None
+                else have[i][j] for j, u in enumerate(layer)] for i, layer in enumerate(host)]
+        flat_dev, flat_host = [], []
+        for i, layer in enumerate(host):
+            for j, u in enumerate(layer):
+                if have is None or have[i][j] is None:
+                    flat_dev.append(dev[i][j])
+                    flat_host.append(u)
         return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows, self._alloc_fences(), urgent))
 
     def params_ready(self, up: Upload) -> list[list[torch.Tensor]]:

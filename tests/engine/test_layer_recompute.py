@@ -120,7 +120,7 @@ def _peaks(recompute: str, cap: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # a predicted peak over the cap warns: none may
         with rp.RoundPipe(_deep(), devices=["cpu"] * 2, num_microbatches=2, plan=DEEP, device_memory=cap,
-                          recompute=recompute) as model:
+                          recompute=recompute, resident_layers=0) as model:   # activations are the subject
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
             model.synchronize()
             stats = model.memory_stats()["workers"]

@@ -22,8 +22,10 @@ def live(model):
 
 
 def assert_nothing_live(model, when):
+    """No device bytes held but the weights a worker keeps for resident layers (engine/calls/resident.py)."""
     for name, cur in live(model).items():
-        assert sum(cur.values()) == 0, (when, name, cur)
+        kept = model.resident.nbytes(name)
+        assert cur["weights"] >= kept and sum(cur.values()) - kept == 0, (when, name, cur, kept)
 
 
 @pytest.mark.parametrize("workers, num_mb, asynchronous", [(1, None, False), (2, 5, True), (3, None, True)])
@@ -300,8 +302,10 @@ def test_peak_is_what_the_plan_predicts(depth, workers, num_mb, dtype):
     layers = [nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(depth)]
     x, y = torch.randn(512, 256), torch.randn(512, 256)
     cap = 3 << 20
+    # resident_layers=0: activations and gradients are the subject; the weights kept for resident layers
+    # fill up over the rotating calls (tests/engine/test_resident.py checks them against the cap)
     with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb, device_memory=cap,
-                      compute_dtype=dtype) as model:
+                      compute_dtype=dtype, resident_layers=0) as model:
         opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
@@ -322,8 +326,10 @@ def test_decoder_peak_is_what_the_plan_predicts(workers, num_mb, dtype):
     gen = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, 256, (8, 256), generator=gen) for _ in range(2))
     cap = 64 << 20
+    # resident_layers=0: activations and gradients are the subject; the weights kept for resident layers
+    # fill up over the rotating calls (tests/engine/test_resident.py checks them against the cap)
     with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=num_mb, device_memory=cap,
-                      compute_dtype=dtype) as model:
+                      compute_dtype=dtype, resident_layers=0) as model:
         opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             model.forward_backward(x, labels=y, loss_fn=loss_fn)

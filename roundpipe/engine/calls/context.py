@@ -15,6 +15,7 @@ import torch
 from roundpipe.engine.calls.batchnorm import BatchStats
 from roundpipe.engine.calls.board import Board
 from roundpipe.engine.calls.precision import Precision
+from roundpipe.engine.calls.resident import ResidentWeights
 from roundpipe.engine.step.async_step import CallState, LayerSync
 from roundpipe.engine.step.host_state import HostState
 from roundpipe.trace import Trace
@@ -63,6 +64,9 @@ class CallContext:
     write_buffers: bool = True
     input_grad_leaves: tuple[int, ...] = ()
     input_grads: dict[int, Handoff] = field(default_factory=dict)
+    # resident weights (resident.py): the model's kept copies, and how many first layers keep theirs
+    resident: ResidentWeights | None = None
+    resident_count: int = 0
 
     def abort_requested(self) -> bool:
         return self.board.aborted

@@ -113,6 +113,7 @@ class Schedule:
         self.next_g0 = slot
         self.fits_checked = False   # set by RoundPipe once its stages were checked against the device caps
         self.predicted: dict[str, int] = {}   # worker name -> predicted peak device bytes (device_memory.PeakPredictions)
+        self.resident = 0   # first layers whose weights workers keep between stages (calls/resident.py; PeakPredictions)
 
     def _readers(self, placed: list, b: int) -> list[Consumer]:
         """The stages that read the activation at boundary b: those starting there, and at layer grain the

@@ -440,7 +440,19 @@ def _describe_form(form: tuple) -> str:
 
 def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int, urgent: bool = False) -> Upload:
     """Issues the upload of a stage's weights (in `windows` LPT windows) and registers it per layer."""
-    up = w.upload_params([ctx.host.layers[l].upload + ctx.host.layers[l].constants for l in layers], windows, urgent)
+    host = [ctx.host.layers[l].upload + ctx.host.layers[l].constants for l in layers]
+    keep = [l for l in layers if l < ctx.resident_count]
+    if ctx.resident is None or not keep:
+        up = w.upload_params(host, windows, urgent)
+    else:   # resident weights (resident.py): bind the kept copies whose host values are unchanged
+        ctx.resident.trim(w.name, ctx.resident_count)
+        keys = {l: ctx.host.upload_keys(l) for l in keep}
+        have = [ctx.resident.lookup(w.name, l, keys[l]) if l in keys else [None] * len(h)
+                for l, h in zip(layers, host)]
+        up = w.upload_params(host, windows, urgent, have)
+        for l, dev, had in zip(layers, up.params, have):
+            if l in keys and any(t is None for t in had):
+                ctx.resident.keep(w.name, l, keys[l], dev)
     done = w.upload_done(up)
     for l in layers:
         ctx.sync.uploaded(ctx.call, l, done)

@@ -236,6 +236,12 @@ class HostState:
         self._landed: dict[tuple[int, int], list[torch.Tensor] | None] = {}
         seen: dict[int, tuple[int, int]] = {}   # id(master) -> (owner layer, index)
         self.layers: list[LayerState] = []
+        # per layer, bumped whenever its upload copies may hold new values (resident weights, below):
+        # `versions` at every stamp (a P-copy, a fused update, a refresh), `frozen_versions` only when the
+        # user changed its masters (refresh: an edit, a freeze, a load), the one event that changes a frozen one
+        self.versions: list[int] = []
+        self.frozen_versions: list[int] = []
+        self._groups: list[tuple[int, ...]] | None = None
         # base weights held 4-bit in constant buffers (QuantLinear.quantized_numel), for bytes per parameter
         self.quantized_numel = sum(getattr(m, "quantized_numel", 0) for layer in layers for m in layer.modules())
         for i, layer in enumerate(layers):
@@ -283,6 +289,8 @@ class HostState:
             self._set_trainable(state)
             state.stamp = [_stamp(p) for p in state.params]
             self.layers.append(state)
+            self.versions.append(0)
+            self.frozen_versions.append(0)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -303,6 +311,19 @@ class HostState:
         for l in range(len(self.layers)):
             members.setdefault(root(l), []).append(l)
         return [tuple(members[root(l)]) for l in range(len(self.layers))]
+
+    def upload_keys(self, layer: int) -> list[tuple]:
+        """Per tensor a stage uploads for the layer (its upload copies, then its constant buffers), what
+        its host values depend on: equal keys, equal values (roundpipe/engine/calls/resident.py).  A
+        trained parameter's key moves at every stamp of its layer's group (a shared weight is written
+        by its owner's step), a frozen one's and a constant buffer's only when the user changed masters."""
+        if self._groups is None:
+            self._groups = self.groups()
+        group = self._groups[layer]
+        trained = ("t", *(self.versions[k] for k in group))
+        frozen = ("f", *(self.frozen_versions[k] for k in group))
+        st = self.layers[layer]
+        return [trained if p.requires_grad else frozen for p in st.params] + [frozen] * len(st.constants)
 
     def alloc(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous host tensor: from the arena, else torch (pinned when CUDA)."""
@@ -430,6 +451,7 @@ class HostState:
                                  f"a master may change its values only (it must stay on the CPU, of shape "
                                  f"{tuple(u.shape)}, and {self.master_dtype} (master_dtype) when trained: a frozen "
                                  f"{p.dtype} parameter cannot be unfrozen after wrapping; unfreeze it before)")
+        self.frozen_versions[layer] += 1   # frozen weights may have changed too (resident copies are stale)
         self._set_trainable(st)
         for j in st.trainable:
             if st.params[j].dtype != torch.float32:
@@ -455,6 +477,7 @@ class HostState:
         """Records the masters as the upload copy now holds them (after any P-copy or fused update)."""
         st = self.layers[layer]
         st.stamp = [_stamp(p) for p in st.params]
+        self.versions[layer] += 1
 
     def gcopy(self, layer: int) -> None:
         """G-copy: landed gradients of one layer -> the gradient the step reads (accumulating).
