@@ -2,8 +2,9 @@
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m roundpipe.bench.shard_memory CONFIG_JSON
 
-Each rank trains the tiny decoder (config: hidden, layers, steps, asynchronous, shard) with bf16
-compute and roundpipe.optim.AdamW over 2 CPU workers on gloo, and saves with torch.save at
+Each rank trains the tiny decoder (config: hidden, layers, steps, asynchronous, shard, and seq: tokens
+in each of the batch's 2 sequences, default 32) with bf16 compute and roundpipe.optim.AdamW over 2 CPU
+workers on gloo, and saves with torch.save at
 config["out"] + f".{rank}": the parameter count, the optimizer state's bytes, the host bytes
 memory_stats accounts when the last call's gradients have landed (masters, optimizer state, the
 host arena's reserve; roundpipe.bench.rss.accounted_host_bytes), the arena's peak reserve, and
@@ -27,7 +28,8 @@ def run(cfg: dict) -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)
-    x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    seq = cfg.get("seq", 32)
+    x, y = torch.randint(0, 256, (2, seq)), torch.randint(0, 256, (2, seq))
     base, base_file = rss(), rss_file()
     workers: list = []
     with HostPeak(lambda: sum(w.ledger.live_bytes() for w in workers)) as sampler:

@@ -65,44 +65,74 @@ def test_no_graph_or_weight_copy_after_synchronize():
         assert not _live(lambda o: isinstance(o, torch.nn.Parameter) and o.dtype == torch.bfloat16)
 
 
-_RSS_CHILD = r'''
-import json, sys
+# One launcher per mode imports torch and roundpipe once (and torch._dynamo, which torch.optim pulls in: ~3 s) and forks
+# a child per depth, each measured from its own start.  Two tokens a microbatch: on a CPU without bf16 instructions
+# (AVX2) torch's bf16 matmul of a gradient by a weight runs ~20x slower than the forward's, so the tokens set the
+# run's time, while the host bytes measured here are per parameter (2 x 64 tokens: ~140 s a mode on CI).
+_RSS_CHILD = r"""
+import json, os, sys, traceback
 import torch
 import roundpipe as rp
-from roundpipe.models.tiny_decoder import DecoderConfig, build_layers, loss_fn
-asynchronous, depth = sys.argv[1] == "async", int(sys.argv[2])
 from roundpipe.bench.rss import HostPeak, accounted_host_bytes, rss, rss_file
-torch.manual_seed(0)
-x, y = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
-base, base_file = rss(), rss_file()
-workers = []
-with HostPeak(lambda: sum(w.ledger.live_bytes() for w in workers)) as sampler:
-    layers = build_layers(DecoderConfig(hidden=1024, layers=depth, heads=16), seed=0)
-    n = sum(p.numel() for l in layers for p in l.parameters())
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=torch.bfloat16) as model:
-        for w in model.workers:
-            w.records_workspace = True
-        workers.extend(model.workers)
-        opt = rp.optim.AdamW(model.parameters(), lr=1e-4)
-        for i in range(3):
-            model.forward_backward(x, labels=y, loss_fn=loss_fn)
-            if i == 2:
-                host = model.memory_stats(opt)["host"]
-            model.step(opt, asynchronous=asynchronous)
-        model.synchronize()
-print("RESULT " + json.dumps({"params": n, "host": sampler.peak - base - (rss_file() - base_file),
-                              "accounted": accounted_host_bytes(host)}))
-'''
+from roundpipe.models.tiny_decoder import DecoderConfig, build_layers, loss_fn
+asynchronous, depths = sys.argv[1] == "async", [int(d) for d in sys.argv[2:]]
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+assert len(os.listdir("/proc/self/task")) == 1, "fork needs a single-threaded parent"
+
+def measure(depth):
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 256, (2, 2)), torch.randint(0, 256, (2, 2))
+    base, base_file = rss(), rss_file()
+    workers = []
+    with HostPeak(lambda: sum(w.ledger.live_bytes() for w in workers)) as sampler:
+        layers = build_layers(DecoderConfig(hidden=1024, layers=depth, heads=16), seed=0)
+        n = sum(p.numel() for l in layers for p in l.parameters())
+        with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=torch.bfloat16) as model:
+            for w in model.workers:
+                w.records_workspace = True
+            workers.extend(model.workers)
+            opt = rp.optim.AdamW(model.parameters(), lr=1e-4)
+            for i in range(3):
+                model.forward_backward(x, labels=y, loss_fn=loss_fn)
+                if i == 2:
+                    host = model.memory_stats(opt)["host"]
+                model.step(opt, asynchronous=asynchronous)
+            model.synchronize()
+    return {"params": n, "host": sampler.peak - base - (rss_file() - base_file), "accounted": accounted_host_bytes(host)}
+
+for depth in depths:
+    sys.stdout.flush(); sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        code = 1
+        try:
+            os.write(write, json.dumps(measure(depth)).encode())
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    assert status == 0, f"the depth-{depth} child ended with status {status}"
+    print("RESULT " + text, flush=True)
+"""
 
 
-def _rss_run(mode: str, layers: int) -> dict:
+def _rss_runs(mode: str, *depths: int) -> list[dict]:
     # bench/memory.py's environment (roundpipe.bench.rss.SLOPE_ENV): released worker buffers go back to the
-    # system at once, and the arena's reserve is resident as reserved (as page-locked memory is)
-    proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, mode, str(layers)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **SLOPE_ENV})
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])
+    # system at once, and the arena's reserve is resident as reserved (as page-locked memory is); numpy's BLAS
+    # single-threaded, as it would start a thread before the fork
+    proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, mode, *map(str, depths)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **SLOPE_ENV, "OPENBLAS_NUM_THREADS": "1"})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(lines) == len(depths), proc.stderr[-3000:]
+    return [json.loads(l[len("RESULT "):]) for l in lines]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _native.available(),
@@ -113,10 +143,12 @@ def test_host_bytes_per_param_by_host_peak(mode):
     workers' live ledger bytes, sampled together: roundpipe.bench.rss.HostPeak, code pages left out) grows by at
     most 1 byte per added parameter more than the accounted bytes (memory_stats: masters, Adam state, the arena's
     reserve) from 2 to 6 layers of width 1024 (25.8M -> 76.4M parameters); the slope leaves out the fixed costs
-    (threads, code, the arena's last chunk).  Measured 2026-11-26 on a 2-core EPYC: 16.30 against 16.00
-    sync, 18.38 against 18.00 async (the second gradient set a pending step holds); without MALLOC_PERTURB_ the
-    same slope read 17.55 sync, from an arena chunk paged in at 4-6 layers and not at 2."""
-    small, large = _rss_run(mode, 2), _rss_run(mode, 6)
+    (threads, code, the arena's last chunk).  Measured 2026-11-28 on a 2-core EPYC, 2 x 2 tokens: 16.67 against
+    16.03 sync, 18.65 against 18.00 async (the second gradient set a pending step holds); with 2 x 64 tokens on
+    2026-11-26, 16.30 against 16.00 sync and 18.38 against 18.00 async (~20 MB more at 2 layers, the compute's
+    own); without MALLOC_PERTURB_ the same slope read 17.55 sync, from an arena chunk paged in at 4-6 layers and
+    not at 2."""
+    small, large = _rss_runs(mode, 2, 6)
     slope = lambda k: (large[k] - small[k]) / (large["params"] - small["params"])
     assert slope("host") <= slope("accounted") + 1.0, (slope("host"), slope("accounted"), small, large)
     assert slope("accounted") <= (16.5 if mode == "sync" else 18.5), (slope("accounted"), small, large)
