@@ -144,6 +144,8 @@ def run_ours(spec: dict) -> dict:
     try:
         out = timed(spec, step, model.synchronize)
         out["exposed_step_s"] = exposed_step(spec, step, alone, model.synchronize)
+        worker = next(iter(model.memory_stats()["workers"].values()))   # resident weights (docs/planner.md)
+        out["kept_layers"] = worker["resident_layers"]
         return out
     finally:
         model.close()

@@ -352,7 +352,7 @@ def device_rows(quick: bool) -> Report:
                             opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
                             for _ in range(2):
                                 model.forward_backward(x, labels=y, loss_fn=loss)
-                                model.step(opt)
+                                model.step(opt, asynchronous=True)
                             stats = model.memory_stats()["workers"]
                     except ValueError as e:   # one layer's working set exceeds the cap: refused before any work
                         report.add(model=name, dtype=str(dtype).split(".")[-1], workers=workers, microbatches=mbs,

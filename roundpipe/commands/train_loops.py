@@ -133,7 +133,7 @@ class RoundPipeEngine:
     def forward_backward(self, x: torch.Tensor, *, labels: torch.Tensor, loss_fn) -> torch.Tensor:
         return self.model.forward_backward(x, labels=labels, loss_fn=loss_fn)
 
-    def step(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None, asynchronous: bool = True,
+    def step(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None, asynchronous: bool = False,
              max_grad_norm: float | None = None) -> None:
         self.model.step(optimizer, asynchronous=asynchronous, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm)
 

@@ -3,7 +3,7 @@
     model = RoundPipe(layers, devices=["cuda:0", "cuda:1"])
     for x, y in data:
         loss = model.forward_backward(x, labels=y, loss_fn=F.cross_entropy)
-        model.step(optimizer)          # asynchronous by default: overlaps the next call
+        model.step(optimizer)          # synchronous by default; asynchronous=True overlaps the next call
     model.synchronize()                # masters, p.grad and buffers are now consistent
 
 The wrapped module (an nn.Sequential of the layers) holds the fp32 master

@@ -24,7 +24,7 @@ class ModelSteps:
         register_then_queue(sync.issue_gcopy, lambda after: self.gcopy_thread.submit(
             lambda: run_gcopy(sync, after, host.gcopy, reduce)))
 
-    def step(self, optimizer, asynchronous: bool = True, *, lr_scheduler=None,
+    def step(self, optimizer, asynchronous: bool = False, *, lr_scheduler=None,
              max_grad_norm: float | None = None) -> None:
         """Applies the gradients accumulated since the last step, then clears them.
 
@@ -32,8 +32,10 @@ class ModelSteps:
         grad, nothing else), a zero-argument callable, or a per-layer fused optimizer (an object
         with `step_layer(params, upload)`, e.g. roundpipe.optim.AdamW: updates one layer's fp32
         masters from their `.grad` and writes their upload copies, layer by layer as the next
-        call frees them).  asynchronous=True overlaps the update with the next call (one step
-        stale, see roundpipe/engine/step/async_step.py); False returns with the update applied.
+        call frees them).  asynchronous=False (default) returns with the update applied: training
+        equals plain PyTorch's.  True overlaps the update with the next call (one step stale, see
+        roundpipe/engine/step/async_step.py): faster where the step does not hide otherwise, at a
+        measured cost in loss (docs/staleness.md, "The default").
         lr_scheduler: stepped right after this update, as `opt.step(); sched.step()` would.
         max_grad_norm: clip like torch.nn.utils.clip_grad_norm_ over every gradient first.
         Errors inside the update are raised here (synchronous), else by the engine call during

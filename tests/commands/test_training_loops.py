@@ -117,7 +117,7 @@ def async_loop(opt_kind, layers, workers=2, num_mb=3, clip=MAX_NORM, steps=STEPS
                 x, y = batch()
                 loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
                 assert max_rel_err(loss, ref.forward_backward(x, y)) <= 1e-5, step
-            model.step(opt, lr_scheduler=sched, max_grad_norm=clip)
+            model.step(opt, lr_scheduler=sched, max_grad_norm=clip, asynchronous=True)
             ref.step(asynchronous=True)
             if step % 3 == 2:   # an eval call now and then: a sync point
                 x, _ = batch()

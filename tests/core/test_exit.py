@@ -113,7 +113,7 @@ def sgd():
         p.add_(p.grad, alpha=-1e-3)
 
 m.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-m.step(sgd)
+m.step(sgd, asynchronous=True)
 ARMED[0] = True
 try:
     m.forward_backward(x, labels=y, loss_fn=F.mse_loss)
@@ -249,7 +249,7 @@ def test_dropped_model_applies_its_pending_step_and_stops_its_threads():
     opt = rp.optim.AdamW(m.parameters(), lr=0.1)   # per-layer updates: each waits for the stale window
     before = layers[0].weight.detach().clone()
     m.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-    m.step(opt)   # its window waits for a next call that never comes
+    m.step(opt, asynchronous=True)   # its window waits for a next call that never comes
     threads = [t._thread for t in m._host_threads()] + [e._thread for w in m.workers for e in w.executors()]
     ref = weakref.ref(m)
     del m

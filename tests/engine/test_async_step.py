@@ -64,7 +64,7 @@ def run_async(layers, data, lr, workers, num_mb, prefetch=False, make_opt=None):
         losses = []
         for x, y in data:
             losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
-            model.step(opt)   # asynchronous
+            model.step(opt, asynchronous=True)   # asynchronous
         model.synchronize()
     return losses
 
@@ -109,7 +109,7 @@ def test_synchronize_makes_the_next_call_fresh():
     with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-        model.step(opt)
+        model.step(opt, asynchronous=True)
         model.synchronize()
         out = model(x)
     torch.testing.assert_close(out, reference(layers)(x).detach())
@@ -215,7 +215,7 @@ def test_optimizer_error_surfaces_at_the_next_call():
         raise FloatingPointError("non-finite gradient")
     with rp.RoundPipe(layers, devices=["cpu"] * 2) as model:
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-        model.step(bad_step)
+        model.step(bad_step, asynchronous=True)
         with pytest.raises(FloatingPointError, match="non-finite"):
             model.synchronize()
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)   # usable afterwards
@@ -273,7 +273,7 @@ def test_gradient_accumulation_is_one_step_stale():
         for i, (x, y) in enumerate(data):
             losses.append(model.forward_backward(x, labels=y, loss_fn=F.mse_loss))
             if i % k == k - 1:
-                model.step(ropt)
+                model.step(ropt, asynchronous=True)
         model.synchronize()
     for a, b in zip(losses, ref_losses):
         assert max_rel_err(a, b) <= 1e-5
@@ -346,7 +346,7 @@ def test_gradient_copy_error_reaches_the_caller(monkeypatch):
         monkeypatch.setattr(HostState, "gcopy", failing)
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
         with pytest.raises(MemoryError, match="layer 2"):
-            model.step(opt)
+            model.step(opt, asynchronous=True)
             model.synchronize()
         monkeypatch.setattr(HostState, "gcopy", real)
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)   # usable afterwards

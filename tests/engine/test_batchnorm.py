@@ -137,7 +137,7 @@ def test_default_updates_once_per_microbatch_and_async_whole_batch_counts_calls(
         for _ in range(3):
             for x, y in data:
                 model.forward_backward(x, labels=y, loss_fn=F.mse_loss)   # calls overlap (continuous pipeline)
-                model.step(opt)
+                model.step(opt, asynchronous=True)
         model.synchronize()
     assert int(layers[0][1].num_batches_tracked) == int(layers[1][1].num_batches_tracked) == 6
 

@@ -215,7 +215,7 @@ def test_tail_error_not_raised_by_step_but_by_next_forward():
                 if op == "fb":
                     model.forward_backward(x, labels=y, loss_fn=loss_fn)
                 elif op == "step":
-                    model.step(opt)
+                    model.step(opt, asynchronous=True)
                 else:
                     model(batch(5, rows)[0])
             except Boom as e:

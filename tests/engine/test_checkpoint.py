@@ -164,7 +164,7 @@ def saved(tmp_path, **kw):
     with small_model(**kw) as model:
         opt = rp.optim.AdamW(model.parameters())
         model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
-        model.step(opt)
+        model.step(opt, asynchronous=True)
         model.save_checkpoint(tmp_path / "c", opt)
     return tmp_path / "c"
 
@@ -215,7 +215,7 @@ def test_a_pending_step_needs_the_optimizer(tmp_path):
             model.load_checkpoint(path)
         opt = rp.optim.AdamW(model.parameters())
         model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
-        model.step(opt)
+        model.step(opt, asynchronous=True)
         with pytest.raises(ValueError, match="a step is pending"):
             model.save_checkpoint(tmp_path / "d")
         with pytest.raises(ValueError, match="not the one the pending step uses"):
@@ -275,7 +275,7 @@ torch.manual_seed(0)
 model = rp.RoundPipe([torch.nn.Linear(1024, 1024) for _ in range(16)], devices=["cpu"] * 2)
 opt = rp.optim.AdamW(model.parameters())
 model.forward_backward(torch.randn(4, 1024), labels=torch.randn(4, 1024), loss_fn=F.mse_loss)
-model.step(opt)   # pending (asynchronous): its fp32 gradients are saved too
+model.step(opt, asynchronous=True)   # pending (asynchronous): its fp32 gradients are saved too
 out = {"params": sum(p.numel() for p in model.parameters())}
 model.save_checkpoint(sys.argv[1] + "/warm", opt)   # code paged in
 reset(); before = hwm()
@@ -331,7 +331,7 @@ def test_a_wrapped_hf_model_with_lora_and_tied_embeddings_resumes_and_keeps_hf_n
         hf_names = set(model.hf_model.state_dict())
         for step in range(5):
             model.forward_backward(ids, labels=ids)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
             if step == 2:
                 model.save_checkpoint(tmp_path / "c", opt)
         model.synchronize()
@@ -343,7 +343,7 @@ def test_a_wrapped_hf_model_with_lora_and_tied_embeddings_resumes_and_keeps_hf_n
         model.load_checkpoint(tmp_path / "c", opt)
         for _ in range(2):
             model.forward_backward(ids, labels=ids)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         model.synchronize()
         assert all(torch.equal(v, uninterrupted[k]) for k, v in model.state_dict().items())
 
@@ -367,7 +367,7 @@ def _random_run(seed, ops, save_at=None, load=None, path=None):
             if op == "fb":
                 model.forward_backward(x, labels=y, loss_fn=F.cross_entropy)
             elif op == "async":
-                model.step(opt, lr_scheduler=sched, max_grad_norm=1.0)
+                model.step(opt, lr_scheduler=sched, max_grad_norm=1.0, asynchronous=True)
             elif op == "sync":
                 model.step(opt, asynchronous=False, lr_scheduler=sched)
             elif op == "eval":

@@ -105,7 +105,7 @@ def test_arena_grows_for_gradients_before_training_not_during_it(dtype):
             seen.append([])
             model.forward_backward(x, labels=x, loss_fn=F.mse_loss)
             model.wait_calls()
-            model.step(opt)   # the first asynchronous one reserves the second gradient set, between calls
+            model.step(opt, asynchronous=True)   # the first asynchronous one reserves the second gradient set, between calls
         model.synchronize()
         assert all(len(set(s)) == 1 for s in seen), seen   # never grown while a call computes
         assert {s[0] for s in seen[1:]} == {arena.stats().num_chunks}, seen

@@ -184,7 +184,7 @@ def train_and_save(path, **kw):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         for _ in range(2):
             model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
-            model.step(opt, lr_scheduler=sched)
+            model.step(opt, lr_scheduler=sched, asynchronous=True)
         model.save_checkpoint(path, opt, sched)
 
 

@@ -70,7 +70,7 @@ def test_peak_weights_are_at_most_the_running_and_the_prefetched_stage(prefetch)
         with inject_delays(random_sleeps(0.002, seed=4)):
             for _ in range(2):
                 model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-                model.step(torch.optim.SGD(model.parameters(), lr=0.1))
+                model.step(torch.optim.SGD(model.parameters(), lr=0.1), asynchronous=True)
         model.synchronize()
         total_weights = sum(stage_bytes(model, range(l, l + 1)) for l in range(12))
         for w in model.workers:
@@ -124,7 +124,7 @@ def test_model_larger_than_the_cap_trains_within_it(workers, width, cap):
         opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
         for _ in range(3):
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         model.synchronize()
         for w in model.workers:
             stats = w.ledger.stats()
@@ -309,7 +309,7 @@ def test_peak_is_what_the_plan_predicts(depth, workers, num_mb, dtype):
         opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         for name, s in model.memory_stats()["workers"].items():
             ratio = s["peak_total"] / s["predicted_peak"]
             assert s["peak_total"] <= cap, (name, s)
@@ -333,7 +333,7 @@ def test_decoder_peak_is_what_the_plan_predicts(workers, num_mb, dtype):
         opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             model.forward_backward(x, labels=y, loss_fn=loss_fn)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         for name, s in model.memory_stats()["workers"].items():
             assert s["peak_total"] <= cap and 0.9 <= s["peak_total"] / s["predicted_peak"] <= 1.1, (name, s)
 
@@ -356,7 +356,7 @@ def test_wrapped_qwen3_peak_is_what_the_plan_predicts(workers, num_mb, dtype):
         opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             model.forward_backward(input_ids=ids, labels=ids)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         for name, s in model.memory_stats()["workers"].items():
             assert s["peak_total"] <= cap and 0.85 <= s["peak_total"] / s["predicted_peak"] <= 1.1, (name, s)
 
@@ -376,7 +376,7 @@ def test_a_slow_copy_path_throttles_compute_not_memory():
             with inject_delays(random_sleeps(0.004, seed=seed)):
                 for _ in range(2):
                     model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-                    model.step(opt)
+                    model.step(opt, asynchronous=True)
                 model.synchronize()
             for name, s in model.memory_stats()["workers"].items():
                 assert s["peak_total"] <= min(cap, 1.02 * s["predicted_peak"]), (seed, name, s)

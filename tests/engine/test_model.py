@@ -217,11 +217,11 @@ def test_bad_calls_and_closed_model():
     with pytest.raises(ValueError, match="nothing to split"):
         model.forward_backward(3.0, loss_fn=F.mse_loss)
     with pytest.raises(TypeError, match="optimizer"):
-        model.step(42)
+        model.step(42, asynchronous=True)
     with pytest.raises(TypeError, match="loss_fn"):
         model.forward_backward(torch.randn(4, 8), labels=x, loss_fn="mse")
     model.close()
-    for call in (lambda: model(torch.randn(4, 8)), model.synchronize, lambda: model.step(lambda: None)):
+    for call in (lambda: model(torch.randn(4, 8)), model.synchronize, lambda: model.step(lambda: None, asynchronous=True)):
         with pytest.raises(ValueError, match="closed"):
             call()
     model.close()   # idempotent
@@ -456,7 +456,7 @@ def test_frozen_parameters_cost_no_gradient_buffer():
         opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
         for _ in range(2):
             model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=F.mse_loss)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         model.synchronize()
         assert model.host.layers[2].gbuf[1] is None
         assert torch.equal(layers[0][0].weight.detach(), w0) and torch.equal(layers[2][0].bias.detach(), b2)
@@ -534,7 +534,7 @@ def test_ctrl_c_between_registering_and_queuing_a_step_never_hangs(monkeypatch):
             return rec
         monkeypatch.setattr(model.sync, "new_step", new_step_then_interrupt)
         with pytest.raises(KeyboardInterrupt):
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         monkeypatch.undo()
         run_with_watchdog(lambda: (model.forward_backward(x, labels=y, loss_fn=F.mse_loss), model.synchronize()),
                           timeout_s=30)

@@ -55,7 +55,7 @@ def test_no_context_on_gpu0_for_a_model_on_gpu1():
             opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
             for _ in range(2):
                 model.forward_backward(torch.randn(16, 64), labels=torch.randn(16, 64), loss_fn=F.mse_loss)
-                model.step(opt)
+                model.step(opt, asynchronous=True)
             model.synchronize()
         dev = ctypes.c_int()
         assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0

@@ -78,7 +78,7 @@ def test_optimizer_error_reaches_the_caller_and_never_wedges(kind, asynchronous)
                 opt, exc = FailingAdamW(params, lr=0.1), RuntimeError
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
             if asynchronous:   # raised by the call it happened under, or at the start of the next one
-                model.step(opt)
+                model.step(opt, asynchronous=True)
                 with pytest.raises(exc):
                     for _ in range(2):
                         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
@@ -177,6 +177,23 @@ def test_bad_step_arguments(kwargs, exc, match):
             model.step(opt, **kwargs)
         other = torch.optim.SGD(model.parameters(), lr=0.1)
         with pytest.raises(ValueError, match="another optimizer"):
-            model.step(opt, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+            model.step(opt, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1), asynchronous=True)
         model.synchronize()
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_default_step_is_synchronous():
+    """model.step(opt) applies the update before it returns (docs/staleness.md "The default"): three steps give
+    the losses of asynchronous=False bit for bit, and not those of the one-step-stale asynchronous=True."""
+    def losses(**step_kw):
+        torch.manual_seed(0)
+        with rp.RoundPipe(mlp(4), devices=["cpu"] * 2, num_microbatches=2) as model:
+            opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+            out = []
+            for i in range(4):
+                x, y = batch(i)
+                out.append(float(model.forward_backward(x, labels=y, loss_fn=F.mse_loss)))
+                model.step(opt, **step_kw)
+            return out
+    default = losses()
+    assert default == losses(asynchronous=False) and default != losses(asynchronous=True)

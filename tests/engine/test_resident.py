@@ -62,12 +62,12 @@ class Uploads:
         return n
 
 
-def _run(layers, resident, steps=3, workers=1, asynchronous=False, width=16, plan=PLAN6, mbs=3, **kw):
+def _run(layers, resident, steps=3, workers=1, asynchronous=False, width=16, plan=PLAN6, mbs=3, device="cpu", **kw):
     """Trains `steps` steps; returns (losses, final state, param_up bytes per call, the model's stats)."""
     torch.manual_seed(1)
     batches = [(torch.randn(7, width), torch.randn(7, width)) for _ in range(steps)]
     per_call = []
-    with rp.RoundPipe(layers, devices=["cpu"] * workers, num_microbatches=mbs, plan=plan, microbatches_per_round=mbs,
+    with rp.RoundPipe(layers, devices=[device] * workers, num_microbatches=mbs, plan=plan, microbatches_per_round=mbs,
                       resident_layers=resident, **kw) as model:
         up = Uploads(model)
         opt = rp.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -264,3 +264,15 @@ def test_running_out_of_memory_with_kept_weights_keeps_none_after():
             return losses, stats["resident_layers"], stats["resident_bytes"]
     failed, clean = train(None, True), train(0, False)
     assert failed[0] == clean[0] and failed[1:] == (0, 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_on_a_gpu_kept_weights_change_no_number(asynchronous):
+    """One CUDA worker (bf16 compute): kept weights bound across stages and calls (allocated on the compute
+    stream's pool, read by later stages' compute) give the numbers of resident_layers=0, with the base
+    uploaded in the first call only."""
+    off = _run(_adapted(), 0, asynchronous=asynchronous, device="cuda:0")
+    on = _run(_adapted(), 6, asynchronous=asynchronous, device="cuda:0")
+    _same(off, on)
+    assert on[2][0] < off[2][0] and 4 * on[2][2] < off[2][2]   # after the first call: the adapters only

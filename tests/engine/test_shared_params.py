@@ -105,7 +105,7 @@ def test_shared_weights_asynchronous_steps_one_step_stale_under_delays():
         for step in range(6):
             x, y = data(step)
             loss = model.forward_backward(x, labels=y, loss_fn=lm_loss)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
             ref_loss = plain(list(stale), x, y)
             ref_loss.backward()
             assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item(), step

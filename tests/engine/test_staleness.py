@@ -65,7 +65,7 @@ def test_async_training_with_prediction_equals_a_reference_loop():
         opt = rp.optim.SGD(model.parameters(), lr=0.1)
         for x, y in data:
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         model.synchronize()
         got = [p.detach().clone() for p in model.parameters()]
     ref = nn.Sequential(*ref_layers)
@@ -106,4 +106,4 @@ def test_bad_options_and_optimizers_are_refused():
     with rp.RoundPipe([nn.Linear(2, 2)], devices=["cpu"], compensation=StalenessCompensation()) as model:
         model.forward_backward(torch.randn(2, 2), labels=torch.randn(2, 2), loss_fn=F.mse_loss)
         with pytest.raises(ValueError, match="compensation needs a roundpipe.optim optimizer"):
-            model.step(torch.optim.SGD(model.parameters(), lr=0.1))
+            model.step(torch.optim.SGD(model.parameters(), lr=0.1), asynchronous=True)

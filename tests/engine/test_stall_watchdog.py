@@ -131,7 +131,7 @@ def test_a_healthy_slow_run_does_not_fire():
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
             model.step(opt, asynchronous=False)
             model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
             out = model(x)
             model.synchronize()
             results.append([out] + [p.detach().clone() for p in model.parameters()])

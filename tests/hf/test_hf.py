@@ -146,7 +146,7 @@ def test_tied_embeddings_asynchronous_steps_are_one_step_stale():
             opt_ref.zero_grad()
             stale.zero_grad()
             stale = new_stale if step > 0 else copy.deepcopy(stale)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         model.synchronize()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)

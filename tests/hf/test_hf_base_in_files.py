@@ -42,7 +42,7 @@ def train(path, in_ram, layers, steps):
     for _ in range(steps):
         ids = torch.randint(1, 1024, (2, 4), generator=g)
         model.forward_backward(input_ids=ids, labels=ids)
-        model.step(opt)
+        model.step(opt, asynchronous=True)
     model.synchronize()
     out = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     model.close()
@@ -161,7 +161,7 @@ def _steps(model, opt, n, seed):
     for _ in range(n):
         ids = torch.randint(1, 1024, (2, 6), generator=g)
         model.forward_backward(input_ids=ids, labels=ids)
-        model.step(opt)
+        model.step(opt, asynchronous=True)
 
 
 def test_a_checkpoint_leaves_the_mapped_base_in_its_files(tiny_dir, tmp_path):

@@ -26,7 +26,7 @@ def test_save_pretrained_round_trips(tmp_path, kind, tied):
         opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
         for _ in range(2):
             model.forward_backward(input_ids=ids, labels=ids)
-            model.step(opt)   # asynchronous: save_pretrained waits for it
+            model.step(opt, asynchronous=True)   # asynchronous: save_pretrained waits for it
         model.save_pretrained(tmp_path)
         trained = {n: p.detach().clone() for n, p in model.named_parameters()}
         logits = model(input_ids=ids)

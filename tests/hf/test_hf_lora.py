@@ -76,7 +76,7 @@ def test_frozen_base_keeps_its_dtype_and_one_copy():
         for step in range(2):
             ids, mask, labels = batch(step)
             model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
-            model.step(opt)
+            model.step(opt, asynchronous=True)
         model.synchronize()
         assert {id(p) for p in opt.state} <= {id(p) for p in model.parameters() if p.requires_grad}
         for n, p in model.named_parameters():

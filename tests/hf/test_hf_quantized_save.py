@@ -90,7 +90,7 @@ def test_trained_parts_are_saved_and_reloaded_exactly(bnb_dirs, tmp_path):
         opt = rp.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         for _ in range(2):
             model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
-            model.step(opt)   # asynchronous: save_pretrained waits for it
+            model.step(opt, asynchronous=True)   # asynchronous: save_pretrained waits for it
         model.save_pretrained(tmp_path)
         values = {n: p.detach().clone() for n, p in model.named_parameters()}
         model.eval()

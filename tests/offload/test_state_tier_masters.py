@@ -159,7 +159,7 @@ def test_state_dict_reads_masters_on_disk(tmp_path):
         opt = OPTIMIZERS["AdamW"](model.parameters())
         x, y = batches(1)[0]
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
-        model.step(opt)
+        model.step(opt, asynchronous=True)
         sd = model.state_dict()
         assert model.offload.placeholders
         want = masters(model)
@@ -205,7 +205,7 @@ def test_hf_save_pretrained_refuses_placeholders_and_close_hands_masters_back(tm
     model = rp.hf.wrap(tiny("llama", num_hidden_layers=8), host_memory=budget, **hf_kw)
     opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
     model.forward_backward(input_ids=ids, labels=ids)
-    model.step(opt)
+    model.step(opt, asynchronous=True)
     model.synchronize()
     assert model.memory_stats()["host"]["offloaded_master_layers"] > 0
     trained = {n: model.offload.master(p) for n, p in model.named_parameters()}

@@ -376,7 +376,7 @@ ENGINE = {"SGD": (rpo.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampenin
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])
 @pytest.mark.parametrize("case", list(ENGINE))
 def test_roundpipe_step_equals_plain_pytorch_training(case, max_grad_norm):
-    """model.step(rp.optim.X) through RoundPipe (2 CPU workers, fp32, sync) trains like plain PyTorch with torch's X
+    """model.step(rp.optim.X, asynchronous=True) through RoundPipe (2 CPU workers, fp32, sync) trains like plain PyTorch with torch's X
     (Adagrad: fused=True; Lion: ours on the plain model's .grad), clipping folded into the fused pass included.
     One micro-batch, so the gradients are PyTorch's bit for bit (with more, their sum is ordered differently:
     5e-6 apart after 6 steps here) and what is compared is the step."""

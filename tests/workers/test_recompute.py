@@ -32,7 +32,7 @@ def grads_of(layers, workers, seed=0, num_mb=4, per_round=2, delays=False):
             loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
         model.synchronize()
         grads = [p.grad.clone() for p in model.parameters()]
-        model.step(lambda: None)
+        model.step(lambda: None, asynchronous=True)
     return loss, grads
 
 
@@ -111,7 +111,7 @@ def test_dropout_does_not_depend_on_the_plan():
             loss = model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
             model.synchronize()
             grads = [p.grad.clone() for p in model.parameters()]
-            model.step(lambda: None)
+            model.step(lambda: None, asynchronous=True)
         return loss, grads
 
     loss_a, a = run(PLAN)
@@ -147,7 +147,7 @@ def test_every_kind_of_draw_is_recomputed_exactly_and_repeats():
             loss = model.forward_backward(torch.randn(6, 8), labels=torch.randn(6, 8), loss_fn=F.mse_loss)
             model.synchronize()
             grads = [p.grad.clone() for p in model.parameters()]
-            model.step(lambda: None)
+            model.step(lambda: None, asynchronous=True)
         return loss, grads
 
     (la, a), (lb, b), (lc, _) = run(0), run(0), run(1)

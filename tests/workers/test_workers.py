@@ -159,7 +159,7 @@ def test_cuda_async_and_dropout_recompute():
             for _ in range(3):
                 losses.append(model.forward_backward(torch.randn(8, 32), labels=torch.randn(8, 32),
                                                      loss_fn=F.mse_loss))
-                model.step(opt)
+                model.step(opt, asynchronous=True)
             model.synchronize()
             return losses, [p.detach().clone() for p in model.parameters()]
     (la, pa), (lb, pb) = run(), run()
