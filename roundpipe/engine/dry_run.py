@@ -208,7 +208,9 @@ def _dry_run(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: tor
     def to_device(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        if device == "meta" and not t.is_floating_point():   # ids, masks: real values (SmallDataOnCpu)
+        if device == "meta" and not t.is_floating_point():   # ids, masks: real values (SmallDataOnCpu) ...
+            if t.is_meta or t.numel() * t.element_size() > SmallDataOnCpu.LIMIT:   # ... unless too large to keep
+                return torch.empty_like(t, device="meta")   # (int64 ids past 512K tokens): their shape only
             return t.detach().to("cpu", copy=True)
         copied = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
         return copied.requires_grad_(t.requires_grad and copied.is_floating_point())

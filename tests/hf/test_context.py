@@ -132,3 +132,11 @@ def test_builtin_shapes_on_a_24_gib_card():
     fit = rp.hf.max_seq_len("qwen3-1.7b", 24 << 30)
     assert 100_000 < fit.seq_len < 200_000   # 143,355 on 2026-11-25
     assert fit.binding.name.startswith("decoder") and fit.binding.activations > 0.9 * fit.stage_limit
+
+
+def test_a_cap_too_large_to_bind_reports_the_search_limit():
+    """A cap that no length reaches: the search ends at MAX_TOKENS and says so (before, the dry run of token ids
+    past 512K, too large to keep real, raised "Cannot copy out of meta tensor")."""
+    from roundpipe.hf.context import MAX_TOKENS
+    fit = rp.hf.max_seq_len(TINY["llama"], 1 << 60, dtype=torch.float32)
+    assert fit.seq_len == MAX_TOKENS and fit.at_search_limit
