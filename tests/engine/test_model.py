@@ -1,5 +1,6 @@
 """RoundPipe on CPU workers: exact gradients, API semantics, bad input and faults."""
 import collections
+import signal
 import threading
 import time
 
@@ -313,7 +314,16 @@ def test_loss_fn_exception_is_tagged():
         model.forward_backward(torch.randn(4, 8), labels=torch.randn(4, 8), loss_fn=F.mse_loss)
 
 
-def test_ctrl_c_in_the_caller_leaves_state_unchanged():
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt during the test: a shell that starts pytest in the background (`cmd &`)
+    leaves SIGINT ignored, and then `_thread.interrupt_main()` raises nothing (both Ctrl-C tests failed so)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_in_the_caller_leaves_state_unchanged(sigint_raises):
     """A KeyboardInterrupt delivered to the waiting caller stops the call; weights and optimizer state stay."""
     import _thread
 
@@ -514,7 +524,7 @@ def test_bad_batches_and_labels_are_named():
         assert all(p.grad is not None for p in model.parameters())
 
 
-def test_ctrl_c_between_registering_and_queuing_a_step_never_hangs(monkeypatch):
+def test_ctrl_c_between_registering_and_queuing_a_step_never_hangs(monkeypatch, sigint_raises):
     """A Ctrl-C that lands right after step() registered with the protocol is raised once the step is
     queued: the step runs and later calls go on (before: the step was never queued; the next call hung)."""
     import _thread
