@@ -152,7 +152,7 @@ class PeakPredictions:
         mem = autoplan.layer_memory(sample, loss)
         if self.resident_layers is None and self.auto_resident:   # the most the caps leave room for
             sched.resident = resident_prefix(sched.tasks, weights, grads, mem, prefetches, self.caps,
-                                             sched.layer_grain)
+                                             sched.layer_grain, headroom=self.resident_headroom())
         predicted = worker_peaks(sched.tasks, weights, grads, mem, prefetches, sched.layer_grain,
                                  resident=sched.resident)
         for name, need in predicted.items():
@@ -163,6 +163,14 @@ class PeakPredictions:
                               "roundpipe/planner/memory.py); give a plan with smaller stages or fewer rows "
                               "per microbatch, or let the planner choose", stacklevel=5)
         return predicted
+
+    def resident_headroom(self) -> float:
+        """The share of each cap that kept weights leave free beyond the predicted peak (resident_prefix): 15%
+        on CPU workers, whose ledger counts exact bytes (measured peaks reach 1.1x the prediction); 30% where a
+        worker is a GPU, whose caching allocator also loses room to fragmentation the prediction does not
+        model (unmeasured on GPU: chosen so that kept weights never turn a call that fits into one that runs
+        out of memory; a call that does drops them for good)."""
+        return 0.30 if any(w.device.type == "cuda" for w in self.workers) else 0.15
 
     def worker_stats(self) -> dict[str, dict]:
         """memory_stats()'s "workers": each worker's ledger figures, device, predicted peak and, on CUDA,

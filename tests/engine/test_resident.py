@@ -276,3 +276,26 @@ def test_on_a_gpu_kept_weights_change_no_number(asynchronous):
     on = _run(_adapted(), 6, asynchronous=asynchronous, device="cuda:0")
     _same(off, on)
     assert on[2][0] < off[2][0] and 4 * on[2][2] < off[2][2]   # after the first call: the adapters only
+
+
+def test_gpu_workers_leave_more_room_than_cpu_workers():
+    """The margin kept weights leave beyond the predicted peak: 15% of the cap on CPU workers (exact ledger), 30%
+    on GPU workers (the caching allocator's fragmentation is not in the prediction); a larger margin keeps fewer."""
+    from types import SimpleNamespace
+
+    from roundpipe.engine.device_memory import PeakPredictions
+    from roundpipe.planner.memory import LayerMemory, resident_prefix, worker_peaks
+
+    def margin(kind):
+        workers = [SimpleNamespace(device=torch.device(kind), name="w", set_cap=lambda cap: None)]
+        return PeakPredictions(workers, {"w": 1 << 20}).resident_headroom()
+    assert margin("cpu") == 0.15 and margin("cuda") == 0.30
+    tasks = {"w": [SimpleNamespace(kind="F", layers=range(0, 3), mbs=[0]),
+                   SimpleNamespace(kind="fused", layers=range(3, 4), mbs=[0]),
+                   SimpleNamespace(kind="B", layers=range(0, 3), mbs=[0])]}
+    mem, weights, grads = [LayerMemory.rough(20)] * 4, [100] * 4, [200] * 4
+    peaks = [worker_peaks(tasks, weights, grads, mem, False, resident=k)["w"] for k in range(5)]
+    cap = {"w": int(peaks[4] / 0.85) + 1}   # all four fit under 85%, not under 70%
+    assert peaks[4] > 0.70 * cap["w"]
+    assert resident_prefix(tasks, weights, grads, mem, False, cap, headroom=0.15) == 4
+    assert resident_prefix(tasks, weights, grads, mem, False, cap, headroom=0.30) < 4
