@@ -113,8 +113,9 @@ def engine_stacks(first: set[int] | None = None) -> str:
     the process have threads of the same names, "roundpipe-cpu:1" for one, listed after them)."""
     frames = sys._current_frames()
     first = first or set()
-    with _registry_lock:
-        executors = sorted(_running, key=lambda e: (e.ident not in first, e.name))
+    with _registry_lock:   # a closed executor kept alive by a reference: its thread's ident may belong to a new
+        #                    thread now (idents are reused), whose stack would be shown under the dead one's name
+        executors = sorted((e for e in _running if e.alive), key=lambda e: (e.ident not in first, e.name))
     parts = []
     for e in executors:
         frame = frames.get(e.ident) if e.ident is not None else None
@@ -172,8 +173,14 @@ class SerialExecutor:
 
     @property
     def ident(self) -> int | None:
-        """The thread's identifier (sys._current_frames' key), None before it started."""
+        """The thread's identifier (sys._current_frames' key), None before it started.  It outlives the thread,
+        and a thread started later may be given the same one: ask `alive` first."""
         return self._thread.ident
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread runs (it was started and has not exited)."""
+        return self._thread.is_alive()
 
     def _loop(self) -> None:
         _local.name = self._thread.name

@@ -148,3 +148,19 @@ def test_bad_stall_timeout_is_named(bad, exc):
     with pytest.raises(exc, match=r"stall_timeout="):
         rp.RoundPipe([nn.Linear(2, 2)], devices=["cpu"], stall_timeout=bad)
     assert rp.EngineConfig(stall_timeout=2).stall_timeout == 2
+
+
+def test_a_closed_executor_whose_thread_ident_was_reused_is_not_listed():
+    """A closed executor still referenced keeps its dead thread's ident, which the system may give a later thread:
+    the report then listed that thread's stack under the dead executor's name, among the stalled model's own
+    (CI, 2026-11-28: an idle stack came first where the blocked 'roundpipe-cpu:1' was looked for)."""
+    from roundpipe.core.executor import SerialExecutor, engine_stacks
+    live = SerialExecutor("roundpipe-zz-probe")
+    dead = SerialExecutor("roundpipe-cpu:1")
+    dead.close()
+    dead._thread._ident = live.ident   # what the reuse of an ident does
+    try:
+        assert not dead.alive and live.alive
+        assert engine_stacks({live.ident}).startswith("thread 'roundpipe-zz-probe'")
+    finally:
+        live.close()

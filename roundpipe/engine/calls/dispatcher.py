@@ -246,7 +246,7 @@ class Watchdog:
             lines.append("waiting behind it: " + "; ".join(waiting))
         lines.append("The call was aborted, but a thread that does not return cannot be stopped: this RoundPipe takes "
                      "no more calls; close() it (it does not wait for the stuck worker) and build a new one.")
-        own = {e.ident for w in self.workers.values() for e in w.executors()}
+        own = {e.ident for w in self.workers.values() for e in w.executors() if e.alive}
         lines.append("Engine threads (the stalled model's workers first):\n" + engine_stacks(own))
         return "\n".join(lines)
 
