@@ -40,8 +40,7 @@ class ResidentWeights:
     def __init__(self):
         self._kept: dict[str, dict[tuple[int, int], tuple[tuple, torch.Tensor]]] = {}
         self._lock = threading.Lock()   # clear() runs on the caller's thread, lookups on the workers'
-        self.reused = 0       # tensors bound from a kept copy instead of uploaded (tests, memory_stats)
-        self.reused_bytes = 0
+        self._counts: dict[str, int] = {}   # per worker, the prefix its entries were last trimmed to
 
     def lookup(self, worker: str, layer: int, keys: list[tuple]) -> list[torch.Tensor | None]:
         """Per tensor of the layer, its kept device copy when its key still matches, else None (stale
@@ -57,9 +56,6 @@ class ResidentWeights:
                     del kept[(layer, j)]
                     entry = None
                 out.append(None if entry is None else entry[1])
-                if entry is not None:
-                    self.reused += 1
-                    self.reused_bytes += entry[1].nbytes
             return out
 
     def keep(self, worker: str, layer: int, keys: list[tuple], tensors: list[torch.Tensor]) -> None:
@@ -70,8 +66,12 @@ class ResidentWeights:
                 kept[(layer, j)] = (key, t)
 
     def trim(self, worker: str, count: int) -> None:
-        """Drops the worker's entries of layers >= count (the prefix shrank)."""
+        """Drops the worker's entries of layers >= count (the prefix shrank); a no-op, without a scan of the
+        entries, while the count stays what it was (every stage run of a resident layer asks)."""
         with self._lock:
+            if self._counts.get(worker) == count:
+                return
+            self._counts[worker] = count
             kept = self._kept.get(worker)
             if kept:
                 for k in [k for k in kept if k[0] >= count]:
