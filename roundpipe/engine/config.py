@@ -93,6 +93,11 @@ class EngineConfig:
     step instead of once per stage on that worker.  None: the most whose weights keep every worker's predicted
     peak under its device_memory cap (none where a worker has no cap: CPU workers by default); 0: none; k: the
     first k (counted in the predicted peak, with a warning where that exceeds a cap)."""
+    device_step: bool = False
+    """Update the resident layers on their worker (roundpipe/engine/step/device_step.py): their fp32 masters,
+    optimizer state and gradients stay there, so no gradient goes down and no weight goes up between steps.
+    One worker, synchronous steps with a roundpipe.optim optimizer, fp32 masters, no fp16 loss scaling; the
+    masters come home at sync points (synchronize, state_dict, save_checkpoint, close)."""
     precision: Precision | None = None
     """The precision policy (autocast, input casting, fp16 loss scaling); None: Precision(compute_dtype)."""
     process_group: Any = None
@@ -142,6 +147,8 @@ class EngineConfig:
         if self.resident_layers is not None and (not is_int(self.resident_layers) or self.resident_layers < 0):
             raise ValueError(f"resident_layers={self.resident_layers!r} must be None (as many as the device_memory "
                              "caps leave room for) or an int >= 0 (that many first layers)")
+        if not isinstance(self.device_step, bool):
+            raise TypeError(f"device_step must be True or False, got {self.device_step!r}")
         if self.split_fn is not None and not callable(self.split_fn):
             raise TypeError(f"split_fn must be callable, got {type(self.split_fn).__name__}")
         if self.plan is not None and not isinstance(self.plan, Plan):
@@ -169,6 +176,8 @@ class EngineConfig:
         if self.compensation is not None and not isinstance(self.compensation, StalenessCompensation):
             raise TypeError(f"compensation must be a roundpipe.StalenessCompensation or None, got "
                             f"{type(self.compensation).__name__}")
+        if self.device_step:
+            check_device_step(self, devices, precision)
         object.__setattr__(self, "worker_devices", devices)
         object.__setattr__(self, "resolved_precision", precision)
         object.__setattr__(self, "_caps", caps)
@@ -193,6 +202,23 @@ class EngineConfig:
 
 
 ENGINE_OPTIONS: tuple[str, ...] = EngineConfig.field_names()
+
+
+def check_device_step(cfg: EngineConfig, devices: list[torch.device], precision: Precision) -> None:
+    """ValueError unless the options allow device_step=True (roundpipe/engine/step/device_step.py)."""
+    why = []
+    if len(devices) != 1:
+        why.append(f"one worker (devices={cfg.devices!r} gives {len(devices)}: a layer's state would have to "
+                   "follow the rotating dispatch)")
+    if cfg.master_dtype != torch.float32:
+        why.append(f"fp32 masters (master_dtype={cfg.master_dtype})")
+    if precision.compute_dtype == torch.float16:
+        why.append("no fp16 loss scaling (compute_dtype=torch.float16): use bfloat16 or float32")
+    for name in ("process_group", "compensation", "offload_dir"):
+        if getattr(cfg, name) is not None:
+            why.append(f"no {name}= (given {getattr(cfg, name)!r})")
+    if why:
+        raise ValueError("device_step=True needs " + "; ".join(why))
 
 
 def check_stall_timeout(value: Any) -> None:

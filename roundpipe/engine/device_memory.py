@@ -108,6 +108,18 @@ def check_schedule(tasks_by_worker: dict[str, list], caps: dict[str, int | None]
                     "memory, or a plan with smaller stages (the automatic planner sizes them for the cap)")
 
 
+def device_step_bytes(host) -> list[int]:
+    """Per layer, the device bytes the device step keeps for it beside its weights
+    (roundpipe/engine/step/device_step.py): per trained parameter an fp32 master (none when the compute
+    dtype is fp32: the master is the weight stages bind), two fp32 state buffers (Adam's moments; other
+    optimizers keep as many or fewer) and two fp32 gradient sums (the step's and the call in flight's);
+    0 for a layer it does not step (a weight shared with another layer)."""
+    groups = host.groups()
+    master = 0 if host.upload_dtype == torch.float32 else 4
+    return [sum(st.params[j].numel() for j in st.trainable) * (master + 8 + 8) if groups[l] == (l,) else 0
+            for l, st in enumerate(host.layers)]
+
+
 class PeakPredictions:
     """The planner's predicted peak device bytes per worker: memory_stats()'s "predicted_peak".
 
@@ -116,8 +128,10 @@ class PeakPredictions:
     figures into the maxima since the last `reset()`, as a worker's measured peak covers
     every schedule it ran (the rotation gives each call its own)."""
 
-    def __init__(self, workers: Sequence, caps: dict[str, int | None], resident_layers: int | None = None):
+    def __init__(self, workers: Sequence, caps: dict[str, int | None], resident_layers: int | None = None,
+                 device_step: bool = False):
         self.workers = workers
+        self.device_step = device_step   # resident trained layers hold masters, state and gradients too
         self.caps = caps
         self.peaks: dict[str, int] = {}   # worker name -> predicted peak since the last reset()
         # RoundPipe(resident_layers=): None picks per schedule under the caps; `auto_resident` False
@@ -150,11 +164,12 @@ class PeakPredictions:
         weights, grads = layer_bytes(host)
         prefetches = any(w.prefetches for w in self.workers)
         mem = autoplan.layer_memory(sample, loss)
+        held = device_step_bytes(host) if self.device_step else None
         if self.resident_layers is None and self.auto_resident:   # the most the caps leave room for
             sched.resident = resident_prefix(sched.tasks, weights, grads, mem, prefetches, self.caps,
-                                             sched.layer_grain, headroom=self.resident_headroom())
+                                             sched.layer_grain, headroom=self.resident_headroom(), held=held)
         predicted = worker_peaks(sched.tasks, weights, grads, mem, prefetches, sched.layer_grain,
-                                 resident=sched.resident)
+                                 resident=sched.resident, held=held)
         for name, need in predicted.items():
             cap = self.caps.get(name)
             if cap is not None and need > cap:

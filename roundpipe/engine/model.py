@@ -50,6 +50,7 @@ from roundpipe.engine.model_steps import ModelSteps
 from roundpipe.engine.state.run_state import RunState
 from roundpipe.engine.step import loss_scale
 from roundpipe.engine.step.async_step import LayerSync
+from roundpipe.engine.step.device_step import DeviceStep
 from roundpipe.engine.step.host_state import HostState
 from roundpipe.engine.step.staleness import StalenessCompensation
 from roundpipe.planner.autosplit import split_module
@@ -130,7 +131,7 @@ class RoundPipe(ModelState, ModelSteps):
                  microbatches_per_round: int | None = None, split_fn: SplitFn | None = None,
                  planning: PlanningConfig | None = None, device_memory: int | dict | None = None,
                  loss_reduction: str = "mean", batchnorm: str = "per-microbatch", recompute: str = "stage",
-                 resident_layers: int | None = None,
+                 resident_layers: int | None = None, device_step: bool = False,
                  precision: Precision | None = None,
                  process_group: Any = None, shard_optimizer: bool = False,
                  compensation: StalenessCompensation | None = None, master_dtype: torch.dtype = torch.float32,
@@ -186,8 +187,11 @@ class RoundPipe(ModelState, ModelSteps):
         if cfg.resident_layers is not None and cfg.resident_layers > L:
             raise ValueError(f"resident_layers={cfg.resident_layers} is more than the model's {L} layers")
         # memory_stats()'s "predicted_peak", and how many first layers keep their weights on the workers
-        self.predictions = PeakPredictions(self.workers, self.device_memory, cfg.resident_layers)
+        self.predictions = PeakPredictions(self.workers, self.device_memory, cfg.resident_layers, cfg.device_step)
         self.resident = ResidentWeights()   # their kept device copies (roundpipe/engine/calls/resident.py)
+        # resident trained layers updated on the worker (roundpipe/engine/step/device_step.py), or None
+        self.device_step = DeviceStep(self.host, self.workers[0]) if cfg.device_step else None
+        self._device_layers: frozenset[int] = frozenset()   # those of the latest call
         for w in self.workers:   # a capped CPU worker also counts compute workspace (ledger.py; ~12% slower)
             w.records_workspace = self.device_memory[w.name] is not None
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
@@ -387,10 +391,21 @@ class RoundPipe(ModelState, ModelSteps):
         edited = [l for l in range(len(host)) if host.edited(l)]
         if not edited:
             return
+        device = self.device_step
+        if device is not None:   # device-stepped masters (device_step.py): edited on stale values, or uploaded again
+            stale = [l for l in edited if device.dirty(l)]
+            if stale:
+                st = host.layers[stale[0]]
+                raise ValueError(f"a master of layer {stale[0]} ({', '.join(st.param_names)}) was changed while "
+                                 "the device step held newer values on the worker (device_step=True): the "
+                                 "change was made to stale masters and is not applied; call "
+                                 "model.synchronize() first, then change them")
         if any(host.freezes_changed(l) for l in edited):
             self._drain()
         for l in edited:
             if self.sync.settled(l):
+                if device is not None:
+                    device.drop(l)
                 host.refresh(l)
 
     def _run(self, mb, training: bool, loss_fn: Callable | None, rng_base: int | None = None,
@@ -429,7 +444,9 @@ class RoundPipe(ModelState, ModelSteps):
                           on_timing=self.autoplan.recorder(key, training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
                           bn_skip=self._bn_skip, precision=self.precision, resident=self.resident,
-                          resident_count=sched.resident, **fields)
+                          resident_count=sched.resident, device_step=self.device_step, **fields)
+        if training and self.device_step is not None:
+            ctx.device_layers = self._device_layers = self.device_step.chosen(sched.resident)
         # A training call's inputs already on a GPU are copied on the caller's stream, owned by the call:
         # its last backward stages recompute from them after it returned (labels are read before it returns).
         own = gpu_input_snapshots(self.workers) if training else None
@@ -442,7 +459,7 @@ class RoundPipe(ModelState, ModelSteps):
             ctx.board.put(("act", 0, m), Handoff(host=inputs[m], gpu_ready=ctx.gpu_ready), sched.input_consumers)
         ctx.call = self.sync.begin_call(training, sched.uploads)
         host, sync, bn = self.host, self.sync, self._bn   # the end runs on a worker thread: no reference to the model
-        resident, predictions = self.resident, self.predictions
+        resident, predictions, device = self.resident, self.predictions, self.device_step
 
         def on_end(run: CallRun) -> None:
             try:
@@ -450,6 +467,8 @@ class RoundPipe(ModelState, ModelSteps):
                     resident.clear()
                     if isinstance(run.error, torch.OutOfMemoryError) and run.ctx.resident_count:
                         predictions.auto_resident = False
+                if device is not None and run.ctx.device_layers:   # its device gradients: kept or dropped
+                    device.end_call(run.ctx.call.index, run.ok)
                 host.end_call(run.ok)   # keeps or takes back the gradients the call landed
                 if run.ok and run.ctx.bn_stats is not None:
                     run.ctx.bn_stats.apply(bn)   # whole-batch BatchNorm statistics, once per call
@@ -551,6 +570,8 @@ class RoundPipe(ModelState, ModelSteps):
         with self._api:
             self._check_open()
             self._drain()
+            if self.device_step is not None:   # device-stepped masters, state and gradients (device_step.py)
+                self.device_step.home(grads=True)
             inv = self.scaler.inverse(self._scale_index()) if self.scaler is not None else None
             for l in range(len(self.host)):   # fp32 p.grad, unscaled by the scale its calls used (loss_scale.py)
                 self.host.materialize(l, inv)
@@ -581,7 +602,11 @@ class RoundPipe(ModelState, ModelSteps):
                 self._retire()   # calls still draining end first; their error is raised
                 for t in self._host_threads():
                     t.wait_idle()
+                if self.device_step is not None:   # the masters the device step updated come home
+                    self.device_step.home(grads=True)
             finally:
+                if self.device_step is not None:
+                    self.device_step.close()
                 for t in self._host_threads():
                     t.close()
                 for w in self.workers:

@@ -45,6 +45,8 @@ class ModelState:
         with self._api:
             self._check_open()
             self._drain()
+            if self.device_step is not None:   # masters the device step updated (device_step.py)
+                self.device_step.home(grads=False)
             sd = self._owner.state_dict(*args, **kwargs)
             if self.offload is not None and self.offload.placeholders:
                 for name in self.offload.masters_on_disk(sd):
@@ -66,6 +68,9 @@ class ModelState:
         with self._api:
             self._check_open()
             self._drain()
+            if self.device_step is not None:   # the optimizer state it updated comes home; the masters are replaced
+                self.device_step.home(grads=False)
+                self.device_step.drop()
             result = self._owner.load_state_dict(state_dict, strict=strict)
             for l in range(len(self.host)):
                 self.host.refresh(l)
@@ -93,6 +98,8 @@ class ModelState:
             pending = self.sync.wait_settled()
             for t in self._host_threads():
                 t.raise_error()
+            if self.device_step is not None:   # masters, state and gradients the device step holds (device_step.py)
+                self.device_step.home(grads=True)
             checkpoint.save(self, path, pending, optimizer, lr_scheduler, extra)
 
     def load_checkpoint(self, path, optimizer=None, lr_scheduler=None) -> dict:
@@ -104,6 +111,8 @@ class ModelState:
             self._check_open()
             self._drain()
             self.resident.clear()   # the weights change under the kept copies (their keys would move too)
+            if self.device_step is not None:   # and the device step's: the checkpoint's are what the next step reads
+                self.device_step.drop(grads=True)
             return checkpoint.load(self, path, optimizer, lr_scheduler)
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
@@ -117,6 +126,9 @@ class ModelState:
         for name, stats in workers.items():   # resident weights (roundpipe/engine/calls/resident.py)
             stats["resident_bytes"] = self.resident.nbytes(name)
             stats["resident_layers"] = len(self.resident.layers(name))
+            if self.device_step is not None and name == self.device_step.worker.name:
+                stats["device_step_bytes"] = self.device_step.nbytes()
+                stats["device_step_layers"] = len(self.device_step.layers)
         host = self.host.host_bytes()
         if optimizer is not None:
             host["optimizer_state"] = sum(v.nbytes for state in optimizer.state.values()

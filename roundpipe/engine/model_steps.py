@@ -44,6 +44,10 @@ class ModelSteps:
         with self._api:
             self._check_open()
             max_norm = check_step_args(asynchronous, lr_scheduler, max_grad_norm, optimizer)
+            if asynchronous and self.device_step is not None:
+                raise ValueError("step(asynchronous=True) with device_step=True: the device step updates the "
+                                 "weights the next call binds in place, so it is synchronous only; call "
+                                 "step(optimizer) (asynchronous=False)")
             comp = self.compensation
             fns = self._make_step(optimizer, lr_scheduler, max_norm, self._scale_index(),
                                   comp.predict if comp is not None and asynchronous else 0.0,
@@ -55,8 +59,11 @@ class ModelSteps:
         """The next step's StepFns; what it was given is kept for a checkpoint saved while it is pending."""
         self.run_state.step_info = {"optimizer": optimizer, "lr_scheduler": lr_scheduler, "max_grad_norm": max_norm,
                            "scale_used": scale_used, "predict": predict, "lr_factor": lr_factor}
+        device = (self.device_step, self.device_step.chosen(0) | self._device_layers) \
+            if self.device_step is not None else None
         fns = make_step(optimizer, self.host, list(self.module.named_parameters()), lr_scheduler, max_norm,
-                        self.scaler, self.sync.steps_issued + 1, scale_used, self.shards, predict, lr_factor)
+                        self.scaler, self.sync.steps_issued + 1, scale_used, self.shards, predict, lr_factor,
+                        device)
         return self.offload.wrap(fns, optimizer) if self.offload is not None else fns
 
     def _scale_index(self) -> int:

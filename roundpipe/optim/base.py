@@ -401,6 +401,51 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._update(self.param_groups[gi], [params[i] for i in chosen], [grads[i] for i in chosen],
                          [upload[i] for i in chosen], clip_coef, predict, rounding)
 
+    # ---- a step of copies held elsewhere (the engine's device step) ------------------------------
+    def state_copies(self, param: torch.Tensor, device: torch.device) -> Buffers:
+        """Copies on `device` of `param`'s state buffers (new ones, as its first update would make them,
+        while it has none), for `step_copies`: roundpipe/engine/step/device_step.py keeps them on a
+        worker while a copy of the master lives there."""
+        (_, bufs), = self._states([param], self._config(self.param_groups[self._group_index(param)]))
+        return {k: v.to(device, copy=True) for k, v in bufs.items()}
+
+    @torch.no_grad()
+    def step_copies(self, params: Sequence[torch.Tensor], copies: Sequence[torch.Tensor],
+                    grads: Sequence[torch.Tensor], buffers: Sequence[Buffers], clip_coef: float = 1.0) -> None:
+        """Updates copies[i], an fp32 copy of params[i] held on another device, from grads[i] (fp32, on the
+        same device, read as grads[i] * clip_coef) and its state buffers[i] (`state_copies`), with torch ops
+        in this optimizer's formula; params[i] itself is left as it is, and its step count advances as
+        step_layer's would.  `store_state` writes the buffers back into the state."""
+        _check_clip_coef(clip_coef)
+        for gi, idx in self._by_group(params).items():
+            config = self._config(self.param_groups[gi])
+            for i in idx:
+                c, g = copies[i], grads[i]
+                if c.dtype != torch.float32 or g.dtype != torch.float32 or c.shape != params[i].shape \
+                        or g.shape != c.shape or g.device != c.device:
+                    raise ValueError(f"step_copies: copies[{i}] and grads[{i}] must be fp32 tensors of shape "
+                                     f"{tuple(params[i].shape)} on one device, got {c.dtype} {tuple(c.shape)} on "
+                                     f"{c.device} and {g.dtype} {tuple(g.shape)} on {g.device}")
+                state = self.state[params[i]]
+                self._torch_step(config, c, g, state, buffers[i], clip_coef)
+                self._commit(state, {})
+
+    def store_state(self, param: torch.Tensor, buffers: Buffers) -> None:
+        """Writes state buffers held elsewhere (`state_copies`, after `step_copies`) into param's state,
+        on param's device (into the state's own tensors where they exist)."""
+        state = self.state[param]
+        for k, v in buffers.items():
+            t = state.get(k)
+            if isinstance(t, torch.Tensor) and t.shape == v.shape and t.dtype == v.dtype:
+                t.copy_(v)
+            else:
+                state[k] = v.to(param.device, copy=True)
+
+    def _group_index(self, param: torch.Tensor) -> int:
+        """The index of param's group; ValueError for a parameter not in this optimizer."""
+        gi = self._by_group([param])
+        return next(iter(gi))
+
     # ---- shared machinery -----------------------------------------------------------------------
     def _by_group(self, params: Sequence[torch.Tensor]) -> dict[int, list[int]]:
         """Indices into `params` per param-group index; ValueError for a parameter not in this optimizer."""

@@ -181,7 +181,7 @@ def _output_bytes(task, mem: Sequence[LayerMemory]) -> int:
 
 def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads: Sequence[int],
                  mem: Sequence[LayerMemory], prefetches: bool, layer_grain: bool = False,
-                 resident: int = 0) -> dict[str, int]:
+                 resident: int = 0, held: Sequence[int] | None = None) -> dict[str, int]:
     """Predicted peak device bytes of each worker over its stage tasks (one call): the worst stage,
     with the previous microbatch's output, and the gradients and last output of the worker's
     previous stage beside it (they leave during this one, roundpipe/workers/transfers.py `pace`),
@@ -190,11 +190,14 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
     keeps between stages (roundpipe/engine/calls/resident.py): beside each stage, the weights of those it
     neither runs nor prefetches.  All of them on every worker: the dispatch rotates from call to call
     (roundpipe/engine/calls/dispatcher.py), so in time each worker has run, and keeps, every such layer
-    (the steady state; earlier calls hold less)."""
+    (the steady state; earlier calls hold less).  `held`: per layer, device bytes a resident layer holds
+    beside its weights all the time (the device step's masters, optimizer state and gradient sums:
+    roundpipe/engine/step/device_step.py)."""
     peaks = {}
     for name, tasks in tasks_by_worker.items():
         worst = 0
         kept = range(resident)
+        always = sum(held[l] for l in kept) if held is not None else 0
         for i, task in enumerate(tasks):
             need = stage_bytes(task.kind, task.layers, weights, grads, mem, len(task.mbs), layer_grain)
             if kept:
@@ -210,14 +213,14 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
                 need += mem[first_input(task, layer_grain)].in_bytes
                 if i + 1 < len(tasks):
                     need += sum(weights[l] for l in tasks[i + 1].layers)
-            worst = max(worst, need)
+            worst = max(worst, need + always)
         peaks[name] = worst
     return peaks
 
 
 def resident_prefix(tasks_by_worker: dict[str, list], weights: Sequence[int], grads: Sequence[int],
                     mem: Sequence[LayerMemory], prefetches: bool, caps: dict[str, int | None],
-                    layer_grain: bool = False, headroom: float = 0.15) -> int:
+                    layer_grain: bool = False, headroom: float = 0.15, held: Sequence[int] | None = None) -> int:
     """The most first layers whose weights every worker can keep between stages with its predicted peak
     (`worker_peaks(resident=)`) at most (1 - headroom) of its cap: a margin for what the model misses
     (measured peaks on CPU workers reach 1.1x the prediction, tests/engine/test_memory.py; with 5% a
@@ -228,7 +231,7 @@ def resident_prefix(tasks_by_worker: dict[str, list], weights: Sequence[int], gr
         return 0
 
     def fits(k: int) -> bool:
-        peaks = worker_peaks(tasks_by_worker, weights, grads, mem, prefetches, layer_grain, resident=k)
+        peaks = worker_peaks(tasks_by_worker, weights, grads, mem, prefetches, layer_grain, resident=k, held=held)
         return all(peaks[n] <= (1 - headroom) * limits[n] for n in limits)
     lo, hi = 0, len(weights)   # the peak grows with k: the largest k that fits, by bisection
     if not fits(0):

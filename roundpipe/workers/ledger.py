@@ -8,6 +8,8 @@ with its category:
                   consumer on the same device, activation gradients handed on
     gradients     parameter gradients of a backward stage (fp32 accumulators included)
                   until their download has read them
+    optimizer     fp32 masters and optimizer state the device step keeps on the worker
+                  (roundpipe/engine/step/device_step.py)
     workspace     what the layer compute itself makes (CPU workers): autograd's saved
                   tensors, the recompute's intermediate activations, attention scores,
                   temporaries; recorded by `WorkspaceTracker` below
@@ -61,7 +63,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-CATEGORIES = ("weights", "activations", "gradients", "workspace")
+CATEGORIES = ("weights", "activations", "gradients", "optimizer", "workspace")
 
 
 class DeviceLedger:
@@ -119,7 +121,7 @@ class DeviceLedger:
         cur[category] += nbytes
         if cur[category] > self.peak[category]:
             self.peak[category] = cur[category]
-        total = cur["weights"] + cur["activations"] + cur["gradients"] + cur["workspace"]
+        total = cur["weights"] + cur["activations"] + cur["gradients"] + cur["optimizer"] + cur["workspace"]
         if total > self.peak_total:
             self.peak_total = total
 

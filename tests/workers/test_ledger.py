@@ -191,9 +191,9 @@ def test_a_storage_is_counted_once_and_moves_to_the_engines_category():
         h.relu_()
         v = h.t()[:10].select(1, 0)
         w.mul_(1.0)
-    assert ledger.stats()["current"] == {"weights": 16384, "activations": 0, "gradients": 0, "workspace": 2048}
+    assert ledger.stats()["current"] == {"weights": 16384, "activations": 0, "gradients": 0, "optimizer": 0, "workspace": 2048}
     ledger.track(h, "gradients")
-    assert ledger.stats()["current"] == {"weights": 16384, "activations": 0, "gradients": 2048, "workspace": 0}
+    assert ledger.stats()["current"] == {"weights": 16384, "activations": 0, "gradients": 2048, "optimizer": 0, "workspace": 0}
     assert ledger.stats()["peak_total"] == 16384 + 4096
     del h, v, w
     assert ledger.live_bytes() == 0

@@ -17,6 +17,7 @@ from roundpipe.engine.calls.board import Board
 from roundpipe.engine.calls.precision import Precision
 from roundpipe.engine.calls.resident import ResidentWeights
 from roundpipe.engine.step.async_step import CallState, LayerSync
+from roundpipe.engine.step.device_step import DeviceStep
 from roundpipe.engine.step.host_state import HostState
 from roundpipe.trace import Trace
 from roundpipe.workers.base import Handoff
@@ -67,6 +68,9 @@ class CallContext:
     # resident weights (resident.py): the model's kept copies, and how many first layers keep theirs
     resident: ResidentWeights | None = None
     resident_count: int = 0
+    # the device step (roundpipe/engine/step/device_step.py) and the layers it steps in this call
+    device_step: DeviceStep | None = None
+    device_layers: frozenset[int] = frozenset()
 
     def abort_requested(self) -> bool:
         return self.board.aborted

@@ -58,12 +58,14 @@ class ResidentWeights:
                 out.append(None if entry is None else entry[1])
             return out
 
-    def keep(self, worker: str, layer: int, keys: list[tuple], tensors: list[torch.Tensor]) -> None:
-        """Keeps a layer's uploaded tensors on the worker under their keys."""
+    def keep(self, worker: str, layer: int, keys: list[tuple], tensors: list[torch.Tensor | None]) -> None:
+        """Keeps a layer's uploaded tensors on the worker under their keys (None: not kept here, a device-stepped
+        weight, roundpipe/engine/step/device_step.py)."""
         with self._lock:
             kept = self._kept.setdefault(worker, {})
             for j, (key, t) in enumerate(zip(keys, tensors)):
-                kept[(layer, j)] = (key, t)
+                if t is not None:
+                    kept[(layer, j)] = (key, t)
 
     def trim(self, worker: str, count: int) -> None:
         """Drops the worker's entries of layers >= count (the prefix shrank); a no-op, without a scan of the

@@ -379,16 +379,23 @@ class StageRun:
                     bound = rep.bound_buffers()
                     self.w.download_buffers([bound[i] for i in written], self._land_buffers(l))
         if task.kind != "F":
-            per_layer = []
+            per_layer, homed = [], []
             dt = self.w.compute_dtype
             for l, bound, acc in zip(task.layers, self.bound, self.acc):
                 st = ctx.host.layers[l]
+                if l in ctx.device_layers:   # stays on the worker in fp32 for the device step (device_step.py)
+                    ctx.device_step.land(ctx.call.index, l, list(acc) if dt != torch.float32
+                                         else [bound[j].grad for j in st.trainable])
+                    acc[:] = [None] * len(acc)
+                    continue
+                homed.append(l)
                 # summed in fp32 over the microbatches, sent home in the compute dtype (rounded once)
                 per_layer.append(self._rounded(acc) if dt != torch.float32 else [bound[j].grad for j in st.trainable])
             # One LPT-windowed download for the whole stage, riding behind the next activation downloads.
             sizes = [len(g) for g in per_layer]
-            self.w.download_grads([g for gs in per_layer for g in gs], len(task.mbs), self._land_grads(sizes),
-                                  urgent=self.last)
+            if homed:
+                self.w.download_grads([g for gs in per_layer for g in gs], len(task.mbs),
+                                      self._land_grads(homed, sizes), urgent=self.last)
 
     def _rounded(self, acc: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The layer's fp32 gradient accumulators in the compute dtype, each accumulator dropped as soon as
@@ -414,11 +421,11 @@ class StageRun:
             self.ctx.board.put(("buf", l, self.task.round), True, 0 if self.task.last_round else 1)
         return land
 
-    def _land_grads(self, sizes: list[int]) -> Callable[[list], None]:
+    def _land_grads(self, layers: list[int], sizes: list[int]) -> Callable[[list], None]:
         def land(host_grads: list) -> None:
             start = 0
             try:   # one wake-up for the stage's layers (wait_grad_write wakes the waiters before it blocks)
-                for l, n in zip(self.task.layers, sizes):
+                for l, n in zip(layers, sizes):
                     with self.w.yielded():   # earlier rounds' writes may come from another worker
                         self.ctx.sync.wait_grad_write(self.ctx.call, l, self.task.round, self.ctx.abort_requested)
                     self.ctx.host.land_grads(l, host_grads[start:start + n])
@@ -442,17 +449,27 @@ def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int, urgen
     """Issues the upload of a stage's weights (in `windows` LPT windows) and registers it per layer."""
     host = [ctx.host.layers[l].upload + ctx.host.layers[l].constants for l in layers]
     keep = [l for l in layers if l < ctx.resident_count]
-    if ctx.resident is None or not keep:
+    # device-stepped weights (roundpipe/engine/step/device_step.py): bound as the device step left them
+    stepped = {l: ctx.device_step.weights(l) for l in layers if l in ctx.device_layers} \
+        if ctx.device_step is not None else {}
+    if (ctx.resident is None or not keep) and not any(t is not None for ts in stepped.values() for t in ts):
         up = w.upload_params(host, windows, urgent)
     else:   # resident weights (resident.py): bind the kept copies whose host values are unchanged
-        ctx.resident.trim(w.name, ctx.resident_count)
-        keys = {l: ctx.host.upload_keys(l) for l in keep}
+        if ctx.resident is not None:
+            ctx.resident.trim(w.name, ctx.resident_count)
+        keys = {l: ctx.host.upload_keys(l) for l in keep} if ctx.resident is not None else {}
         have = [ctx.resident.lookup(w.name, l, keys[l]) if l in keys else [None] * len(h)
                 for l, h in zip(layers, host)]
+        for i, l in enumerate(layers):
+            for j, t in enumerate(stepped.get(l, ())):
+                if t is not None:
+                    have[i][j] = t
         up = w.upload_params(host, windows, urgent, have)
         for l, dev, had in zip(layers, up.params, have):
             if l in keys and any(t is None for t in had):
-                ctx.resident.keep(w.name, l, keys[l], dev)
+                own = stepped.get(l, ())
+                ctx.resident.keep(w.name, l, keys[l], [None if j < len(own) and own[j] is not None else t
+                                                       for j, t in enumerate(dev)])
     done = w.upload_done(up)
     for l in layers:
         ctx.sync.uploaded(ctx.call, l, done)

@@ -100,14 +100,15 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_coefficient(grads: list[torch.Tensor], max_norm: float, scale: float = 1.0,
-                     unscaled: list[torch.Tensor] | None = None) -> float:
+                     unscaled: list[torch.Tensor] | None = None, extra: list[torch.Tensor] | None = None) -> float:
     """clip_grad_norm_'s factor: min(1, max_norm / (total_norm + 1e-6)), computed in fp32 as torch does,
     of `grads` divided by `scale` (a loss scale; a power of two, so the division is exact) together
-    with `unscaled` (gradients already divided by it: shown as p.grad after synchronize()).
+    with `unscaled` (gradients already divided by it: shown as p.grad after synchronize()) and `extra`
+    (fp32 norms of gradients held elsewhere: the device step's layers).
 
     Not roundpipe.optim.grad_norm + clip_coef: those work in float64, so the factor could differ
     from torch's in its last bit, and step(max_grad_norm=) promises clip_grad_norm_'s numbers."""
-    parts = [_total_norm(gs) / s for gs, s in ((grads, scale), (unscaled or [], 1.0)) if gs]
+    parts = [_total_norm(gs) / s for gs, s in ((grads, scale), (unscaled or [], 1.0)) if gs] + list(extra or [])
     if not parts:
         return 1.0
     total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
@@ -164,7 +165,7 @@ class _Scaling:
 def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, torch.nn.Parameter]],
               lr_scheduler: Any = None, max_grad_norm: float | None = None, scaler: Any = None,
               step_index: int = 0, scale_used: int = 0, shards: Any = None, predict: float = 0.0,
-              lr_factor: float = 1.0) -> StepFns:
+              lr_factor: float = 1.0, device: tuple[Any, frozenset[int]] | None = None) -> StepFns:
     """The protocol's view of one step with this optimizer (TypeError/ValueError before anything runs).
 
     With a loss scaler, step `step_index`'s gradients carry the scale of its history entry
@@ -172,7 +173,8 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
     an overflowed step updates nothing (the lr scheduler is not stepped), a good one reads
     them divided by the scale.  Staleness compensation (roundpipe/engine/step/staleness.py): `predict`
     makes the fused pass write the predicted next weights into the upload copies, `lr_factor`
-    scales every group's learning rate for this step only."""
+    scales every group's learning rate for this step only.  `device`: (the DeviceStep, the layers it
+    updates on the worker: roundpipe/engine/step/device_step.py)."""
     from roundpipe.optim.base import FusedOptimizer
 
     params = [p for _, p in named_params]
@@ -188,6 +190,12 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                          "sharded step rewrites the upload copies from the gathered masters)")
     if shards is not None:
         return _sharded_step(optimizer, host, named_params, lr_scheduler, max_grad_norm, scaling, all_grads, shards)
+    if device is not None and device[1]:
+        if not isinstance(optimizer, FusedOptimizer):
+            raise ValueError(f"device_step=True steps layers {sorted(device[1])} with the optimizer's own formula in "
+                             f"torch ops on the worker: it needs a roundpipe.optim optimizer (AdamW, Adam, SGD, "
+                             f"Adagrad, Lion), got {type(optimizer).__name__}")
+        return _device_step(optimizer, host, named_params, lr_scheduler, max_grad_norm, scaling, all_grads, device)
     if callable(getattr(optimizer, "step_layer", None)):
         if isinstance(optimizer, torch.optim.Optimizer):
             check_optimizer_params(optimizer, named_params)
@@ -269,6 +277,44 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         if lr_scheduler is not None and not scaling.skipped:
             lr_scheduler.step()
     return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after, host.in_place())
+
+
+def _device_step(optimizer: Any, host: HostState, named_params: list, lr_scheduler: Any,
+                 max_grad_norm: float | None, scaling: _Scaling, all_grads: Callable[[], list[torch.Tensor]],
+                 device: tuple[Any, frozenset[int]]) -> StepFns:
+    """device_step=True (roundpipe/engine/step/device_step.py): the device layers are updated on the worker
+    by FusedOptimizer.step_copies, the others on the host by step_layer, as the per-layer fused path does.
+    Clipping reads every layer's gradient: the device layers' norms join the host's."""
+    check_optimizer_params(optimizer, named_params)
+    dev, layers = device
+    clip = [1.0]
+
+    def measure() -> None:
+        clip[0] = clip_coefficient(all_grads(), max_grad_norm, 1.0, None, extra=dev.grad_norms())
+
+    def update_many(ls: list[int]) -> None:
+        on_host = [l for l in ls if l not in layers]
+        if on_host:
+            params, upload, grads = [], [], []
+            for l in on_host:
+                p, u = host.step_params(l)
+                params += p
+                upload += u
+                grads += host.step_grads(l)
+            with torch.no_grad():
+                optimizer.step_layer(params, upload, clip_coef=clip[0], grads=grads)
+            for l in on_host:
+                host.stamp(l)
+        for l in ls:
+            if l in layers:
+                dev.update(l, optimizer, clip[0])
+
+    def clear(l: int) -> None:
+        host.clear_grads(l)
+        if l in layers:   # a failed update consumes the device gradients too
+            dev.drop_grads(l)
+    return StepFns(measure if max_grad_norm is not None else None, False, lambda l: update_many([l]), host.pcopy,
+                   clear, _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped), update_many=update_many)
 
 
 def _rounding(host: HostState) -> dict[str, str]:
