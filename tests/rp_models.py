@@ -146,3 +146,17 @@ def assert_grads_equal(model, ref, tol):
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.grad is not None, name
         assert max_rel_err(p.grad, q.grad) <= tol, (name, max_rel_err(p.grad, q.grad))
+
+
+class Adapted(nn.Module):
+    """A frozen base linear plus a small trained adapter (LoRA's shape of training)."""
+
+    def __init__(self, width=16, rank=2):
+        super().__init__()
+        self.base = nn.Linear(width, width)
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(width, rank, bias=False)
+        self.up = nn.Linear(rank, width, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.base(x) + self.up(self.down(x)))

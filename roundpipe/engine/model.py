@@ -445,7 +445,7 @@ class RoundPipe(ModelState, ModelSteps):
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
                           bn_skip=self._bn_skip, precision=self.precision, resident=self.resident,
                           resident_count=sched.resident, device_step=self.device_step, **fields)
-        if training and self.device_step is not None:
+        if self.device_step is not None:   # a forward-only call binds the device-stepped weights too
             ctx.device_layers = self._device_layers = self.device_step.chosen(sched.resident)
         # A training call's inputs already on a GPU are copied on the caller's stream, owned by the call:
         # its last backward stages recompute from them after it returned (labels are read before it returns).

@@ -9,27 +9,13 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from rp_models import MODELS, Slow
+from rp_models import MODELS, Adapted, Slow
 from torch import nn
 
 import roundpipe as rp
 
 # 6 layers: forward stages [0-1] [2-4], fused tail [5], backward stages [2-4] [0-1]
 PLAN6 = rp.Plan(forward=[range(0, 2), range(2, 5)], backward=[range(5, 6), range(2, 5), range(0, 2)])
-
-
-class Adapted(nn.Module):
-    """A frozen base linear plus a small trained adapter (LoRA's shape of training)."""
-
-    def __init__(self, width=16, rank=2):
-        super().__init__()
-        self.base = nn.Linear(width, width)
-        self.base.requires_grad_(False)
-        self.down = nn.Linear(width, rank, bias=False)
-        self.up = nn.Linear(rank, width, bias=False)
-
-    def forward(self, x):
-        return torch.tanh(self.base(x) + self.up(self.down(x)))
 
 
 def _mlp():

@@ -92,7 +92,7 @@ class DeviceStep:
         """A backward stage's fp32 gradient sums of a device layer (per trained parameter, None: none),
         kept apart for the call until it ends."""
         st = self.host.layers[layer]
-        with self._lock:
+        with self._lock, self.worker.compute():
             pending = self._pending.setdefault(call, {})
             for j, g in zip(st.trainable, grads):
                 if g is None:
