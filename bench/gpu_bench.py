@@ -22,7 +22,7 @@ fp32 masters and fp32 Adam state, 5 warm-up + 10 timed steps, lr 1e-4 so the los
     llama-3.1-8b      full fine-tuning at 24 GiB: ours with 8-bit Adam state and bf16 masters (~6 host
                       bytes/param); 16-18 bytes/param do not fit a 128 GiB host, and those rows say so
 
-Providers: ours-sync, ours-async, torch, fsdp2-offload, deepspeed-zero-offload, roundpipe-0.1.1
+Providers: ours-sync, ours-async, ours-device, torch, fsdp2-offload, deepspeed-zero-offload, roundpipe-0.1.1
 (bench/gpu_providers.py says how each trains).  Peers come from wheels that scripts/fetch-peers.sh
 put in .whl/peers/ and scripts/gpu-bench.sh installed into one --target folder each under --peers.
 
@@ -59,7 +59,8 @@ from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, DecoderShape  # noqa: E40
 
 GiB = 1 << 30
 CHILD = Path(__file__).with_name("gpu_providers.py")
-PROVIDERS = ("ours-sync", "ours-async", "torch", "fsdp2-offload", "deepspeed-zero-offload", "roundpipe-0.1.1")
+PROVIDERS = ("ours-sync", "ours-async", "ours-device", "torch", "fsdp2-offload", "deepspeed-zero-offload",
+             "roundpipe-0.1.1")
 PEERS = ("fsdp2-offload", "deepspeed-zero-offload", "roundpipe-0.1.1")
 PEER_FOLDERS = {"deepspeed-zero-offload": ("deepspeed", "deepspeed"), "roundpipe-0.1.1": ("roundpipe-0.1.1", "roundpipe")}
 # Host bytes per trainable parameter (docs/architecture.md, host-resident state): fp32 master 4 + Adam m, v 8 + upload copy
@@ -105,9 +106,9 @@ def plan(dry: bool, cap: int, timeout: float) -> list[Case]:
         big = Workload("llama-3.1-8b", LLAMA_3_1_8B, 4, 2048, state="8bit")
         search = replace(qwen, batch=1)
     cases = [Case(qwen, p, cap, timeout * (1.5 if p == "deepspeed-zero-offload" else 1.0)) for p in PROVIDERS]
-    cases += [Case(qwen, "ours-async", None, timeout), Case(qwen, "torch", None, timeout)]
+    cases += [Case(qwen, p, None, timeout) for p in ("ours-async", "ours-device", "torch")]
     cases += [Case(search, "ours-maxseq", cap, timeout), Case(search, "ours-predicted", cap, timeout)]
-    cases += [Case(lora, p, cap, timeout) for p in PROVIDERS if p != "ours-sync"]
+    cases += [Case(lora, p, cap, timeout) for p in PROVIDERS if p not in ("ours-sync", "ours-device")]
     cases += [Case(big, p, cap, timeout * 1.5) for p in ("ours-async", "fsdp2-offload", "deepspeed-zero-offload",
                                                           "roundpipe-0.1.1")]
     return cases

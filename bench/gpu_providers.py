@@ -22,6 +22,8 @@ Providers (the spec's "provider"):
 
     ours-sync / ours-async   rp.hf.wrap on the worker (cuda:0, or ["cpu"] dry), rp.optim.AdamW,
                              model.step(asynchronous=False / True); device_memory= the cap
+    ours-device              ours-sync with device_step=True: the resident layers (as many as the cap
+                             leaves room for; every layer in the dry run) updated on the worker
     torch                    the HF model on the device, autocast bf16, torch AdamW (fused on CUDA)
     fsdp2-offload            torch.distributed.fsdp.fully_shard per decoder layer and the root, one rank
                              (gloo + nccl on localhost), CPUOffloadPolicy, MixedPrecisionPolicy(bf16)
@@ -127,6 +129,10 @@ def run_ours(spec: dict) -> dict:
         options["quantize"] = "nf4"
     if spec.get("state") == "8bit":
         options["master_dtype"] = torch.bfloat16
+    if spec["provider"] == "ours-device":   # the device step (roundpipe/engine/step/device_step.py)
+        options["device_step"] = True
+        if not cuda:   # CPU workers have no cap to size the resident prefix from: every layer
+            options["resident_layers"] = hf.config.num_hidden_layers + 2
     model = rp.hf.wrap(hf, **options)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = (rp.optim.AdamW8bit if spec.get("state") == "8bit" else rp.optim.AdamW)(params, lr=spec["lr"])
@@ -145,7 +151,7 @@ def run_ours(spec: dict) -> dict:
         out = timed(spec, step, model.synchronize)
         out["exposed_step_s"] = exposed_step(spec, step, alone, model.synchronize)
         worker = next(iter(model.memory_stats()["workers"].values()))   # resident weights (docs/planner.md)
-        out["kept_layers"] = worker["resident_layers"]
+        out["kept_layers"] = worker.get("device_step_layers", worker["resident_layers"])
         return out
     finally:
         model.close()
@@ -353,8 +359,8 @@ def run_prediction(spec: dict) -> dict:
     return {"seq_len": fit.seq_len, "search": f"predicted; binding: {fit.binding.name}"}
 
 
-RUNNERS = {"ours-sync": run_ours, "ours-async": run_ours, "torch": run_torch, "fsdp2-offload": run_fsdp2,
-           "deepspeed-zero-offload": run_deepspeed, "roundpipe-0.1.1": run_published, "ours-maxseq": run_maxseq,
+RUNNERS = {"ours-sync": run_ours, "ours-async": run_ours, "ours-device": run_ours, "torch": run_torch,
+           "fsdp2-offload": run_fsdp2, "deepspeed-zero-offload": run_deepspeed, "roundpipe-0.1.1": run_published, "ours-maxseq": run_maxseq,
            "ours-predicted": run_prediction}
 
 

@@ -50,9 +50,9 @@ def _batches(n, seed=1):
     return [(torch.randn(7, WIDTH), torch.randn(7, WIDTH)) for _ in range(n)]
 
 
-def _model(layers, device_step, **kw):
+def _model(layers, device_step, device="cpu", **kw):
     kw.setdefault("resident_layers", 6)
-    return rp.RoundPipe(layers, devices=["cpu"], num_microbatches=3, plan=PLAN6, microbatches_per_round=3,
+    return rp.RoundPipe(layers, devices=[device], num_microbatches=3, plan=PLAN6, microbatches_per_round=3,
                         device_step=device_step, **kw)
 
 
@@ -307,3 +307,38 @@ def test_a_forward_only_call_reads_the_device_stepped_weights():
             outs.append(model(x))
     torch.testing.assert_close(outs[1], outs[0], **TOL)
     assert not torch.equal(outs[0], nn.Sequential(*_mlp())(x))   # the steps changed the weights
+
+
+def test_the_memory_model_counts_what_the_device_step_keeps():
+    """Per trained parameter of a device-stepped layer: fp32 moments 8 + two fp32 gradient sums 8, plus an fp32
+    master 4 when the compute dtype is not fp32; under a cap the resident prefix is shorter for it."""
+    from types import SimpleNamespace
+
+    from roundpipe.engine.device_memory import device_step_bytes
+    from roundpipe.engine.step.host_state import HostState
+    from roundpipe.planner.memory import LayerMemory, resident_prefix, worker_peaks
+
+    layers = _mlp()
+    n = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    assert device_step_bytes(HostState(layers, torch.float32, pinned=False)) == [16 * k for k in n]
+    assert device_step_bytes(HostState(_mlp(), torch.bfloat16, pinned=False)) == [20 * k for k in n]
+    tasks = {"w": [SimpleNamespace(kind="F", layers=range(0, 3), mbs=[0]),
+                   SimpleNamespace(kind="fused", layers=range(3, 4), mbs=[0]),
+                   SimpleNamespace(kind="B", layers=range(0, 3), mbs=[0])]}
+    mem, weights, grads, held = [LayerMemory.rough(20)] * 4, [100] * 4, [200] * 4, [400] * 4
+    plain = worker_peaks(tasks, weights, grads, mem, False, resident=2)["w"]
+    assert worker_peaks(tasks, weights, grads, mem, False, resident=2, held=held)["w"] == plain + 800
+    cap = {"w": int(worker_peaks(tasks, weights, grads, mem, False, resident=4)["w"] / 0.85) + 1}
+    assert resident_prefix(tasks, weights, grads, mem, False, cap) == 4
+    assert resident_prefix(tasks, weights, grads, mem, False, cap, held=held) < 4
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_device_step_equals_the_host_step():
+    """One CUDA worker (bf16 compute): masters, moments and gradient sums on the GPU, updated on the compute stream
+    and bound by the next call; the host step's numbers within bf16's reach (its gradients travel in bf16)."""
+    host = _run(_mlp(), False, device="cuda:0", compute_dtype=torch.bfloat16)
+    dev = _run(_mlp(), True, device="cuda:0", compute_dtype=torch.bfloat16)
+    for k in host[1]:
+        torch.testing.assert_close(dev[1][k], host[1][k], rtol=2e-2, atol=2e-3, msg=k)
+    assert [t for t in dev[3][1:]] == [(0, 0), (0, 0)], dev[3]
