@@ -52,6 +52,7 @@ from roundpipe.engine.step import loss_scale
 from roundpipe.engine.step.async_step import LayerSync
 from roundpipe.engine.step.device_step import DeviceStep
 from roundpipe.engine.step.host_state import HostState
+from roundpipe.engine.step.optimizer_step import total_norm
 from roundpipe.engine.step.staleness import StalenessCompensation
 from roundpipe.planner.autosplit import split_module
 from roundpipe.planner.plan import Plan
@@ -575,6 +576,22 @@ class RoundPipe(ModelState, ModelSteps):
             inv = self.scaler.inverse(self._scale_index()) if self.scaler is not None else None
             for l in range(len(self.host)):   # fp32 p.grad, unscaled by the scale its calls used (loss_scale.py)
                 self.host.materialize(l, inv)
+
+    def grad_norm(self) -> torch.Tensor:
+        """clip_grad_norm_'s total 2-norm of the gradients accumulated since the last step (0 without any), a
+        0-dim fp32 CPU tensor.  Waits for the calls and steps as synchronize() does; with device_step=True the
+        device-stepped layers' gradients stay on the worker (their norms are read there) and no master comes
+        home, so it costs no sync point of theirs (rp.hf.Trainer logs it every step)."""
+        with self._api:
+            self._check_open()
+            if self.device_step is None:
+                self.synchronize()
+                grads = [p.grad for p in self.parameters() if p.grad is not None]
+                return torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+            self._drain()   # fp16 loss scaling is refused with the device step: the gradients are unscaled
+            held = [g for l in range(len(self.host)) for g in self.host.step_grads(l) if g is not None]
+            parts = ([total_norm(held)] if held else []) + self.device_step.grad_norms()
+            return torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros(())
 
     def wait_calls(self) -> None:
         """Waits until the training calls still running after they returned (their last backward

@@ -208,9 +208,7 @@ class TrainerMixin:
         """clip_grad_norm_'s total norm of every p.grad (after a sync point), or None in the asynchronous step."""
         if grad_norm is not None or self.asynchronous:
             return grad_norm
-        self.rp_model.synchronize()
-        grads = [p.grad for p in self.rp_model.parameters() if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        return self.rp_model.grad_norm()
 
     # ---- the training loop
     def _run_epoch(self, model, *args, **kwargs):

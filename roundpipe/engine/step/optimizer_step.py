@@ -87,7 +87,7 @@ def _fp32_norm(g: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(c, dtype=torch.float32) for c in pieces]))
 
 
-def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm over all gradients; low-precision ones (held bf16/fp16) are read in fp32, as
     clip_grad_norm_ would read their fp32 `p.grad`, at most NORM_CHUNK elements at a time."""
     if any(g.dtype != torch.float32 for g in grads):
@@ -108,7 +108,7 @@ def clip_coefficient(grads: list[torch.Tensor], max_norm: float, scale: float = 
 
     Not roundpipe.optim.grad_norm + clip_coef: those work in float64, so the factor could differ
     from torch's in its last bit, and step(max_grad_norm=) promises clip_grad_norm_'s numbers."""
-    parts = [_total_norm(gs) / s for gs, s in ((grads, scale), (unscaled or [], 1.0)) if gs] + list(extra or [])
+    parts = [total_norm(gs) / s for gs, s in ((grads, scale), (unscaled or [], 1.0)) if gs] + list(extra or [])
     if not parts:
         return 1.0
     total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
