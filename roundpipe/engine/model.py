@@ -421,6 +421,8 @@ class RoundPipe(ModelState, ModelSteps):
         given (a composed call's backward repeats its forward's); layer_grain: the call's recompute grain
         (None: the model's); fields: more CallContext fields."""
         self._refresh_edited()
+        if self.device_step is not None and not self.predictions.auto_resident and self.device_step.layers:
+            self.device_step.evict()   # a call ran out of device memory: the device keeps nothing more
         loss = (self._as_run(loss_fn), mb.labels[0]) if training and loss_fn is not None else None
         plan = self.autoplan.before_call((mb.args[0], mb.kwargs[0]), len(mb), training, loss)   # the safe point
         if training and self.dp is not None:

@@ -342,3 +342,51 @@ def test_on_a_gpu_the_device_step_equals_the_host_step():
     for k in host[1]:
         torch.testing.assert_close(dev[1][k], host[1][k], rtol=2e-2, atol=2e-3, msg=k)
     assert [t for t in dev[3][1:]] == [(0, 0), (0, 0)], dev[3]
+
+
+def test_running_out_of_memory_brings_the_device_state_home():
+    """A call that runs out of device memory ends residency: the device step's masters, state and gradients come
+    home and its layers are stepped on the host from then on, as a model that never stepped on the device."""
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+
+    def train(device_step, fail):
+        with _model(_mlp(), device_step, device_memory=1_000_000, resident_layers=6 if device_step else 0) as model:
+            opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.step(opt)
+            if fail:
+                assert model.memory_stats()["workers"]["cpu:0"]["device_step_layers"] == 6
+                model.workers[0].inject_oom("backward")
+                with pytest.raises(torch.OutOfMemoryError):
+                    model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                    model.wait_calls()
+            losses = []
+            for _ in range(2):
+                losses.append(float(model.forward_backward(x, labels=y, loss_fn=F.mse_loss)))
+                model.step(opt)
+            stats = model.memory_stats()["workers"]["cpu:0"]
+            return losses, model.state_dict(), stats.get("device_step_bytes", 0), stats["current"]["optimizer"]
+    failed, clean = train(True, True), train(False, False)
+    torch.testing.assert_close(torch.tensor(failed[0]), torch.tensor(clean[0]), **TOL)
+    _close(failed[1], clean[1])
+    assert failed[2:] == (0, 0), failed[2:]
+
+
+def test_a_checkpoint_with_a_pending_asynchronous_step_loads(tmp_path):
+    """Saved by the host step with its asynchronous step pending: a device-step model re-issues it on the host (it
+    holds nothing on the device after a load), with its stale window; the masters equal the host step's."""
+    batches = _batches(2)
+    with _model(_mlp(), False) as model:
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches:
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+            model.step(opt, asynchronous=True)
+        model.save_checkpoint(tmp_path / "ck", opt)
+    loaded = []
+    for device_step in (False, True):
+        with _model(_mlp(), device_step) as model:
+            opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+            model.load_checkpoint(tmp_path / "ck", opt)
+            model.synchronize()
+            loaded.append(model.state_dict())
+    _close(loaded[1], loaded[0])

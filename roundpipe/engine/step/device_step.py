@@ -24,6 +24,8 @@ Where the truth lives.  Between steps the worker's masters and state are newer t
 (`dirty`).  They come home at the model's sync points: `synchronize()` (with the gradients, into
 p.grad), `state_dict()`, `save_checkpoint` (with the gradients), `close()`, and the optimizer's
 own `state_dict()` (a hook).  A synchronous step is not one: read masters after `synchronize()`.
+A call that runs out of device memory with kept weights ends residency (roundpipe/engine/calls/resident.py);
+the device step's tensors then come home too (`evict`) and its layers are stepped on the host.
 A master the user changes after a sync point is uploaded again at the next call or step (its
 device copies are dropped); one changed while its device copy is newer is a ValueError, since
 the change was made to stale values.  `load_state_dict` / `load_checkpoint` drop the device
@@ -217,6 +219,12 @@ class DeviceStep:
                     rec.grad.clear()
                 if not rec.grad:
                     del self.layers[l]
+
+    def evict(self) -> None:
+        """Everything comes home and the device keeps nothing (after a call ran out of device memory: the
+        layers are stepped on the host from then on, the resident prefix being 0)."""
+        self.home(grads=True)
+        self.drop(grads=True)
 
     def drop_state(self) -> None:
         """The optimizer loaded a state: the device copies of the old one are forgotten (the masters stay)."""
