@@ -16,6 +16,9 @@ Providers, each in a fresh subprocess (so its peak RSS is its own), same batches
     roundpipe sync    rp.hf.wrap on the workers (every GPU, else one CPU worker), rp.optim.AdamW,
                       synchronous step (trains exactly like hf); compute dtype bf16 on CUDA, fp32 on CPU
     roundpipe async   the same with the one-step-stale asynchronous step
+    roundpipe device  roundpipe sync with device_step=True on one worker: every layer's fp32 masters,
+                      Adam state and gradients on it, updated there (roundpipe/engine/step/device_step.py);
+                      with a GPU as many layers as its free memory leaves room for
     deepspeed         ZeRO-2 with the optimizer offloaded to the CPU (ZeRO-Offload), bf16, one GPU;
                       only with a GPU and a deepspeed importable from --peer-path /
                       $ROUNDPIPE_PEER_PATH, a separate folder as in bench/cpu_optim.py (never a
@@ -49,7 +52,7 @@ MODELS = {   # name: (hidden, layers, heads, kv heads, head_dim, ffn, vocab, bat
     "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144, 151936, 8, 2048),
     "qwen3-4b": (2560, 36, 32, 8, 128, 9728, 151936, 8, 2048),
 }
-PROVIDERS = ("hf", "roundpipe sync", "roundpipe async", "deepspeed")
+PROVIDERS = ("hf", "roundpipe sync", "roundpipe async", "roundpipe device", "deepspeed")
 
 
 def build(name: str):
@@ -112,7 +115,11 @@ def child(spec: dict) -> dict:
         elif provider.startswith("roundpipe"):
             import roundpipe as rp
             devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else ["cpu"]
-            model = rp.hf.wrap(hf, devices=devices)
+            options = {}
+            if provider.endswith("device"):   # one worker; CPU workers have no cap to size the prefix: all layers
+                devices = devices[:1]
+                options = {"device_step": True, "resident_layers": None if cuda else MODELS[name][1] + 2}
+            model = rp.hf.wrap(hf, devices=devices, **options)
             opt = rp.optim.AdamW(model.parameters(), lr=1e-5)
             asynchronous = provider.endswith("async")
 
