@@ -415,7 +415,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Updates copies[i], an fp32 copy of params[i] held on another device, from grads[i] (fp32, on the
         same device, read as grads[i] * clip_coef) and its state buffers[i] (`state_copies`), with torch ops
         in this optimizer's formula; params[i] itself is left as it is, and its step count advances as
-        step_layer's would.  `store_state` writes the buffers back into the state."""
+        step_layer's would.  `store_state` writes the buffers back into the state (until then a buffer
+        the state had none of is the copy itself)."""
         _check_clip_coef(clip_coef)
         for gi, idx in self._by_group(params).items():
             config = self._config(self.param_groups[gi])
@@ -428,7 +429,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                                      f"{c.device} and {g.dtype} {tuple(g.shape)} on {g.device}")
                 state = self.state[params[i]]
                 self._torch_step(config, c, g, state, buffers[i], clip_coef)
-                self._commit(state, {})
+                # a buffer the state lacked is stored (the copy itself, until store_state): some formulas tell
+                # their first update by its absence (SGD's momentum takes the first gradient as it is)
+                self._commit(state, {k: v for k, v in buffers[i].items() if k not in state})
 
     def store_state(self, param: torch.Tensor, buffers: Buffers) -> None:
         """Writes state buffers held elsewhere (`state_copies`, after `step_copies`) into param's state,
@@ -436,9 +439,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = self.state[param]
         for k, v in buffers.items():
             t = state.get(k)
-            if isinstance(t, torch.Tensor) and t.shape == v.shape and t.dtype == v.dtype:
+            if isinstance(t, torch.Tensor) and t is not v and t.device == param.device and t.shape == v.shape \
+                    and t.dtype == v.dtype:
                 t.copy_(v)
-            else:
+            else:   # none yet, or the copy itself (step_copies stored a buffer the state lacked)
                 state[k] = v.to(param.device, copy=True)
 
     def _group_index(self, param: torch.Tensor) -> int:

@@ -390,3 +390,18 @@ def test_a_checkpoint_with_a_pending_asynchronous_step_loads(tmp_path):
             model.synchronize()
             loaded.append(model.state_dict())
     _close(loaded[1], loaded[0])
+
+
+def test_a_new_optimizer_starts_from_its_own_state_and_the_old_one_keeps_its_own():
+    batches = _batches(4)
+    results = []
+    for device_step in (False, True):
+        with _model(_mlp(), device_step) as model:
+            first = rp.optim.AdamW(model.parameters(), lr=1e-2)
+            _train(model, first, batches[:2])
+            second = rp.optim.SGD(model.parameters(), lr=1e-1, momentum=0.9)
+            _train(model, second, batches[2:])
+            results.append((model.state_dict(), first.state_dict(), second.state_dict()))
+    _close(results[1][0], results[0][0])
+    _close_opt(results[1][1], results[0][1])
+    _close_opt(results[1][2], results[0][2])

@@ -250,6 +250,10 @@ class DeviceStep:
             return
         for h in self._hooks:
             h.remove()
+        for layer, rec in self.layers.items():   # another optimizer: the old one's state goes back to it
+            for j, bufs in rec.state.items():
+                self._optimizer.store_state(self.host.layers[layer].params[j], bufs)
+            rec.state.clear()
         self._optimizer = optimizer
         me = weakref.ref(self)   # the optimizer may outlive the model: its hooks must not keep it
         self._hooks = [optimizer.register_state_dict_pre_hook(lambda opt: _call(me, "home", grads=False)),
