@@ -92,6 +92,10 @@ LAYER_GRAIN = 0.5
 # roundpipe/engine/calls/resident.py): edits, loads, failed calls and asynchronous windows must all see the
 # weights the host holds.  The canonical rerun keeps none, so the two are checked bit for bit.
 RESIDENT = 0.5
+# How often a case that can (fp32 or lora4, one worker, roundpipe.optim's AdamW) steps its resident layers on the
+# worker (RoundPipe(device_step=True), roundpipe/engine/step/device_step.py); its steps are then synchronous.
+# Checked against plain PyTorch like any fp32 case: the device update is the optimizer's formula in torch ops.
+DEVICE_STEP = 0.5
 
 
 def run_with_watchdog(fn, timeout_s=CASE_TIMEOUT_S):
@@ -239,6 +243,10 @@ def draw_case(seed: int, kind: str | None = None, n_ops: tuple[int, int] = (10, 
     # drawn last, so that the draws above are those of the seeds before recompute="layer" existed
     options["recompute"] = "layer" if rng.random() < LAYER_GRAIN else "stage"
     options["resident_layers"] = rng.randint(1, layers) if rng.random() < RESIDENT else 0   # drawn after it, too
+    if kind in ("fp32", "lora4") and workers == 1 and optimizer == "rp" and rng.random() < DEVICE_STEP:
+        options["device_step"] = True
+        options["resident_layers"] = rng.randint(1, layers + 1)   # the head too, at times
+        ops = [(op[0], False, *op[2:]) if op[0] in ("step", "late_bwd") else op for op in ops]   # synchronous only
     return Case(seed, kind, workers, layers, fail_at, num_mb, optimizer, options, ops)
 
 
@@ -269,7 +277,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def engine_options(case: Case, tmp: str) -> dict:
     kw = dict(devices=["cpu"] * case.workers, num_microbatches=case.num_mb, stall_timeout=STALL_S,
-              recompute=case.options.get("recompute", "stage"), resident_layers=case.options.get("resident_layers", 0))
+              recompute=case.options.get("recompute", "stage"), resident_layers=case.options.get("resident_layers", 0),
+              device_step=case.options.get("device_step", False))
     for name in ("compute_dtype", "master_dtype"):
         if name in case.options:
             kw[name] = DTYPES[case.options[name]]

@@ -591,8 +591,9 @@ class RoundPipe(ModelState, ModelSteps):
                 grads = [p.grad for p in self.parameters() if p.grad is not None]
                 return torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
             self._drain()   # fp16 loss scaling is refused with the device step: the gradients are unscaled
+            on_device = self.device_step.grad_norms()   # first: the host's gradients of its layers join theirs
             held = [g for l in range(len(self.host)) for g in self.host.step_grads(l) if g is not None]
-            parts = ([total_norm(held)] if held else []) + self.device_step.grad_norms()
+            parts = ([total_norm(held)] if held else []) + on_device
             return torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros(())
 
     def wait_calls(self) -> None:

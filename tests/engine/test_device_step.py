@@ -405,3 +405,22 @@ def test_a_new_optimizer_starts_from_its_own_state_and_the_old_one_keeps_its_own
     _close(results[1][0], results[0][0])
     _close_opt(results[1][1], results[0][1])
     _close_opt(results[1][2], results[0][2])
+
+
+def test_clipping_after_a_sync_point_reads_each_gradient_once(tmp_path):
+    """save_checkpoint brings the device gradient sums home into p.grad; the calls after it land theirs on the
+    worker again: the clip's norm is that of their sum (found by the soak: it combined the two parts' norms)."""
+    batches = _batches(2)
+    results = []
+    for device_step in (False, True):
+        with _model(_mlp(), device_step) as model:
+            opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+            for i, (x, y) in enumerate(batches):
+                model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                if i == 0:
+                    model.save_checkpoint(tmp_path / f"ck{device_step}", opt)
+            norm = float(model.grad_norm())
+            model.step(opt, max_grad_norm=0.05)
+            results.append((norm, model.state_dict()))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
+    _close(results[1][1], results[0][1])

@@ -116,8 +116,12 @@ class DeviceStep:
                     rec.grad[j] = g if have is None else have.add_(g)
 
     def grad_norms(self) -> list[torch.Tensor]:
-        """Per device layer with gradients, the fp32 2-norm of its gradient sums, on the host."""
+        """Per device layer with gradients, the fp32 2-norm of its gradient sums, on the host.  Gradients of its
+        layers that the host holds (shown by synchronize(), saved by save_checkpoint) join the device sums
+        first: a parameter's gradient is their sum, and its norm is not the norms' combination."""
         with self._lock, self.worker.compute():
+            for layer in self.layers:
+                self._absorb(layer)
             out = []
             for rec in self.layers.values():
                 gs = list(rec.grad.values())
@@ -145,10 +149,7 @@ class DeviceStep:
                     rec.master[j] = w.ledger.track(p.detach().to(w.device, copy=True), "optimizer")
                     if w.compute_dtype == torch.float32:
                         rec.weight[j] = rec.master[j]
-                host_grad = p.grad if p.grad is not None else st.held[j]
-                if host_grad is not None:   # shown at a sync point: they go back with the device's
-                    g = host_grad.to(w.device, torch.float32, copy=True)
-                    rec.grad[j] = g if j not in rec.grad else rec.grad[j].add_(g)
+            self._absorb(layer)
             live = [j for j in st.trainable if j in rec.grad]
             for j in live:
                 if j not in rec.state:
@@ -165,6 +166,18 @@ class DeviceStep:
                         rec.weight[j] = w.ledger.track(rec.master[j].to(w.compute_dtype), "weights")
             rec.grad.clear()
             rec.dirty = rec.dirty or bool(live)
+
+    def _absorb(self, layer: int) -> None:
+        """The host's gradients of a device layer (shown at a sync point, or landed before the layer was
+        device-stepped) added to its device sums and cleared on the host (under the lock, compute stream)."""
+        st, w = self.host.layers[layer], self.worker
+        rec = self.layers.setdefault(layer, DeviceLayer())
+        for j in st.trainable:
+            p = st.params[j]
+            host_grad = p.grad if p.grad is not None else st.held[j]
+            if host_grad is not None:
+                g = w.ledger.track(host_grad.to(w.device, torch.float32, copy=True), "gradients")
+                rec.grad[j] = g if j not in rec.grad else rec.grad[j].add_(g)
         self.host.clear_grads(layer)
 
     def drop_grads(self, layer: int) -> None:

@@ -290,7 +290,8 @@ def _device_step(optimizer: Any, host: HostState, named_params: list, lr_schedul
     clip = [1.0]
 
     def measure() -> None:
-        clip[0] = clip_coefficient(all_grads(), max_grad_norm, 1.0, None, extra=dev.grad_norms())
+        extra = dev.grad_norms()   # first: the host's gradients of device layers join theirs there
+        clip[0] = clip_coefficient(all_grads(), max_grad_norm, 1.0, None, extra=extra)
 
     def update_many(ls: list[int]) -> None:
         on_host = [l for l in ls if l not in layers]
