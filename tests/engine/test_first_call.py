@@ -35,14 +35,40 @@ print(json.dumps(after))
 """
 
 
+class Scripts:
+    """The module's fresh interpreters, all started at once (most of each is its single-threaded imports; each
+    reads only its own sys.modules); `result(key)` waits for one and returns its last stdout line as JSON."""
+
+    def __init__(self, scripts: dict):
+        self.procs = {key: subprocess.Popen([sys.executable, "-c", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True) for key, argv in scripts.items()}
+        self.done: dict = {}
+
+    def result(self, key):
+        if key not in self.done:
+            self.done[key] = self.procs[key].communicate(timeout=300)
+        stdout, stderr = self.done[key]
+        assert self.procs[key].returncode == 0, stderr
+        return json.loads(stdout.splitlines()[-1])
+
+    def close(self):
+        for proc in self.procs.values():
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    runs = Scripts({1: [FIRST_CALL, "1"], 2: [FIRST_CALL, "2"], "mlp": [MLP_FIRST_CALL]})
+    yield runs
+    runs.close()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
-def test_first_call_does_not_import_dynamo(workers):
+def test_first_call_does_not_import_dynamo(workers, scripts):
     """Importing roundpipe, building a RoundPipe and its first forward_backward (default `roundpipe train`
     model, the partitioner's plan from the dry run) leave torch._dynamo, Triton (0.45 s) and sympy unimported."""
-    run = subprocess.run([sys.executable, "-c", FIRST_CALL, str(workers)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout.splitlines()[-1]) == {
+    assert scripts.result(workers) == {
         "import and construction": False, "first call": False, "triton": False, "sympy": False,
         "planned from the dry run": True}
 
@@ -64,12 +90,9 @@ print(json.dumps({"grads": grads, **{m: m in sys.modules for m in ("sympy", "tor
 """
 
 
-def test_first_call_does_not_import_sympy():
+def test_first_call_does_not_import_sympy(scripts):
     """The first forward_backward of an 8-layer MLP (memory probe, stage backward with explicit output gradients)
     leaves sympy and torch.fx.experimental.symbolic_shapes unimported (torch.autograd's gradient check imports
     them: 0.6 s)."""
-    run = subprocess.run([sys.executable, "-c", MLP_FIRST_CALL], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout.splitlines()[-1]) == {
+    assert scripts.result("mlp") == {
         "grads": True, "sympy": False, "torch.fx.experimental.symbolic_shapes": False}

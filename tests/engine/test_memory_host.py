@@ -65,21 +65,22 @@ def test_no_graph_or_weight_copy_after_synchronize():
         assert not _live(lambda o: isinstance(o, torch.nn.Parameter) and o.dtype == torch.bfloat16)
 
 
-# One launcher per mode imports torch and roundpipe once (and torch._dynamo, which torch.optim pulls in: ~3 s) and forks
-# a child per depth, each measured from its own start.  Two tokens a microbatch: on a CPU without bf16 instructions
-# (AVX2) torch's bf16 matmul of a gradient by a weight runs ~20x slower than the forward's, so the tokens set the
-# run's time, while the host bytes measured here are per parameter (2 x 64 tokens: ~140 s a mode on CI).
+# One launcher for both modes imports torch and roundpipe once (and torch._dynamo, which torch.optim pulls in: ~3 s)
+# and forks a child per (mode, depth), one at a time, each measured from its own start.  Two tokens a microbatch: on
+# a CPU without bf16 instructions (AVX2) torch's bf16 matmul of a gradient by a weight runs ~20x slower than the
+# forward's, so the tokens set the run's time, while the host bytes measured here are per parameter (2 x 64 tokens:
+# ~140 s a mode on CI).
 _RSS_CHILD = r"""
 import json, os, sys, traceback
 import torch
 import roundpipe as rp
 from roundpipe.bench.rss import HostPeak, accounted_host_bytes, rss, rss_file
 from roundpipe.models.tiny_decoder import DecoderConfig, build_layers, loss_fn
-asynchronous, depths = sys.argv[1] == "async", [int(d) for d in sys.argv[2:]]
+runs = [(mode == "async", int(depth)) for mode, depth in (a.split(":") for a in sys.argv[1:])]
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 assert len(os.listdir("/proc/self/task")) == 1, "fork needs a single-threaded parent"
 
-def measure(depth):
+def measure(asynchronous, depth):
     torch.manual_seed(0)
     x, y = torch.randint(0, 256, (2, 2)), torch.randint(0, 256, (2, 2))
     base, base_file = rss(), rss_file()
@@ -100,7 +101,7 @@ def measure(depth):
             model.synchronize()
     return {"params": n, "host": sampler.peak - base - (rss_file() - base_file), "accounted": accounted_host_bytes(host)}
 
-for depth in depths:
+for asynchronous, depth in runs:
     sys.stdout.flush(); sys.stderr.flush()
     read, write = os.pipe()
     pid = os.fork()
@@ -108,7 +109,7 @@ for depth in depths:
         os.close(read)
         code = 1
         try:
-            os.write(write, json.dumps(measure(depth)).encode())
+            os.write(write, json.dumps(measure(asynchronous, depth)).encode())
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -124,21 +125,29 @@ for depth in depths:
 """
 
 
-def _rss_runs(mode: str, *depths: int) -> list[dict]:
+def _rss_runs(*runs: str) -> list[dict]:
+    """One child per "mode:depth" in `runs`, forked from one launcher; their results in that order."""
     # bench/memory.py's environment (roundpipe.bench.rss.SLOPE_ENV): released worker buffers go back to the
     # system at once, and the arena's reserve is resident as reserved (as page-locked memory is); numpy's BLAS
     # single-threaded, as it would start a thread before the fork
-    proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, mode, *map(str, depths)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, *runs], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **SLOPE_ENV, "OPENBLAS_NUM_THREADS": "1"})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert len(lines) == len(depths), proc.stderr[-3000:]
+    assert len(lines) == len(runs), proc.stderr[-3000:]
     return [json.loads(l[len("RESULT "):]) for l in lines]
+
+
+@pytest.fixture(scope="module")
+def rss_runs() -> dict[str, list[dict]]:
+    """mode -> [2-layer run, 6-layer run], both modes from one launcher."""
+    runs = _rss_runs("sync:2", "sync:6", "async:2", "async:6")
+    return {"sync": runs[:2], "async": runs[2:]}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _native.available(),
                     reason="reads /proc and glibc's MALLOC_ variables; needs the native arena")
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_host_bytes_per_param_by_host_peak(mode):
+def test_host_bytes_per_param_by_host_peak(mode, rss_runs):
     """bf16 decoders with rp AdamW on 2 CPU workers, each in its own process: the host peak (RSS minus the
     workers' live ledger bytes, sampled together: roundpipe.bench.rss.HostPeak, code pages left out) grows by at
     most 1 byte per added parameter more than the accounted bytes (memory_stats: masters, Adam state, the arena's
@@ -148,7 +157,7 @@ def test_host_bytes_per_param_by_host_peak(mode):
     2026-11-26, 16.30 against 16.00 sync and 18.38 against 18.00 async (~20 MB more at 2 layers, the compute's
     own); without MALLOC_PERTURB_ the same slope read 17.55 sync, from an arena chunk paged in at 4-6 layers and
     not at 2."""
-    small, large = _rss_runs(mode, 2, 6)
+    small, large = rss_runs[mode]
     slope = lambda k: (large[k] - small[k]) / (large["params"] - small["params"])
     assert slope("host") <= slope("accounted") + 1.0, (slope("host"), slope("accounted"), small, large)
     assert slope("accounted") <= (16.5 if mode == "sync" else 18.5), (slope("accounted"), small, large)

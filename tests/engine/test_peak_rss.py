@@ -35,13 +35,23 @@ print("RESULT " + json.dumps({"params": n, "peak": peak, "accounted": accounted_
 '''
 
 
-def _run(master: str, depth: int) -> dict:
+def _runs(master: str, *depths: int) -> list[dict]:
+    """One process per depth, side by side (each reads only its own VmHWM; most of a run is its single-threaded
+    imports)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}   # glibc's defaults
-    proc = subprocess.run([sys.executable, "-c", _CHILD, master, str(depth)], capture_output=True, text=True,
-                          timeout=300, env=env)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, master, str(depth)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for depth in depths]
+    try:
+        outs = [proc.communicate(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:   # the others too when one failed
+            proc.kill()
+    results = []
+    for stdout, stderr in outs:
+        line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+        assert line is not None, stderr[-3000:]
+        results.append(json.loads(line[len("RESULT "):]))
+    return results
 
 
 @pytest.mark.slow
@@ -56,7 +66,7 @@ def test_raw_peak_rss_slope_is_the_accounted_one(master, accounted):
     10.23 / 6.19 against 10.04 / 6.04; before (64 MiB plain chunks, the CPU workers' freed buffers kept in
     glibc's heaps) 15.06 against 14.04 (one chunk at 8 layers, two at 16) and 11.73 against 10.04.  From 4
     layers the workers' own buffers still grow toward their cap (+0.6-0.75); from 12 to 24, 10.06 / 6.08."""
-    small, large = _run(master, 8), _run(master, 16)
+    small, large = _runs(master, 8, 16)
     added = large["params"] - small["params"]
     peak = (large["peak"] - small["peak"]) / added
     acc = (large["accounted"] - small["accounted"]) / added
