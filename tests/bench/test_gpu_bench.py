@@ -12,7 +12,8 @@ import pytest
 
 # the repository root, wherever under tests/ this file lies
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "scripts" / "gpu-bench.sh").is_file())
-PROVIDERS = ("ours-sync", "ours-async", "torch", "fsdp2-offload", "deepspeed-zero-offload", "roundpipe-0.1.1")
+PROVIDERS = ("ours-sync", "ours-async", "ours-device", "torch", "fsdp2-offload", "deepspeed-zero-offload",
+             "roundpipe-0.1.1")
 
 
 @pytest.mark.slow
@@ -34,14 +35,16 @@ def test_dry_run_has_a_row_for_every_provider(tmp_path):
             else:
                 assert r["reason"], f"{provider}: neither numbers nor a reason: {r}"
     first = {r["provider"]: r for r in rows if r["workload"] == "tiny-qwen3" and r["cap"] != "full"}
-    for provider in ("ours-sync", "ours-async", "torch"):
+    for provider in ("ours-sync", "ours-async", "ours-device", "torch"):
         assert first[provider]["tokens_per_s"] > 0, first[provider]
+    assert first["ours-device"]["kept layers"] > 0, first["ours-device"]   # layers stepped on the worker
     for provider in ("ours-sync", "ours-async"):   # the step's exposed seconds: a number beside tokens/s
         assert math.isfinite(first[provider]["exposed step s"]), first[provider]
     torch_loss = first["torch"]["final_loss"]
     # the same fp32 weights, batch and AdamW: the synchronous step trains as PyTorch does (rounding apart);
     # the asynchronous one reads weights one step stale, a few hundredths of a nat after 4 steps at lr 1e-4
     assert abs(first["ours-sync"]["final_loss"] - torch_loss) < 1e-3 * torch_loss
+    assert abs(first["ours-device"]["final_loss"] - torch_loss) < 1e-3 * torch_loss   # the device step: the same
     assert abs(first["ours-async"]["final_loss"] - torch_loss) < 0.05 * torch_loss
     search = [r for r in rows if r["provider"] in ("ours-maxseq", "ours-predicted")]
     assert all(r["max seq"] and r["max seq"] > 0 for r in search), search
