@@ -56,6 +56,7 @@ class TrainConfig:
     engine: Literal["roundpipe", "torch"] = "roundpipe"
     dtype: Literal["fp32", "bf16", "fp16"] | None = None  # compute dtype; None: bf16 on CUDA, fp32 on CPU
     master_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: masters updated in fp32, rounded stochastically
+    device_step: bool = False            # one worker keeps and updates the layers' masters and state (synchronous)
     eval_batches: int = 4                # held-out batches evaluated before and after training
     trace: str | None = None             # write a Chrome trace of the run here
     progress: bool = True
@@ -125,6 +126,13 @@ class TrainConfig:
                 raise ValueError(f"devices={self.devices!r}: engine='torch' runs on exactly one device")
         if self.asynchronous not in (None, True, False):
             raise ValueError(f"asynchronous={self.asynchronous!r} must be True, False or None")
+        if not isinstance(self.device_step, bool):
+            raise ValueError(f"device_step={self.device_step!r} must be True or False")
+        if self.device_step and (self.engine != "roundpipe" or self.asynchronous or self.master_dtype != "fp32"
+                                 or (self.devices is not None and len(self.devices) != 1)):
+            raise ValueError("device_step=True needs engine='roundpipe', the synchronous step, master_dtype='fp32' and "
+                             f"one device (got engine={self.engine!r}, asynchronous={self.asynchronous!r}, "
+                             f"master_dtype={self.master_dtype!r}, devices={self.devices!r})")
         if self.engine == "torch" and self.asynchronous:
             raise ValueError("asynchronous=True needs engine='roundpipe' (the torch reference steps synchronously)")
         if self.engine == "torch" and self.microbatches not in (None, 1):
@@ -161,10 +169,10 @@ class TrainConfig:
         # sync 8,534-9,204), while the one-step staleness cost learning (default run,
         # 300 steps: end loss 2.56 async vs 1.88 sync).
         if self.asynchronous is None:
-            out.asynchronous = cuda and self.engine == "roundpipe"
+            out.asynchronous = cuda and self.engine == "roundpipe" and not self.device_step
         if self.devices is None:
             out.devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else ["cpu"]
-            if self.engine == "torch":
+            if self.engine == "torch" or self.device_step:
                 out.devices = out.devices[:1]
         parse_devices(out.devices)  # unknown names, or CUDA where there is none: ValueError now
         out.__post_init__()
@@ -315,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default with GPUs; on CPU workers it shares the cores and gains nothing)")
     mode.add_argument("--sync", dest="asynchronous", action="store_false",
                       help="synchronous optimizer step, equal to --engine torch (default on CPU)")
+    e.add_argument("--device-step", action="store_true", help="one worker keeps every layer it has room for (every "
+                   "layer on a CPU worker) with its fp32 masters and Adam state, and updates it there: no gradient "
+                   "download, no weight upload (synchronous step; docs/semantics.md)")
     e.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace of the run")
     h = p.add_argument_group("hugging face")
     h.add_argument("--hf", default=None, metavar="DIR", help="fine-tune the causal LM saved in DIR (save_pretrained's "
@@ -340,12 +351,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        progress=not args.no_progress, hf=args.hf, max_grad_norm=args.max_grad_norm,
                        checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
                        compensation=args.compensation, lora=args.lora, quantize=args.quantize,
-                       master_dtype=args.master_dtype)
+                       master_dtype=args.master_dtype, device_step=args.device_step)
 
 
 def _describe(cfg: TrainConfig, corpus: ByteCorpus) -> str:
     m = cfg.model_config()
-    mode = "" if cfg.engine == "torch" else (", async step" if cfg.asynchronous else ", sync step")
+    mode = "" if cfg.engine == "torch" else (", async step" if cfg.asynchronous else
+                                             ", sync step on the worker" if cfg.device_step else ", sync step")
     devices = ",".join(cfg.devices)
     return (f"model: decoder, {m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
             f"{m.num_parameters() / 1e6:.2f}M parameters\n"

@@ -175,10 +175,23 @@ def engine_options(cfg) -> dict[str, Any]:
     TrainConfig: RoundPipe's keywords here, rp.hf.from_pretrained's with --hf (roundpipe/commands/train_hf.py)."""
     from roundpipe.engine.step.staleness import StalenessCompensation
 
+    cpu = all(d.startswith("cpu") for d in cfg.devices)
+    # the device step on a CPU worker (no device_memory cap to size the resident prefix from): every layer, the
+    # embedding and the head beside the decoder layers (the built-in decoder's, or rp.hf.wrap's cut)
+    resident = {"device_step": True, "resident_layers": _decoder_layers(cfg) + 2 if cpu else None} \
+        if cfg.device_step else {}
     return {"devices": cfg.devices, "num_microbatches": cfg.microbatches,
             "compute_dtype": DTYPES[cfg.dtype] if cfg.dtype is not None else None,
             "compensation": None if cfg.compensation is None else StalenessCompensation(cfg.compensation),
-            "master_dtype": DTYPES[cfg.master_dtype]}
+            "master_dtype": DTYPES[cfg.master_dtype], **resident}
+
+
+def _decoder_layers(cfg) -> int:
+    """The decoder layers of the model `roundpipe train` trains: --hf's config, else the built-in one's."""
+    if cfg.hf is None:
+        return cfg.model_config().layers
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(cfg.hf).num_hidden_layers
 
 
 def make_engine(layers: list[nn.Module], cfg) -> TorchReference | RoundPipeEngine:

@@ -43,6 +43,24 @@ def test_sync_roundpipe_matches_the_torch_reference():
     assert ours.val_end == pytest.approx(ref.val_end, rel=1e-5)
 
 
+def test_device_step_trains_like_the_torch_reference(capsys):
+    """--device-step: every layer's masters and Adam state on the one CPU worker, updated there; the losses of the
+    synchronous step within fp32 rounding (its update is torch ops, the host's the native kernel)."""
+    cfg = dict(TINY, steps=6, eval_batches=1)
+    ref = rt.train(rt.TrainConfig(engine="torch", **cfg))
+    ours = rt.train(rt.TrainConfig(device_step=True, **cfg))
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(ref.losses), rtol=1e-4, atol=0)
+    assert ours.devices == ["cpu"]
+    from roundpipe.commands.train_loops import engine_options
+    options = engine_options(rt.TrainConfig(device_step=True, **cfg).resolved())
+    assert options["device_step"] and options["resident_layers"] == TINY["layers"] + 2   # every layer, on CPU
+    for argv in (["--device-step", "--async"], ["--device-step", "--devices", "cpu,cpu"],
+                 ["--device-step", "--engine", "torch"]):
+        with pytest.raises(SystemExit):
+            rt.main(argv + ["--no-progress"])
+        assert "device_step=True needs" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("engine", ["roundpipe", "torch"])
 def test_main_prints_start_and_end_loss(capsys, tmp_path, engine):
     """The CLI prints the model, the data, and the loss at the start and at the end; --trace writes JSON."""
