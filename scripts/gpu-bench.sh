@@ -25,8 +25,13 @@ for a in "$@"; do [ "$a" = --dry ] && dry=true; done
 missing=()
 source "$(dirname "${BASH_SOURCE[0]}")/prereq.sh"
 require_python gpu-bench
-for module in torch transformers peft; do
-    importable "$module" || missing+=("$module is not importable by $PY: point PYTHON at the environment that has it
+if $dry; then   # located, not imported (3 interpreter starts and peft's ~9 CPU-s import saved): each row imports them
+    absent=$(not_found torch transformers peft)
+else
+    absent=$(for module in torch transformers peft; do importable "$module" || printf '%s ' "$module"; done)
+fi
+for module in $absent; do
+    missing+=("$module is not importable by $PY: point PYTHON at the environment that has it
     (on the GPU machine: the image's python3; pip cannot download here)")
 done
 build=false
