@@ -59,8 +59,8 @@ class ResidentWeights:
             return out
 
     def keep(self, worker: str, layer: int, keys: list[tuple], tensors: list[torch.Tensor | None]) -> None:
-        """Keeps a layer's uploaded tensors on the worker under their keys (None: not kept here, a device-stepped
-        weight, roundpipe/engine/step/device_step.py)."""
+        """Keeps a layer's uploaded tensors on the worker under their keys (None: not kept anew: bound from a kept
+        copy, or a device-stepped weight, roundpipe/engine/step/device_step.py)."""
         with self._lock:
             kept = self._kept.setdefault(worker, {})
             for j, (key, t) in enumerate(zip(keys, tensors)):

@@ -383,14 +383,13 @@ class StageRun:
             dt = self.w.compute_dtype
             for l, bound, acc in zip(task.layers, self.bound, self.acc):
                 st = ctx.host.layers[l]
+                fp32 = [bound[j].grad for j in st.trainable] if dt == torch.float32 else None
                 if l in ctx.device_layers:   # stays on the worker in fp32 for the device step (device_step.py)
-                    ctx.device_step.land(ctx.call.index, l, list(acc) if dt != torch.float32
-                                         else [bound[j].grad for j in st.trainable])
-                    acc[:] = [None] * len(acc)
+                    ctx.device_step.land(ctx.call.index, l, fp32 or acc)
                     continue
                 homed.append(l)
                 # summed in fp32 over the microbatches, sent home in the compute dtype (rounded once)
-                per_layer.append(self._rounded(acc) if dt != torch.float32 else [bound[j].grad for j in st.trainable])
+                per_layer.append(fp32 or self._rounded(acc))
             # One LPT-windowed download for the whole stage, riding behind the next activation downloads.
             sizes = [len(g) for g in per_layer]
             if homed:
@@ -466,10 +465,8 @@ def upload_stage(ctx: CallContext, w: Worker, layers: range, windows: int, urgen
                     have[i][j] = t
         up = w.upload_params(host, windows, urgent, have)
         for l, dev, had in zip(layers, up.params, have):
-            if l in keys and any(t is None for t in had):
-                own = stepped.get(l, ())
-                ctx.resident.keep(w.name, l, keys[l], [None if j < len(own) and own[j] is not None else t
-                                                       for j, t in enumerate(dev)])
+            if l in keys and any(t is None for t in had):   # what was uploaded now (not what it had bound)
+                ctx.resident.keep(w.name, l, keys[l], [t if h is None else None for t, h in zip(dev, had)])
     done = w.upload_done(up)
     for l in layers:
         ctx.sync.uploaded(ctx.call, l, done)

@@ -129,11 +129,6 @@ class DeviceStep:
                     out.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs])).cpu())
             return out
 
-    def has_grads(self, layer: int) -> bool:
-        with self._lock:
-            rec = self.layers.get(layer)
-            return rec is not None and bool(rec.grad)
-
     # ---- the update (the host thread, with the worker idle: steps are synchronous)
     def update(self, layer: int, optimizer: Any, clip_coef: float) -> None:
         """One step of the layer on the device: masters and state made there on its first step (from the

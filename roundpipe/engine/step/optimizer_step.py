@@ -142,14 +142,15 @@ class _Scaling:
         """What the step divides layer's gradients by: the scale, or 1 once they are unscaled."""
         return 1.0 if self.host.layers[layer].inv_scale is not None else self.scale
 
-    def clip_coefficient(self, max_norm: float) -> float:
-        """clip_grad_norm_'s factor over every layer's gradient, each read unscaled."""
+    def clip_coefficient(self, max_norm: float, extra: list[torch.Tensor] | None = None) -> float:
+        """clip_grad_norm_'s factor over every layer's gradient, each read unscaled, and the fp32 norms `extra`
+        of gradients held elsewhere (device-stepped layers)."""
         scaled: list[torch.Tensor] = []
         unscaled: list[torch.Tensor] = []
         for l in range(len(self.host)):
             into = unscaled if self.host.layers[l].inv_scale is not None else scaled
             into.extend(g for g in self.host.step_grads(l) if g is not None)
-        return clip_coefficient(scaled, max_norm, self.scale, unscaled)
+        return clip_coefficient(scaled, max_norm, self.scale, unscaled, extra)
 
     def check(self, grads: list[torch.Tensor]) -> bool:
         """Records the step's result; True if it must be skipped (a gradient is inf or NaN)."""
@@ -190,12 +191,11 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                          "sharded step rewrites the upload copies from the gathered masters)")
     if shards is not None:
         return _sharded_step(optimizer, host, named_params, lr_scheduler, max_grad_norm, scaling, all_grads, shards)
-    if device is not None and device[1]:
-        if not isinstance(optimizer, FusedOptimizer):
-            raise ValueError(f"device_step=True steps layers {sorted(device[1])} with the optimizer's own formula in "
-                             f"torch ops on the worker: it needs a roundpipe.optim optimizer (AdamW, Adam, SGD, "
-                             f"Adagrad, Lion), got {type(optimizer).__name__}")
-        return _device_step(optimizer, host, named_params, lr_scheduler, max_grad_norm, scaling, all_grads, device)
+    dev, on_device = device if device is not None else (None, frozenset())
+    if on_device and not isinstance(optimizer, FusedOptimizer):
+        raise ValueError(f"device_step=True steps layers {sorted(on_device)} with the optimizer's own formula in "
+                         f"torch ops on the worker: it needs a roundpipe.optim optimizer (AdamW, Adam, SGD, "
+                         f"Adagrad, Lion), got {type(optimizer).__name__}")
     if callable(getattr(optimizer, "step_layer", None)):
         if isinstance(optimizer, torch.optim.Optimizer):
             check_optimizer_params(optimizer, named_params)
@@ -206,18 +206,24 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         finish = _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped)
 
         def measure() -> None:
+            # first: the host's gradients of device-stepped layers join their device sums (device_step.py)
+            extra = dev.grad_norms() if on_device else None
             grads = all_grads()
             if not scaling.check(grads) and max_grad_norm is not None:
-                clip[0] = scaling.clip_coefficient(max_grad_norm)
+                clip[0] = scaling.clip_coefficient(max_grad_norm, extra)
 
         def update_many(layers: list[int]) -> None:
             """The layers' updates in one native pass per loss-scale divisor (fewer calls and thread
-            wake-ups than one per layer: a synchronous step finds every layer ready at once)."""
+            wake-ups than one per layer: a synchronous step finds every layer ready at once); the
+            device-stepped ones on their worker (device_step.py)."""
             if scaling.skipped:
                 return
             by_divisor: dict[float, list[int]] = {}
             for l in layers:
-                by_divisor.setdefault(scaling.divisor(l), []).append(l)
+                if l in on_device:
+                    dev.update(l, optimizer, clip[0])
+                else:
+                    by_divisor.setdefault(scaling.divisor(l), []).append(l)
             for divisor, ls in by_divisor.items():
                 params, upload, grads = [], [], []
                 for l in ls:
@@ -234,6 +240,9 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         def update(l: int) -> None:
             if scaling.skipped:
                 return
+            if l in on_device:
+                dev.update(l, optimizer, clip[0])
+                return
             params, upload = host.step_params(l)   # a shared master once, with its first layer
             with torch.no_grad(), _scaled_lr(optimizer, lr_factor):
                 if native_clip:   # reads held low-precision gradients as they are, unscales in its pass
@@ -247,8 +256,12 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                                 p.grad.mul_(clip[0])
                     optimizer.step_layer(params, upload)
             host.stamp(l)
+        def clear(l: int) -> None:
+            host.clear_grads(l)
+            if l in on_device:   # a failed update consumes the device gradients too
+                dev.drop_grads(l)
         prepare = measure if max_grad_norm is not None or scaler is not None else None
-        return StepFns(prepare, False, update, host.pcopy, host.clear_grads, finish,
+        return StepFns(prepare, False, update, host.pcopy, clear if on_device else host.clear_grads, finish,
                        update_many=update_many if native_clip else None)
     if isinstance(optimizer, torch.optim.Optimizer):
         check_optimizer_params(optimizer, named_params)
@@ -277,45 +290,6 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
         if lr_scheduler is not None and not scaling.skipped:
             lr_scheduler.step()
     return StepFns(whole_step, True, host.pcopy, host.pcopy, host.clear_grads, after, host.in_place())
-
-
-def _device_step(optimizer: Any, host: HostState, named_params: list, lr_scheduler: Any,
-                 max_grad_norm: float | None, scaling: _Scaling, all_grads: Callable[[], list[torch.Tensor]],
-                 device: tuple[Any, frozenset[int]]) -> StepFns:
-    """device_step=True (roundpipe/engine/step/device_step.py): the device layers are updated on the worker
-    by FusedOptimizer.step_copies, the others on the host by step_layer, as the per-layer fused path does.
-    Clipping reads every layer's gradient: the device layers' norms join the host's."""
-    check_optimizer_params(optimizer, named_params)
-    dev, layers = device
-    clip = [1.0]
-
-    def measure() -> None:
-        extra = dev.grad_norms()   # first: the host's gradients of device layers join theirs there
-        clip[0] = clip_coefficient(all_grads(), max_grad_norm, 1.0, None, extra=extra)
-
-    def update_many(ls: list[int]) -> None:
-        on_host = [l for l in ls if l not in layers]
-        if on_host:
-            params, upload, grads = [], [], []
-            for l in on_host:
-                p, u = host.step_params(l)
-                params += p
-                upload += u
-                grads += host.step_grads(l)
-            with torch.no_grad():
-                optimizer.step_layer(params, upload, clip_coef=clip[0], grads=grads)
-            for l in on_host:
-                host.stamp(l)
-        for l in ls:
-            if l in layers:
-                dev.update(l, optimizer, clip[0])
-
-    def clear(l: int) -> None:
-        host.clear_grads(l)
-        if l in layers:   # a failed update consumes the device gradients too
-            dev.drop_grads(l)
-    return StepFns(measure if max_grad_norm is not None else None, False, lambda l: update_many([l]), host.pcopy,
-                   clear, _scheduler_step(optimizer, lr_scheduler, lambda: scaling.skipped), update_many=update_many)
 
 
 def _rounding(host: HostState) -> dict[str, str]:
