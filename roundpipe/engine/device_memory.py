@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from roundpipe.core.checks import is_int
+from roundpipe.engine.step.device_step import eligible
 from roundpipe.planner.memory import resident_prefix, worker_peaks
 
 MIN_RESERVE = 512 << 20
@@ -113,11 +114,10 @@ def device_step_bytes(host) -> list[int]:
     (roundpipe/engine/step/device_step.py): per trained parameter an fp32 master (none when the compute
     dtype is fp32: the master is the weight stages bind), two fp32 state buffers (Adam's moments; other
     optimizers keep as many or fewer) and two fp32 gradient sums (the step's and the call in flight's);
-    0 for a layer it does not step (a weight shared with another layer)."""
-    groups = host.groups()
+    0 for a layer it does not step (device_step.eligible)."""
     master = 0 if host.upload_dtype == torch.float32 else 4
-    return [sum(st.params[j].numel() for j in st.trainable) * (master + 8 + 8) if groups[l] == (l,) else 0
-            for l, st in enumerate(host.layers)]
+    return [sum(st.params[j].numel() for j in st.trainable) * (master + 8 + 8) if ok else 0
+            for st, ok in zip(host.layers, eligible(host))]
 
 
 class PeakPredictions:

@@ -48,6 +48,14 @@ import torch
 from roundpipe.engine.step.host_state import HostState
 
 
+def eligible(host: HostState) -> list[bool]:
+    """Per layer, whether it can be stepped on the device: its trained parameters are all its own (no weight
+    shared with another layer) and in fp32 masters."""
+    groups = host.groups()
+    return [groups[l] == (l,) and bool(st.trainable) and host.master_dtype == torch.float32
+            for l, st in enumerate(host.layers)]
+
+
 @dataclass
 class DeviceLayer:
     """One device-stepped layer's tensors on the worker, per trained parameter index j."""
@@ -70,10 +78,7 @@ class DeviceStep:
         self._lock = threading.Lock()   # landings on the worker thread, call ends on the completion thread
         self._optimizer: Any = None     # the optimizer whose hooks are registered
         self._hooks: list = []
-        groups = host.groups()
-        # a layer whose trained parameters are all its own, in fp32 masters, can be stepped on the device
-        self._eligible = [groups[l] == (l,) and bool(st.trainable) and host.master_dtype == torch.float32
-                          for l, st in enumerate(host.layers)]
+        self._eligible = eligible(host)
 
     # ---- which layers
     def chosen(self, count: int) -> frozenset[int]:
