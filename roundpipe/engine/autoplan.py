@@ -51,8 +51,8 @@ from roundpipe.core.checks import is_int
 from roundpipe.core.tree import tree_leaves
 from roundpipe.engine.dry_run import RATES, dry_run_costs
 from roundpipe.planner import LayerCost, Profiler, Replanner, estimate_costs, objective
-from roundpipe.planner.memory import LayerMemory, backward_bytes, layer_memory
-from roundpipe.planner.partition import LayerTooLarge, partition_for_cap
+from roundpipe.planner.memory import LayerMemory, layer_memory
+from roundpipe.planner.partition import LayerTooLarge, one_stage_bytes, partition_for_cap
 from roundpipe.planner.plan import Plan
 
 PHASES = {"F": "forward", "B": "backward", "fused": "fused"}
@@ -177,13 +177,29 @@ def stage_seconds(events: list[tuple], plan: Plan, costs: Sequence[LayerCost],
     return out
 
 
+def host_room(layers: Sequence[nn.Module], workers: int, compute_dtype: torch.dtype) -> bool:
+    """Whether the host has room for the gradient sums of `workers` rounds landing apart (whole_batch): per
+    trained parameter 4 bytes (an fp32 sum, where the compute dtype is narrower) plus one compute-dtype
+    landing buffer per further worker, at most a quarter of /proc/meminfo's MemAvailable (False where it
+    cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    size = compute_dtype.itemsize
+    trained = sum(p.numel() for layer in layers for p in layer.parameters() if p.requires_grad)
+    return trained * ((workers - 1) * size + (4 if size < 4 else 0)) <= available / 4
+
+
 class AutoPlanner:
     """Owns a model's plan: the partitioner's choice, profiled and revised at safe points only."""
 
     def __init__(self, layers: Sequence[nn.Module], devices: Sequence[torch.device], compute_dtype: torch.dtype,
                  microbatches: int, config: PlanningConfig, fixed: Plan | None = None,
-                 fallback: Callable[[], Plan] | None = None, layer_grain: bool = False):
+                 fallback: Callable[[], Plan] | None = None, layer_grain: bool = False, round_size: int | None = None):
         self.config = config
+        self.round_size = round_size   # microbatches per round (None: workers + 1); the one-per-worker calls: 1
         self.layer_grain = layer_grain   # backward stages recompute a layer at a time (planner/memory.py)
         self.layers = list(layers)
         self.workers = len(devices)
@@ -236,7 +252,13 @@ class AutoPlanner:
 
     def _solver(self, costs: Sequence[LayerCost], workers: int, microbatches: int, budget: float | None) -> Plan:
         return partition_for_cap(costs, workers, microbatches, budget, prefetch=self.device_type == "cuda",
-                                 layer_grain=self.layer_grain).plan
+                                 layer_grain=self.layer_grain, round_size=self.planned_rounds).plan
+
+    @property
+    def planned_rounds(self) -> int | None:
+        """Microbatches per round of the calls the plan is made for: 1 where the calls run one microbatch per
+        worker (whole_batch), else the model's."""
+        return 1 if self._whole is not None and self._whole[0] else self.round_size
 
     def layer_memory(self, sample: tuple[tuple, dict], loss: tuple[Callable, Any] | None = None) -> list[LayerMemory]:
         """Each layer's device bytes for one microbatch (roundpipe/planner/memory.py): the first call's dry
@@ -262,21 +284,30 @@ class AutoPlanner:
         n = call - self.config.warmup
         return n >= 0 and (self.config.profile is None or n < self.config.profile)
 
-    def whole_batch(self, sample: tuple[tuple, dict], batch: int, loss: tuple[Callable, Any] | None) -> bool:
-        """No penalty when the model fits (docs/planner.md): with one worker, True when the whole batch
-        trains in one fused stage within the budget (weights, fp32 gradients, every layer's activations
-        and the loss's workspace; no budget: always), so the call runs unsplit and keeps its activations
-        instead of recomputing them, plain PyTorch's work.  Decided at the first training call from a dry
-        run of the whole batch (which its plan then reuses); a later, larger batch is split as before."""
-        if self.workers != 1 or not self.enabled:
+    def whole_batch(self, batch: int, each: Callable[[], Any], loss_fn: Callable | None) -> bool:
+        """No penalty when the model fits (docs/planner.md): True when one microbatch per worker (the first
+        of `each()`, the batch cut into min(workers, batch) microbatches; one worker: the whole batch) trains
+        in one fused stage within the budget (weights, fp32 gradients, every layer's activations and the
+        loss's workspace; no budget: always), so the call runs as those microbatches, each in one fused
+        stage on a worker of its own, keeping its activations instead of recomputing them: plain PyTorch's
+        work.  Decided at the first training call from a dry run of that microbatch (which its plan then
+        reuses); a later, larger batch is split as before.
+
+        Host memory: with several workers each lands its own gradient sums, so a layer's gradients land
+        once per worker and are summed in fp32 on the host (`HostState.land_grads`): per trained parameter
+        4 bytes more in low precision and one landing buffer per further worker.  Those calls are taken
+        only where that is at most a quarter of the host's available memory (`host_room`): the room the
+        optimizer's state, made at the first step, still needs."""
+        if not self.enabled:
             return False
         if self._whole is None:
             fits = False
             if self.replanner is None:   # a forward-only first call planned already: keep its plan
-                costs = size_costs(self.layers, sample, self.compute_dtype, self.device_type, loss)
-                need = sum(c.param_bytes + c.grads for c in costs) + backward_bytes(
-                    layer_memory(costs), range(len(costs)), fused=True)
-                fits = self.memory_budget is None or need <= self.memory_budget
+                mb = each()
+                costs = size_costs(self.layers, (mb.args[0], mb.kwargs[0]), self.compute_dtype, self.device_type,
+                                   None if loss_fn is None else (loss_fn, mb.labels[0]))
+                fits = (self.memory_budget is None or one_stage_bytes(costs) <= self.memory_budget) and (
+                    len(mb) == 1 or host_room(self.layers, len(mb), self.compute_dtype))
                 self._first_costs = costs if fits else None
             self._whole = (fits, batch)
         fits, size = self._whole
@@ -371,8 +402,9 @@ class AutoPlanner:
         small layers (measured: >10% call to call on a shared 2-core CPU) flips between plans
         of equal merit."""
         costs = self.profiler.costs()
-        old = objective(self.plan, costs, self.workers, self.replanner.microbatches)
-        return objective(candidate, costs, self.workers, self.replanner.microbatches) < old * (1 - self.config.threshold)
+        m, r = self.replanner.microbatches, self.planned_rounds
+        old = objective(self.plan, costs, self.workers, m, r)
+        return objective(candidate, costs, self.workers, m, r) < old * (1 - self.config.threshold)
 
     def summary(self) -> dict[str, Any]:
         """What was chosen and why, for logs: the config, the plan, counts and the cost table."""

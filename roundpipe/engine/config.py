@@ -61,8 +61,8 @@ class EngineConfig:
     """Workers: a list like ["cuda:0", "cuda:1"] or ["cpu", "cpu"] (a device listed twice: two workers on it);
     None: every visible GPU, else one CPU worker."""
     num_microbatches: int | None = None
-    """Microbatches a batch is split into; None: microbatches_per_round, or one unsplit microbatch when the model
-    fits a worker (engine/autoplan.py, whole_batch)."""
+    """Microbatches a batch is split into; None: microbatches_per_round, or one per worker, each run in one fused
+    stage, when that fits a worker (engine/autoplan.py, whole_batch)."""
     compute_dtype: torch.dtype | None = None
     """Dtype of the upload copies and of the compute (autocast); None: bf16 on CUDA workers, fp32 on CPU ones."""
     plan: Plan | None = None

@@ -165,7 +165,8 @@ class RoundPipe(ModelState, ModelSteps):
         self.autoplan = AutoPlanner(list(self.module), self.devices, self.compute_dtype,
                                     cfg.num_microbatches or self.round_size, self.planning,
                                     fixed=None if cfg.plan is None else cfg.plan.check(L),
-                                    fallback=lambda: default_plan(L, n), layer_grain=cfg.recompute == "layer")
+                                    fallback=lambda: default_plan(L, n), layer_grain=cfg.recompute == "layer",
+                                    round_size=self.round_size)
         self._cuda = self.devices[0].type == "cuda"
         layers = list(self.module)
         # masters in master_dtype (fp32, or bf16 rounded as master_rounding says: roundpipe/optim/rounding.py)
@@ -269,10 +270,12 @@ class RoundPipe(ModelState, ModelSteps):
             required = loss_fn is not None and labels is not None
             mb = split(args, kwargs, labels, count, self.round_size, self.split_fn,
                        labels_required=required)
-            if (len(mb) > 1 and count is None and self.split_fn is None
-                    and self.autoplan.whole_batch((args, kwargs), batch_size_of((args, kwargs)),
-                                                  (self._as_run(loss_fn), labels) if loss_fn is not None else None)):
-                mb = split(args, kwargs, labels, 1, 1, labels_required=required)   # the model fits: unsplit
+            if len(mb) > 1 and count is None and self.split_fn is None:   # the model fits: a microbatch per worker
+                each = lambda: split(args, kwargs, labels, self.autoplan.workers, 1, labels_required=required)
+                if self.autoplan.whole_batch(batch_size_of((args, kwargs)), each,
+                                             self._as_run(loss_fn) if loss_fn is not None else None):
+                    mb = each()
+                    mb.round_size = 1   # each its own round: on a worker of its own, all in parallel
             mb.reduction = self.loss_reduction
             ctx = self._run(mb, training=True, loss_fn=loss_fn, keep_outputs=return_outputs, layer_grain=grain)
             losses = []
@@ -431,7 +434,7 @@ class RoundPipe(ModelState, ModelSteps):
         if self._inflight and plan != self._inflight[-1].plan:
             self._retire(cancelled=key)   # a new plan starts from an empty pipeline
         self._retire(keep=1, cancelled=key)   # at most one earlier call still draining
-        sched = self.dispatcher.schedule(plan, training, len(mb), self.round_size, layer_grain)
+        sched = self.dispatcher.schedule(plan, training, len(mb), mb.round_size or self.round_size, layer_grain)
         self.predictions.check(sched, self.host, self.autoplan, (mb.args[0], mb.kwargs[0]), loss)   # before any work
         if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
             self._grads_reserved = True

@@ -265,6 +265,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name} cannot load this state: parameter {i}'s state holds {sorted(state)}, "
                                  f"{describe_state(set(state))}; {name} keeps {self._state_format}. Load it into "
                                  "the optimizer that wrote it")
+            if "step" in state:
+                _check_step(i, state["step"])
             if isinstance(i, int) and 0 <= i < len(params):
                 self._check_param_state(i, params[i], state)
 
@@ -503,3 +505,13 @@ def with_shadow(p: torch.Tensor, shadow: torch.Tensor | None, predict: float, up
 def _check_clip_coef(clip_coef: float) -> None:
     if not (clip_coef > 0 and math.isfinite(clip_coef)):
         raise ValueError(f"clip_coef={clip_coef!r} must be a finite number > 0")
+
+
+def _check_step(i: Any, step: Any) -> None:
+    """ValueError unless a saved 'step' is a count of updates: a whole number >= 0 (a number or a one-element
+    tensor).  A damaged one would otherwise fail the first step after the load, far from its cause."""
+    one = isinstance(step, torch.Tensor) and step.numel() == 1
+    value = float(step) if one or (is_number(step) and not isinstance(step, bool)) else None
+    if value is None or not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(f"state 'step' of parameter {i} is {step!r}; expected a whole number >= 0 (the updates "
+                         "made so far)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from roundpipe.planner.costs import LayerCost, backward_memory, backward_time, check_costs, forward_memory, forward_time
-from roundpipe.planner.partition import Partition, check_args, objective, stage_times
+from roundpipe.planner.partition import Partition, check_args, objective, one_stage, one_stage_fits, stage_times
 from roundpipe.planner.plan import Plan
 
 MAX_LAYERS = 14
@@ -39,7 +39,7 @@ def _best_by_count(n: int, time, memory, mem_limit: float) -> dict[int, tuple[fl
 
 
 def exact_partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
-                    memory_budget: float | None = None) -> Partition:
+                    memory_budget: float | None = None, round_size: int | None = None) -> Partition:
     """The optimal plan by exhaustive search; ValueError when L > MAX_LAYERS or nothing fits."""
     costs = check_costs(costs)
     mem_limit = check_args(workers, microbatches, memory_budget)
@@ -51,6 +51,10 @@ def exact_partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
     fmem = lambda r: forward_memory(costs, r)
     bmem = lambda r: backward_memory(costs, r)
     best: Partition | None = None
+    if one_stage_fits(costs, workers, microbatches, memory_budget, round_size):   # may take the whole budget
+        whole = one_stage(costs)
+        best = Partition(whole, max(stage_times(whole, costs)),
+                         objective(whole, costs, workers, microbatches, round_size))
     for a in range(L - 1, -1, -1):
         fused = range(a, L)
         if backward_memory(costs, fused, fused=True) > mem_limit:   # the loss's workspace at its top
@@ -60,7 +64,7 @@ def exact_partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
         for _tf, fparts in fwd.values():
             for _tb, bparts in bwd.values():
                 plan = Plan(forward=fparts, backward=[fused] + bparts[::-1])
-                obj = objective(plan, costs, workers, microbatches)
+                obj = objective(plan, costs, workers, microbatches, round_size)
                 if best is None or obj < best.objective:
                     best = Partition(plan, max(stage_times(plan, costs)), obj)
     if best is None:

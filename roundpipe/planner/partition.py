@@ -73,9 +73,43 @@ def stage_times(plan: Plan, costs: Sequence[LayerCost]) -> list[float]:
     return [forward_time(costs, r) if kind == "F" else backward_time(costs, r) for kind, r in plan.stages()]
 
 
-def objective(plan: Plan, costs: Sequence[LayerCost], workers: int, microbatches: int) -> float:
+def objective(plan: Plan, costs: Sequence[LayerCost], workers: int, microbatches: int,
+              round_size: int | None = None) -> float:
+    """N times the predicted iteration length (docs/planner.md "The objective"); `round_size`: microbatches
+    per round (None: the engine's default, workers + 1)."""
     plan.check(len(costs))
-    return (microbatches * len(plan.stages()) + workers * (workers - 1)) * max(stage_times(plan, costs))
+    stages = len(plan.stages())
+    if stages == 1:   # one stage: no pipeline to fill; round r runs on worker r mod N, all in parallel
+        return workers * most_per_worker(workers, microbatches, round_size) * max(stage_times(plan, costs))
+    return (microbatches * stages + workers * (workers - 1)) * max(stage_times(plan, costs))
+
+
+def most_per_worker(workers: int, microbatches: int, round_size: int | None = None) -> int:
+    """The most microbatches one worker runs when each round goes to the next worker in turn (a plan of one
+    stage, roundpipe/engine/calls/dispatcher.py)."""
+    r = workers + 1 if round_size is None else round_size
+    sizes = [min(r, microbatches - start) for start in range(0, microbatches, r)]
+    return max(sum(sizes[w::workers]) for w in range(workers))
+
+
+def one_stage(costs: Sequence[LayerCost]) -> Plan:
+    """The plan of a single fused stage: every layer's forward, the loss and the backward back to back,
+    nothing recomputed (plain PyTorch's work per microbatch)."""
+    return Plan(forward=[], backward=[range(0, len(costs))])
+
+
+def one_stage_bytes(costs: Sequence[LayerCost]) -> float:
+    """Device bytes of `one_stage`'s stage for one microbatch, its input included.  Where a call has no
+    more rounds than workers (`one_stage_fits`), each worker runs it at most once per call, with no
+    neighbouring stage of the call beside it, so it may take the whole budget, not half."""
+    return backward_memory(costs, range(0, len(costs)), fused=True) + layer_memory(costs)[0].in_bytes
+
+
+def one_stage_fits(costs: Sequence[LayerCost], workers: int, microbatches: int, memory_budget: float | None,
+                   round_size: int | None = None) -> bool:
+    """`one_stage` within the whole budget, each worker running it at most once per call."""
+    r = workers + 1 if round_size is None else round_size
+    return memory_budget is not None and -(-microbatches // r) <= workers and one_stage_bytes(costs) <= memory_budget
 
 
 def _pack(order: range, t: float, mem_limit: float, times: list[float], params: list[float],
@@ -148,13 +182,18 @@ def candidates(costs: Sequence[LayerCost]) -> np.ndarray:
 
 def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
               memory_budget: float | None = None, stage_limit: float | None = None,
-              layer_grain: bool = False) -> Partition:
+              layer_grain: bool = False, round_size: int | None = None) -> Partition:
     """The optimal plan under the objective above (see the module docstring); each stage within
-    `stage_limit` bytes (default: half the memory budget); `layer_grain`: see `greedy`."""
+    `stage_limit` bytes (default: half the memory budget; a plan of one stage: `one_stage_fits`);
+    `layer_grain`: see `greedy`; `round_size`: see `objective`."""
     costs = check_costs(costs)
     mem_limit = check_args(workers, microbatches, memory_budget)
     if stage_limit is not None and memory_budget is not None:
         mem_limit = stage_limit
+    whole = None   # one stage when it fits the whole budget (a half-budget stage limit does not bind it)
+    if one_stage_fits(costs, workers, microbatches, memory_budget, round_size):
+        whole = Partition(one_stage(costs), backward_time(costs, range(0, len(costs))),
+                          objective(one_stage(costs), costs, workers, microbatches, round_size))
     cand = candidates(costs)
     # Tolerance so a candidate equal to a stage's sum still admits it after float reordering.
     cand = cand * (1 + 1e-12) + 1e-300
@@ -167,6 +206,8 @@ def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
 
     count = lambda i: math.inf if at(i) is None else len(at(i).stages())
     if at(len(cand) - 1) is None:
+        if whole is not None:
+            return whole
         need = [backward_memory(costs, range(i, i + 1), fused=i == len(costs) - 1, layer_grain=layer_grain)
                 for i in range(len(costs))]
         worst = max(range(len(costs)), key=need.__getitem__)
@@ -188,10 +229,10 @@ def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
         split(mid, j)
 
     split(lo, len(cand) - 1)
-    best = None
+    best = whole
     for i in breakpoints:
         p = at(i)
-        obj = objective(p, costs, workers, microbatches)
+        obj = objective(p, costs, workers, microbatches, round_size)
         if best is None or obj < best.objective:
             best = Partition(p, max(stage_times(p, costs)), obj)
     return best
@@ -207,17 +248,18 @@ def cap_stage_limit(costs: Sequence[LayerCost], memory_budget: float, prefetch: 
 
 def partition_for_cap(costs: Sequence[LayerCost], workers: int, microbatches: int,
                       memory_budget: float | None = None, prefetch: bool = False,
-                      layer_grain: bool = False) -> Partition:
+                      layer_grain: bool = False, round_size: int | None = None) -> Partition:
     """`partition` for a device cap: each stage within half the budget; when one layer does not fit that,
     within `cap_stage_limit`.  The schedule's predicted peaks are checked against the cap after
     (memory.worker_peaks).  LayerTooLarge names the last limit tried."""
     try:
-        return partition(costs, workers, microbatches, memory_budget, layer_grain=layer_grain)
+        return partition(costs, workers, microbatches, memory_budget, layer_grain=layer_grain, round_size=round_size)
     except LayerTooLarge as e:
         limit = cap_stage_limit(costs, memory_budget, prefetch)
         if limit <= e.limit:
             raise
-        return partition(costs, workers, microbatches, memory_budget, stage_limit=limit, layer_grain=layer_grain)
+        return partition(costs, workers, microbatches, memory_budget, stage_limit=limit, layer_grain=layer_grain,
+                         round_size=round_size)
 
 
 def plan(costs: Sequence[LayerCost], workers: int, microbatches: int,

@@ -352,7 +352,88 @@ def test_a_model_that_fits_one_worker_trains_unsplit_without_recompute():
         loss_fn(ref(x), y).backward()
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-    for kwargs in (dict(devices=["cpu"], device_memory=3 << 20), dict(devices=["cpu"], num_microbatches=2),
-                   dict(devices=["cpu"] * 2)):
+    for kwargs in (dict(devices=["cpu"], device_memory=3 << 20), dict(devices=["cpu"], num_microbatches=2)):
         with rp.RoundPipe(build_layers(cfg, seed=0), **kwargs) as model:
             assert _microbatches_run(model, x, y, loss_fn) > 1, kwargs
+
+
+def _stages_run(model, x, y, loss_fn) -> dict[str, list[str]]:
+    """Per worker, the kind of stage ("fused", "F", "B") of each (stage, microbatch) it ran in one training
+    call, from the trace's compute spans ("fused0[0-4] mb1": forward, loss and backward spans each)."""
+    with model.record_trace() as trace:
+        model.forward_backward(x, labels=y, loss_fn=loss_fn)
+    runs = {(e.worker, e.cat, e.name) for e in trace.events if e.cat != "copy"}
+    out: dict[str, list[str]] = {}
+    for worker, cat, _ in sorted(runs):
+        out.setdefault(worker, []).append(cat)
+    return out
+
+
+def _one_stage_need(cfg, x, y, loss_fn, rows: int) -> float:
+    """planner.partition.one_stage_bytes of the tiny decoder for a microbatch of `rows` rows (the dry run the
+    engine makes for it)."""
+    from roundpipe.planner.partition import one_stage_bytes
+    return one_stage_bytes(size_costs(build_layers(cfg, seed=0), ((x[:rows],), {}), torch.float32, "cpu",
+                                      (loss_fn, y[:rows])))
+
+
+def test_a_model_that_fits_trains_a_microbatch_per_worker_in_parallel_without_recompute():
+    """No recompute where it fits, for N workers (issue 38): two workers, no num_microbatches, a microbatch of
+    half the batch fitting one fused stage within the cap: the call runs as two microbatches, each in one
+    fused stage on a worker of its own (every layer run forward once per microbatch: nothing recomputed),
+    gradients equal PyTorch's.  With a cap below that stage's need, it is split and pipelined as before.
+    Before the rule, two workers always split the batch (the first worker took every microbatch of the
+    one round when the plan was one stage)."""
+    from roundpipe.models.tiny_decoder import loss_fn
+    cfg = DecoderConfig(hidden=64, layers=3, heads=2)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (8, 64), generator=gen) for _ in range(2))
+    need = _one_stage_need(cfg, x, y, loss_fn, 4)
+    for cap in (None, int(need * 1.05)):
+        with rp.RoundPipe(build_layers(cfg, seed=0), devices=["cpu"] * 2, device_memory=cap) as model:
+            assert model.forward_backward(x, labels=y, loss_fn=loss_fn).isfinite()
+            model.synchronize()
+            ref = torch.nn.Sequential(*build_layers(cfg, seed=0))
+            loss_fn(ref(x), y).backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            assert model.plan == rp.Plan(forward=[], backward=[range(0, len(model.module))]), cap
+            stages = _stages_run(model, x, y, loss_fn)
+            assert sorted(stages) == ["cpu:0", "cpu:1"] and all(v == ["fused"] for v in stages.values()), stages
+            if cap is not None:
+                assert max(w["peak_total"] for w in model.memory_stats()["workers"].values()) <= cap
+    with rp.RoundPipe(build_layers(cfg, seed=0), devices=["cpu"] * 2, device_memory=int(need * 0.9)) as model:
+        stages = _stages_run(model, x, y, loss_fn)
+        assert any(kind != "fused" for v in stages.values() for kind in v), stages   # pipelined: recomputes
+
+
+def test_a_microbatch_per_worker_needs_host_room_for_the_gradient_sums():
+    """Several workers' rounds land their gradients apart and the host sums them (in fp32 with low-precision
+    compute): the one-per-worker calls are taken only where those bytes are at most a quarter of the host's
+    available memory; a trillion-parameter model (on the meta device) is refused, one worker needs no room."""
+    from roundpipe.engine.autoplan import host_room
+    small = [nn.Linear(64, 64)]
+    huge = [nn.Linear(10 ** 6, 10 ** 6, device="meta")]
+    assert host_room(small, 2, torch.bfloat16) and host_room(small, 8, torch.float32)
+    assert not host_room(huge, 2, torch.bfloat16) and not host_room(huge, 2, torch.float32)
+    assert host_room(huge, 1, torch.float32)   # fp32 compute, one worker: one landing, no sum
+    for p in huge[0].parameters():
+        p.requires_grad_(False)
+    assert host_room(huge, 2, torch.bfloat16)   # frozen: nothing lands
+
+
+def test_one_worker_keeps_activations_when_the_model_fits_the_cap_but_not_half_of_it():
+    """The plan for an unsplit call under a cap (issue 38, "no recompute where activations fit, on GPU workers
+    too"): the whole batch's fused stage fits the cap but not half of it.  The planner's half-budget stage
+    limit (room for a neighbouring stage) does not bind a plan of one stage run once per worker and call, so
+    the call runs as one fused stage; before, the half-budget rule made the unsplit call a pipeline of five
+    stages that recomputed every layer it did not fuse."""
+    from roundpipe.models.tiny_decoder import loss_fn
+    cfg = DecoderConfig(hidden=64, layers=3, heads=2)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (8, 64), generator=gen) for _ in range(2))
+    cap = int(_one_stage_need(cfg, x, y, loss_fn, 8) * 1.3)
+    with rp.RoundPipe(build_layers(cfg, seed=0), devices=["cpu"], device_memory=cap) as model:
+        assert _stages_run(model, x, y, loss_fn) == {"cpu:0": ["fused"]}
+        assert model.plan == rp.Plan(forward=[], backward=[range(0, len(model.module))])
+        assert model.memory_stats()["workers"]["cpu:0"]["peak_total"] <= cap

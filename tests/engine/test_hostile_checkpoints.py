@@ -453,3 +453,24 @@ def test_a_bad_upload_file_is_refused_before_the_masters_change(tmp_path):
                                              r"the upload copy's is torch\.bfloat16"):
             model.load_checkpoint(path, opt)
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("step", [torch.tensor(-2.84), torch.tensor(float("nan")), torch.tensor(2.5), "3"])
+def test_a_damaged_optimizer_step_count_is_refused_at_load(tmp_path, pristine, step):
+    """A byte flipped in optimizer.pt turned a parameter's Adam 'step' into -2.84 (the seeded mutations, 12th):
+    the load took it and the pending step it re-issued failed at the next synchronize(), outside the load.
+    Now the load refuses it, naming the file, and the model is left as it was."""
+    path = tmp_path / "c"
+    shutil.copytree(pristine, path)
+    saved = torch.load(path / "optimizer.pt", weights_only=True)
+    saved["state"][1]["step"] = step
+    torch.save(saved, path / "optimizer.pt")
+    resize(path, "optimizer.pt")   # the manifest's size of it: the file's own check runs
+    with small_model() as model:
+        opt = rp.optim.AdamW(model.parameters())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match=r"optimizer\.pt: state 'step' of parameter 1 is .*expected a whole "
+                                             r"number >= 0"):
+            model.load_checkpoint(path, opt)
+        model.synchronize()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

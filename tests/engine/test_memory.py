@@ -89,7 +89,9 @@ def test_gradient_buffers_are_bounded_and_recycled(asynchronous, buffers, dtype)
     with bf16 compute, and a clone of every p.grad each step)."""
     layers = mlp(4, width=16)
     x, y = torch.randn(8, 16), torch.randn(8, 16)
-    with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=dtype) as model:
+    # num_microbatches: one round a call (the default count, N + 1); without it this model fits a worker and each
+    # call runs a microbatch per worker, two rounds whose gradients the host sums in fp32 (autoplan.host_room)
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=dtype, num_microbatches=3) as model:
         opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
         numel = sum(p.numel() for p in model.parameters())
         reserved = []

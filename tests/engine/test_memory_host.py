@@ -88,7 +88,9 @@ def measure(asynchronous, depth):
     with HostPeak(lambda: sum(w.ledger.live_bytes() for w in workers)) as sampler:
         layers = build_layers(DecoderConfig(hidden=1024, layers=depth, heads=16), seed=0)
         n = sum(p.numel() for l in layers for p in l.parameters())
-        with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=torch.bfloat16) as model:
+        # num_microbatches: the default count, one round a call (without it the model fits a worker and each call
+        # runs a microbatch per worker, whose gradients the host sums in fp32: roundpipe/engine/autoplan.py)
+        with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=torch.bfloat16, num_microbatches=3) as model:
             for w in model.workers:
                 w.records_workspace = True
             workers.extend(model.workers)

@@ -10,7 +10,13 @@ from roundpipe.planner import LayerCost, balanced_split, objective, partition, p
 from roundpipe.planner.costs import backward_memory, forward_memory
 from roundpipe.planner.exact import exact_partition
 from roundpipe.planner.memory import beside_bytes
-from roundpipe.planner.partition import LayerTooLarge, cap_stage_limit, partition_for_cap
+from roundpipe.planner.partition import (
+    LayerTooLarge,
+    cap_stage_limit,
+    one_stage_bytes,
+    one_stage_fits,
+    partition_for_cap,
+)
 from roundpipe.planner.plan import Plan
 
 
@@ -41,7 +47,8 @@ def test_fast_within_5_percent_of_exact_on_random_instances():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_plan_valid_and_within_memory(seed):
-    """Plans cover every layer once, the fused stage holds the last layer, and every stage fits half the budget."""
+    """Plans cover every layer once, the fused stage holds the last layer, and every stage fits half the budget
+    (a plan of one stage, run at most once per worker and call: the whole budget)."""
     rng = random.Random(seed)
     costs, N, M, _ = random_instance(rng, max_layers=40)
     budget = 2 * max(c.param_bytes * 3 + c.act_bytes for c in costs) * 1.5
@@ -49,7 +56,9 @@ def test_plan_valid_and_within_memory(seed):
     assert isinstance(p.plan, Plan)
     p.plan.check(len(costs))
     assert p.plan.fused.stop == len(costs)
-    for kind, r in p.plan.stages():
+    if len(p.plan.stages()) == 1:   # one stage, no neighbour on its worker: it may take the whole budget
+        assert one_stage_fits(costs, N, M, budget)
+    for kind, r in p.plan.stages() if len(p.plan.stages()) > 1 else []:
         mem = forward_memory(costs, r) if kind == "F" else backward_memory(costs, r)
         assert mem <= budget / 2
     assert p.t_max == pytest.approx(max(stage_times(p.plan, costs)))
@@ -131,3 +140,37 @@ def test_balanced_split_matches_brute_force():
         best = min(max(sum(w[a:b]) for a, b in zip((0,) + cuts, cuts + (len(w),)))
                    for cuts in itertools.combinations(range(1, len(w)), parts - 1))
         assert got == pytest.approx(best)
+
+
+def test_one_stage_objective_counts_each_workers_rounds():
+    """A plan of one stage has no pipeline to fill: round r runs on worker r mod N, all in parallel, so the
+    objective is N times the most microbatches one worker runs times the stage's time."""
+    from roundpipe.planner.partition import most_per_worker, one_stage
+    assert [most_per_worker(*a) for a in ((2, 2, 1), (2, 3, 3), (1, 5, 2), (4, 5, 2), (2, 4, 1), (3, 4))] == \
+        [1, 3, 5, 2, 2, 4]
+    costs = [LayerCost(1.0, 3.0)] * 4
+    assert objective(one_stage(costs), costs, 2, 2, round_size=1) == 2 * 1 * 12.0
+    assert objective(one_stage(costs), costs, 2, 3) == 2 * 3 * 12.0   # one round of 3 (N + 1): one worker
+    # a pipeline keeps the closed form
+    p = Plan(forward=[range(0, 2)], backward=[range(2, 4), range(0, 2)])
+    assert objective(p, costs, 2, 3, round_size=1) == objective(p, costs, 2, 3) == (3 * 3 + 2) * 6.0
+
+
+def test_one_stage_takes_the_whole_budget_only_when_each_worker_runs_it_once():
+    """Between half the budget and all of it, one stage of every layer is the plan when no worker runs it
+    twice in a call (one round per worker); with two rounds on a worker (its next run's weights and the last
+    one's gradients beside it) stages keep to half the budget."""
+    costs = [LayerCost(1.0, 3.0, param_bytes=100, act_bytes=10)] * 8
+    budget = one_stage_bytes(costs) * 1.2
+    assert not one_stage_bytes(costs) <= budget / 2
+    for workers, microbatches, rounds in ((2, 2, 1), (1, 2, 2), (2, 4, 2)):
+        assert one_stage_fits(costs, workers, microbatches, budget, rounds)
+        assert partition(costs, workers, microbatches, budget, round_size=rounds).plan.stages() == \
+            [("B", range(0, 8))], (workers, microbatches, rounds)
+        assert exact_partition(costs, workers, microbatches, budget, round_size=rounds).plan.stages() == \
+            [("B", range(0, 8))]
+    for workers, microbatches, rounds in ((1, 4, 2), (2, 6, 2)):
+        assert not one_stage_fits(costs, workers, microbatches, budget, rounds)
+        p = partition(costs, workers, microbatches, budget, round_size=rounds).plan
+        assert len(p.stages()) > 1
+        assert all(backward_memory(costs, r, fused=r.stop == 8) <= budget / 2 for r in p.backward)

@@ -60,6 +60,7 @@ class Microbatches:
     labels: list[Any]
     sizes: list[int]
     reduction: str = "mean"   # "mean": losses weighted by size_m / B; "sum": added as they are
+    round_size: int | None = None   # microbatches per round, where the call sets its own (None: the model's)
 
     def __len__(self) -> int:
         return len(self.sizes)

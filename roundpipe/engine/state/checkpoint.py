@@ -212,7 +212,7 @@ def save(model: "RoundPipe", path: str, pending: "StepRecord | None", optimizer:
 
 
 def _whole(decision: tuple[bool, int] | None) -> dict | None:
-    """The one-worker rule's decision (autoplan.py, whole_batch) as the manifest stores it: calls without a
+    """The fits rule's decision (autoplan.py, whole_batch) as the manifest stores it: calls without a
     count of their own then split alike after a resume (null: not made yet)."""
     return None if decision is None else {"fits": bool(decision[0]), "batch": int(decision[1])}
 
