@@ -145,6 +145,10 @@ def check_same(name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor
 # coarser: two launches Triton compiles separately must never share a key.
 _first_launch = threading.Lock()
 _warm: set = set()
+# The interpreter (TRITON_INTERPRET=1, CPU tensors) is not safe from several threads at any launch: while it
+# runs a kernel it swaps triton.language's builtins, so two CPU workers running kernels at once fail ("Did you
+# forget to add @triton.jit ?").  Interpreted launches run one at a time.
+_interpreted = threading.Lock()
 
 
 def _int_type(a: int) -> str:
@@ -173,11 +177,11 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
 
     Triton launches on the current device; roundpipe drives several GPUs from
     worker threads, so a tensor on cuda:1 must not run on cuda:0's context.  A
-    launch that may compile holds the first-launch lock (see above).
+    launch that may compile holds the first-launch lock, an interpreted one the interpreter's (see above).
     """
     first = next(a for a in args if isinstance(a, torch.Tensor))
     key = _specialisation(kernel, first.device, args, meta)
-    guard = contextlib.nullcontext() if key in _warm else _first_launch
+    guard = _interpreted if first.device.type != "cuda" else contextlib.nullcontext() if key in _warm else _first_launch
     with guard:
         if first.device.type == "cuda":
             with torch.cuda.device(first.device):

@@ -140,3 +140,37 @@ def test_first_launch_of_a_wider_int_takes_the_lock_again(monkeypatch):
     for n in (16, 16, 2**31 + 16, 2**31 + 16, 16):
         _triton.launch(kernel, (1,), x, n, BLOCK=16)
     assert held == [True, False, True, False, False]
+
+
+def test_interpreted_kernels_run_from_several_threads():
+    """Two CPU workers run Triton kernels at once in the interpreter (TRITON_INTERPRET=1), which swaps
+    triton.language's builtins while a kernel runs: before interpreted launches were serialised, the second
+    thread's launch failed ("Did you forget to add @triton.jit ?"; a tiny Qwen3 with patched kernels on two
+    CPU workers, tests/hf/test_hf.py).  Each thread's results equal the reference."""
+    import threading
+    if torch.cuda.is_available():
+        return   # compiled kernels: nothing interpreted
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # the threads interleave inside each other's kernels
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 64, generator=gen) for _ in range(2)]
+    w = torch.randn(64, generator=gen)
+    errors, outs = [], {}
+
+    def run(k):
+        try:
+            for _ in range(4):
+                outs[k] = kernels.rms_norm(xs[k], w)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors
+    for k in range(2):
+        torch.testing.assert_close(outs[k], rms_norm_ref(xs[k], w), rtol=1e-5, atol=1e-5)
