@@ -208,7 +208,8 @@ class Model:
 
     def plan(self, layer_grain: bool, budget: float | None = None) -> tuple[list[int], list[int], float] | None:
         """The planner's stage sizes under `budget` (default: the cap) and the working set: twice the largest
-        stage's bytes (the stage a worker runs and the next one it prefetches); None where no plan fits."""
+        stage's bytes (the stage a worker runs and the next one it prefetches; a plan of one stage: its bytes,
+        planner.partition.one_stage_fits); None where no plan fits."""
         budget = self.cap if budget is None else budget
         key = (layer_grain, budget)
         if key not in self._plans:
@@ -223,7 +224,8 @@ class Model:
                        for j, r in enumerate(p.backward)]
             self.stages[key] = list(zip([*p.forward, *p.backward], stages))
             fwd, bwd = sizes_from_plan(p, self.costs)
-            self._plans[key] = (fwd, bwd, 2 * max(stages))
+            # a plan of one stage, run once a worker and iteration, has no neighbour to prefetch beside it
+            self._plans[key] = (fwd, bwd, max(stages) if len(stages) == 1 else 2 * max(stages))
         return self._plans[key]
 
     def resident_sizes(self, per_param: float) -> list[float]:
