@@ -181,7 +181,10 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     """
     first = next(a for a in args if isinstance(a, torch.Tensor))
     key = _specialisation(kernel, first.device, args, meta)
-    guard = _interpreted if first.device.type != "cuda" else contextlib.nullcontext() if key in _warm else _first_launch
+    if first.device.type != "cuda" and triton is not None and isinstance(kernel, triton.runtime.jit.KernelInterface):
+        guard = _interpreted   # a Triton kernel on CPU tensors: the interpreter
+    else:
+        guard = contextlib.nullcontext() if key in _warm else _first_launch
     with guard:
         if first.device.type == "cuda":
             with torch.cuda.device(first.device):
