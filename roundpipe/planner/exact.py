@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from roundpipe.planner.costs import LayerCost, backward_memory, backward_time, check_costs, forward_memory, forward_time
-from roundpipe.planner.partition import Partition, check_args, objective, one_stage, one_stage_fits, stage_times
+from roundpipe.planner.partition import Partition, check_args, objective, one_stage_partition, stage_times
 from roundpipe.planner.plan import Plan
 
 MAX_LAYERS = 14
@@ -50,11 +50,8 @@ def exact_partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
     btime = lambda r: backward_time(costs, r)
     fmem = lambda r: forward_memory(costs, r)
     bmem = lambda r: backward_memory(costs, r)
-    best: Partition | None = None
-    if one_stage_fits(costs, workers, microbatches, memory_budget, round_size):   # may take the whole budget
-        whole = one_stage(costs)
-        best = Partition(whole, max(stage_times(whole, costs)),
-                         objective(whole, costs, workers, microbatches, round_size))
+    # one stage where it may take the whole budget; else judged below against half of it
+    best: Partition | None = one_stage_partition(costs, workers, microbatches, memory_budget, round_size)
     for a in range(L - 1, -1, -1):
         fused = range(a, L)
         if backward_memory(costs, fused, fused=True) > mem_limit:   # the loss's workspace at its top

@@ -87,7 +87,7 @@ def objective(plan: Plan, costs: Sequence[LayerCost], workers: int, microbatches
 def most_per_worker(workers: int, microbatches: int, round_size: int | None = None) -> int:
     """The most microbatches one worker runs when each round goes to the next worker in turn (a plan of one
     stage, roundpipe/engine/calls/dispatcher.py)."""
-    r = workers + 1 if round_size is None else round_size
+    r = _round_size(workers, round_size)
     sizes = [min(r, microbatches - start) for start in range(0, microbatches, r)]
     return max(sum(sizes[w::workers]) for w in range(workers))
 
@@ -108,8 +108,24 @@ def one_stage_bytes(costs: Sequence[LayerCost]) -> float:
 def one_stage_fits(costs: Sequence[LayerCost], workers: int, microbatches: int, memory_budget: float | None,
                    round_size: int | None = None) -> bool:
     """`one_stage` within the whole budget, each worker running it at most once per call."""
-    r = workers + 1 if round_size is None else round_size
-    return memory_budget is not None and -(-microbatches // r) <= workers and one_stage_bytes(costs) <= memory_budget
+    return (memory_budget is not None and -(-microbatches // _round_size(workers, round_size)) <= workers
+            and one_stage_bytes(costs) <= memory_budget)
+
+
+def one_stage_partition(costs: Sequence[LayerCost], workers: int, microbatches: int, memory_budget: float | None,
+                        round_size: int | None = None) -> Partition | None:
+    """`one_stage`, scored, where it may take the whole budget (`one_stage_fits`); None elsewhere, where the
+    search judges it against the stage limit like any plan."""
+    if not one_stage_fits(costs, workers, microbatches, memory_budget, round_size):
+        return None
+    plan = one_stage(costs)
+    return Partition(plan, backward_time(costs, range(0, len(costs))),
+                     objective(plan, costs, workers, microbatches, round_size))
+
+
+def _round_size(workers: int, round_size: int | None) -> int:
+    """Microbatches per round: `round_size`, or the engine's default of workers + 1."""
+    return workers + 1 if round_size is None else round_size
 
 
 def _pack(order: range, t: float, mem_limit: float, times: list[float], params: list[float],
@@ -190,10 +206,7 @@ def partition(costs: Sequence[LayerCost], workers: int, microbatches: int,
     mem_limit = check_args(workers, microbatches, memory_budget)
     if stage_limit is not None and memory_budget is not None:
         mem_limit = stage_limit
-    whole = None   # one stage when it fits the whole budget (a half-budget stage limit does not bind it)
-    if one_stage_fits(costs, workers, microbatches, memory_budget, round_size):
-        whole = Partition(one_stage(costs), backward_time(costs, range(0, len(costs))),
-                          objective(one_stage(costs), costs, workers, microbatches, round_size))
+    whole = one_stage_partition(costs, workers, microbatches, memory_budget, round_size)   # not bound by half
     cand = candidates(costs)
     # Tolerance so a candidate equal to a stage's sum still admits it after float reordering.
     cand = cand * (1 + 1e-12) + 1e-300

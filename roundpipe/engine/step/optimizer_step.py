@@ -256,6 +256,7 @@ def make_step(optimizer: Any, host: HostState, named_params: list[tuple[str, tor
                                 p.grad.mul_(clip[0])
                     optimizer.step_layer(params, upload)
             host.stamp(l)
+
         def clear(l: int) -> None:
             host.clear_grads(l)
             if l in on_device:   # a failed update consumes the device gradients too
