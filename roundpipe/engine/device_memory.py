@@ -149,8 +149,9 @@ class PeakPredictions:
             check_schedule(sched.tasks, self.caps, host)
             sched.predicted = self._predict(sched, host, autoplan, sample, loss)
             sched.fits_checked = True
-        if not self.auto_resident and sched.resident:   # a call with them ran out of memory: none from now on
-            sched.resident = 0
+        if not self.auto_resident and (sched.resident or sched.kept):   # a call with them ran out of memory:
+            sched.resident = 0                                             # none from now on
+            sched.keep_activations(())
             sched.predicted = self._predict(sched, host, autoplan, sample, loss)
         for name, need in sched.predicted.items():
             self.peaks[name] = max(self.peaks.get(name, 0), need)
@@ -165,9 +166,12 @@ class PeakPredictions:
         prefetches = any(w.prefetches for w in self.workers)
         mem = autoplan.layer_memory(sample, loss)
         held = device_step_bytes(host) if self.device_step else None
+        sched.keep_activations(())
         if self.resident_layers is None and self.auto_resident:   # the most the caps leave room for
             sched.resident = resident_prefix(sched.tasks, weights, grads, mem, prefetches, self.caps,
                                              sched.layer_grain, headroom=self.resident_headroom(), held=held)
+        if self.auto_resident:   # then graphs kept instead of recomputed, in the room the kept weights leave
+            self._keep_activations(sched, host, weights, grads, mem, prefetches, held)
         predicted = worker_peaks(sched.tasks, weights, grads, mem, prefetches, sched.layer_grain,
                                  resident=sched.resident, held=held)
         for name, need in predicted.items():
@@ -178,6 +182,23 @@ class PeakPredictions:
                               "roundpipe/planner/memory.py); give a plan with smaller stages or fewer rows "
                               "per microbatch, or let the planner choose", stacklevel=5)
         return predicted
+
+    def _keep_activations(self, sched, host, weights, grads, mem, prefetches, held) -> None:
+        """The backward stages that keep their forward's graph instead of recomputing it (dispatcher.Schedule
+        `keepable`, nearest the fused tail first, each while every worker's predicted peak stays within the
+        share of its cap that kept weights may fill, `resident_headroom`); none where a worker has no cap."""
+        limits = {name: self.caps.get(name) for name in sched.tasks}
+        chosen: list[int] = []
+        if limits and all(c is not None for c in limits.values()):
+            def fits() -> bool:
+                peaks = worker_peaks(sched.tasks, weights, grads, mem, prefetches, sched.layer_grain,
+                                     resident=sched.resident, held=held)
+                return all(peaks[n] <= (1 - self.resident_headroom()) * limits[n] for n in limits)
+            for j in sched.keepable(lambda l: any(host.layers[l].constant)):
+                sched.keep_activations(chosen + [j])
+                if fits():
+                    chosen.append(j)
+        sched.keep_activations(chosen)
 
     def resident_headroom(self) -> float:
         """The share of each cap that kept weights leave free beyond the predicted peak (resident_prefix): 15%

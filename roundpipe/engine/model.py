@@ -450,7 +450,8 @@ class RoundPipe(ModelState, ModelSteps):
                           on_timing=self.autoplan.recorder(key, training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
                           bn_skip=self._bn_skip, precision=self.precision, resident=self.resident,
-                          resident_count=sched.resident, device_step=self.device_step, **fields)
+                          resident_count=sched.resident, keeps=bool(sched.kept), device_step=self.device_step,
+                          **fields)
         if self.device_step is not None:   # a forward-only call binds the device-stepped weights too
             ctx.device_layers = self._device_layers = self.device_step.chosen(sched.resident)
         # A training call's inputs already on a GPU are copied on the caller's stream, owned by the call:
@@ -469,9 +470,9 @@ class RoundPipe(ModelState, ModelSteps):
 
         def on_end(run: CallRun) -> None:
             try:
-                if not run.ok:   # kept weights go with a failed call; after running out of memory, none are kept
+                if not run.ok:   # kept weights go with a failed call; after running out of memory, none (nor graphs) are kept
                     resident.clear()
-                    if isinstance(run.error, torch.OutOfMemoryError) and run.ctx.resident_count:
+                    if isinstance(run.error, torch.OutOfMemoryError) and (run.ctx.resident_count or run.ctx.keeps):
                         predictions.auto_resident = False
                 if device is not None and run.ctx.device_layers:   # its device gradients: kept or dropped
                     device.end_call(run.ctx.call.index, run.ok)

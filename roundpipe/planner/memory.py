@@ -179,6 +179,33 @@ def _output_bytes(task, mem: Sequence[LayerMemory]) -> int:
     return mem[r.start].in_bytes if r.start > 0 else 0
 
 
+def kept_graph_bytes(mem: Sequence[LayerMemory], layers: range) -> int:
+    """One microbatch's graph of layers run with autograd and kept for their backward (a kept backward
+    stage, roundpipe/engine/calls/dispatcher.py `Schedule.kept`): its input leaf and what every layer saves."""
+    return mem[layers.start].in_bytes + sum(mem[j].saved for j in layers)
+
+
+def _kept_bytes(task, weights: Sequence[int], grads: Sequence[int], mem: Sequence[LayerMemory]) -> tuple[int, int]:
+    """(the stage's own need, what it adds to or takes from the worker's kept bytes afterwards) for a stage
+    that keeps graphs or runs on kept ones: a forward stage holds its kept ranges' graphs of every
+    microbatch of the round and their weights from its run to their backward stage's end (its worst: all
+    of them and what one layer's forward with grad makes beyond what it keeps); a kept backward stage needs
+    its fp32 accumulators and one layer's backward workspace beside them (beyond the layer's kept part),
+    and frees them."""
+    mbs = len(task.mbs)
+    if getattr(task, "kept", False):
+        r = task.layers
+        own = (sum(grads[l] for l in r) + sum(mem[l].param_grads for l in r)
+               + max(mem[j].backward - mem[j].saved + mem[j].out_bytes for j in r))
+        return own, -(mbs * kept_graph_bytes(mem, r) + sum(weights[l] for l in r))
+    keep = getattr(task, "keep", ())
+    if not keep:
+        return 0, 0
+    graphs = mbs * sum(kept_graph_bytes(mem, r) for r in keep)
+    making = max(mem[j].recompute - mem[j].saved for r in keep for j in r)
+    return graphs + max(making, 0), graphs + sum(weights[l] for r in keep for l in r)
+
+
 def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads: Sequence[int],
                  mem: Sequence[LayerMemory], prefetches: bool, layer_grain: bool = False,
                  resident: int = 0, held: Sequence[int] | None = None) -> dict[str, int]:
@@ -192,14 +219,18 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
     (roundpipe/engine/calls/dispatcher.py), so in time each worker has run, and keeps, every such layer
     (the steady state; earlier calls hold less).  `held`: per layer, device bytes a resident layer holds
     beside its weights all the time (the device step's masters, optimizer state and gradient sums:
-    roundpipe/engine/step/device_step.py)."""
+    roundpipe/engine/step/device_step.py).  Kept graphs (a forward stage's `keep`, a backward stage's
+    `kept`: `_kept_bytes`) sit beside every stage from their forward stage to their backward stage."""
     peaks = {}
     for name, tasks in tasks_by_worker.items():
-        worst = 0
+        worst = holding = 0
         kept = range(resident)
         always = sum(held[l] for l in kept) if held is not None else 0
         for i, task in enumerate(tasks):
-            need = stage_bytes(task.kind, task.layers, weights, grads, mem, len(task.mbs), layer_grain)
+            own, change = _kept_bytes(task, weights, grads, mem)
+            on_kept = getattr(task, "kept", False)
+            need = own if on_kept else own + stage_bytes(task.kind, task.layers, weights, grads, mem, len(task.mbs),
+                                                          layer_grain)
             if kept:
                 counted = set(task.layers)
                 if prefetches and i + 1 < len(tasks):
@@ -210,10 +241,11 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
                 if tasks[i - 1].kind != "F":
                     need += sum(grads[l] for l in tasks[i - 1].layers)
             if prefetches:
-                need += mem[first_input(task, layer_grain)].in_bytes
-                if i + 1 < len(tasks):
+                need += 0 if on_kept else mem[first_input(task, layer_grain)].in_bytes
+                if i + 1 < len(tasks) and not getattr(tasks[i + 1], "kept", False):
                     need += sum(weights[l] for l in tasks[i + 1].layers)
-            worst = max(worst, need + always)
+            worst = max(worst, need + always + holding)
+            holding += change
         peaks[name] = worst
     return peaks
 

@@ -73,15 +73,17 @@ def float_leaves(x: Any) -> list[torch.Tensor]:
 
 def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                publish: Callable[[int, Any], None] | None = None,
-               report: Callable[[float, float], None] | None = None, recompute: bool = False) -> Any:
+               report: Callable[[float, float], None] | None = None, recompute: bool = False,
+               saving: bool = True) -> Any:
     """Runs layers on x, each from its own seed (recompute.py); publish(b, x) at saved boundaries inside.
 
     Random draws go to the worker's own generator, so workers run layers side by side; long
     compute runs outside the worker's turn (Worker.compute_span).  recompute: a backward stage's
     recompute, whose layers get what their first run saved (recompute_data.py); a forward stage
-    (one that publishes) of a training call is that first run."""
+    (one that publishes) of a training call is that first run, unless `saving` is False (layers whose graph
+    is kept for their backward: never recomputed)."""
     reps = ctx.replicas[w.name]
-    runs = LayerRuns(ctx, w, layers, m, recompute, first=publish is not None)   # may wait: before the span
+    runs = LayerRuns(ctx, w, layers, m, recompute, first=publish is not None and saving)   # may wait: before the span
     with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop), report) as span, w.rng.stream(), \
             ctx.precision.autocast_on(w.device.type):
         for l in layers:

@@ -76,50 +76,87 @@ def saved_points(plan: Plan, training: bool, layer_grain: bool = False) -> froze
 
 
 class Schedule:
-    """The per-worker slot lists of one call."""
+    """The per-worker slot lists of one call.
+
+    `kept` (set by `keep_activations`, chosen by device_memory.PeakPredictions): the backward stages, by
+    index in plan.backward, that do not recompute.  The forward stage holding such a stage's layers runs
+    them with autograd and keeps the graph on its worker, where the backward stage runs next (slots a
+    multiple of N apart); the backward stage then runs the backward alone on that graph and the forward's
+    bound weights, with no upload and no recompute (`keepable` lists the stages that can)."""
 
     def __init__(self, plan: Plan, training: bool, num_mb: int, round_size: int, workers: list[Worker], g0: int,
                  layer_grain: bool = False):
-        kinds = slot_kinds(plan, training)
+        self.plan, self.training, self.workers = plan, training, workers
+        self.num_mb, self.round_size, self.g0 = num_mb, round_size, g0
         self.layer_grain = layer_grain and training   # backward stages recompute a layer at a time
         self.points = saved_points(plan, training, layer_grain)
         self.num_layers = plan.num_layers
-        n = len(workers)
+        self._build(frozenset())
+        self.fits_checked = False   # set by RoundPipe once its stages were checked against the device caps
+        self.predicted: dict[str, int] = {}   # worker name -> predicted peak device bytes (device_memory.PeakPredictions)
+        self.resident = 0   # first layers whose weights workers keep between stages (calls/resident.py; PeakPredictions)
+
+    def keepable(self, quantized: Callable[[int], bool] = lambda l: False) -> list[int]:
+        """The backward stages (index in plan.backward) that could keep their forward's graph instead of
+        recomputing, nearest the fused tail first: training calls; a non-fused stage not at layer 0 whose
+        layers lie in one forward stage running on the same worker (its slot a multiple of N before); no
+        4-bit layer (`quantized`: its dequantized weights would outlive the forward's DequantKeep)."""
+        if not self.training:
+            return []
+        n, k, out = len(self.workers), len(self.plan.forward), []
+        for j, r in enumerate(self.plan.backward[1:], start=1):
+            a = next((i for i, f in enumerate(self.plan.forward) if f.start <= r.start and r.stop <= f.stop), None)
+            if a is not None and r.start > 0 and (k + j - a) % n == 0 and not any(quantized(l) for l in r):
+                out.append(j)
+        return out
+
+    def keep_activations(self, kept) -> None:
+        """Rebuilds the slot lists with these backward stages kept from their forward (none: recompute all)."""
+        kept = frozenset(kept)
+        if kept != self.kept:
+            self._build(kept)
+
+    def _build(self, kept: frozenset[int]) -> None:
+        plan, n, workers = self.plan, len(self.workers), self.workers
+        self.kept = kept
+        kept_ranges = [plan.backward[j] for j in sorted(kept)]
+        kinds = slot_kinds(plan, self.training)
+        num_mb, round_size = self.num_mb, self.round_size
         rounds = [list(range(r, min(num_mb, r + round_size))) for r in range(0, num_mb, round_size)]
         self.tasks: dict[str, list[StageTask]] = {w.name: [] for w in workers}
         self.by_name = {w.name: w for w in workers}
         self.uploads = [0] * plan.num_layers
         self.input_consumers = 0
-        slot = g0
+        slot = self.g0
         for ri, mbs in enumerate(rounds):
             placed = []
             for kind, r in kinds:
-                placed.append((kind, r, workers[slot % n], slot))
+                keeps = kind == "B" and r in kept_ranges
+                placed.append((kind, r, workers[slot % n], slot, keeps))
                 slot += 1
-                for l in r:
-                    self.uploads[l] += 1
-            for kind, r, w, s in placed:
-                task = StageTask(kind, r, ri, s - g0, mbs, last_round=ri == len(rounds) - 1,
-                                 by_layer=kind == "B" and self.layer_grain)
+                if not keeps:   # a kept backward stage binds its forward's weights
+                    for l in r:
+                        self.uploads[l] += 1
+            for kind, r, w, s, keeps in placed:
+                task = StageTask(kind, r, ri, s - self.g0, mbs, last_round=ri == len(rounds) - 1,
+                                 by_layer=kind == "B" and self.layer_grain and not keeps, kept=keeps)
                 if kind == "F":
+                    task.keep = tuple(k for k in kept_ranges if r.start <= k.start and k.stop <= r.stop)
                     for b in [b for b in self.points if r.start < b <= r.stop] + [r.stop]:
                         task.consumers[b] = self._readers(placed, b)
                 elif r.start > 0:
-                    task.consumers[r.start] = [Consumer(w2, True) for k2, r2, w2, _ in placed
+                    task.consumers[r.start] = [Consumer(w2, True) for k2, r2, w2, _, _ in placed
                                                if k2 == "B" and r2.stop == r.start]
                 self.tasks[w.name].append(task)
             if ri == 0:
                 self.input_consumers = len(self._readers(placed, 0))
         self.next_g0 = slot
-        self.fits_checked = False   # set by RoundPipe once its stages were checked against the device caps
-        self.predicted: dict[str, int] = {}   # worker name -> predicted peak device bytes (device_memory.PeakPredictions)
-        self.resident = 0   # first layers whose weights workers keep between stages (calls/resident.py; PeakPredictions)
 
     def _readers(self, placed: list, b: int) -> list[Consumer]:
         """The stages that read the activation at boundary b: those starting there, and at layer grain the
-        backward stage holding layer b (it recomputes layer b from it)."""
-        return [Consumer(w, kind != "B") for kind, r, w, _ in placed
-                if r.start == b or (self.layer_grain and kind == "B" and b in r)]
+        backward stage holding layer b (it recomputes layer b from it); a kept backward stage reads none."""
+        return [Consumer(w, kind != "B") for kind, r, w, _, keeps in placed
+                if not keeps and (r.start == b or (self.layer_grain and kind == "B" and b in r))]
 
 
 _KIND_WORDS = {"F": "forward", "fused": "the fused tail: forward, loss and backward", "B": "recompute and backward"}
@@ -460,6 +497,7 @@ class Dispatcher:
                 pre = task = None   # the prefetched weights die before the call counts as ended
                 w.end_stage()
                 if ctx.board.aborted:
+                    ctx.kept.clear()   # graphs kept for backward stages that will not run die now
                     try:
                         w.abandon()
                     except BaseException:  # noqa: BLE001 - the first error is already recorded

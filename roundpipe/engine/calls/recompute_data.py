@@ -21,7 +21,8 @@ unchanged; its asserts are RuntimeErrors here):
                                 keeps `data` (a nest of tuples, lists and dicts of tensors and other values)
                                 for that layer's recompute of m; once per layer run (a second call is a
                                 RuntimeError).  Everywhere else a no-op: outside a call, in forward-only
-                                calls, in the fused tail stage (never recomputed) and in the recompute.
+                                calls, in the fused tail stage and kept graphs (never recomputed) and in
+                                the recompute.
     get_recompute_data()        while a layer is recomputed: the tuple it saved, its tensors on this
                                 worker's device (private copies, detached), or None if it saved nothing.
                                 Outside a recompute a RuntimeError (check doing_recompute() first).

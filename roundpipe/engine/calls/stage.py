@@ -6,7 +6,9 @@ Three kinds of stage (docs/architecture.md, "Computation dispatch"):
            inside the stage: the next forward stage's input and backward stages' inputs
     fused  the tail: forward + loss + backward back to back, no recompute (a composed call's
            backward seeds it with the caller's output gradient instead: composed.py)
-    B      recompute from the saved input, then backward once the output gradient arrives
+    B      recompute from the saved input, then backward once the output gradient arrives; a kept
+           B (dispatcher.Schedule.kept) runs the backward alone on the graph its forward stage kept
+           on this worker, with the weights that stage bound: no upload, no input, no recompute
 
 A B stage recomputes microbatch m before it asks for m's output gradient, so the
 recompute overlaps with the upstream backward; only the backward part waits.  At layer grain
@@ -58,6 +60,8 @@ class StageTask:
     consumers: dict[int, list[Consumer]] = field(default_factory=dict)
     last_round: bool = True
     by_layer: bool = False   # B: layer-grain recompute (one layer at a time, each from its saved input)
+    kept: bool = False       # B: backward on the graph its forward stage kept (dispatcher.Schedule), no recompute
+    keep: tuple[range, ...] = ()   # F: the layer ranges run with autograd, their graphs kept for a kept B
 
     @property
     def label(self) -> str:
@@ -104,6 +108,8 @@ class StageRun:
     def upload_input_early(self, m: int, layer: int | None = None) -> None:
         """Issues microbatch m's input upload of `layer` now if it has arrived (it then overlaps the compute
         before it); default: the first input the stage reads (its top layer's at layer grain)."""
+        if self.task.kept:
+            return   # it reads no input: its forward's graph is on the worker
         layer = first_input(self.task, self.task.by_layer) if layer is None else layer
         found, h = self.ctx.board.poll(("act", layer, m))
         if found:
@@ -111,7 +117,10 @@ class StageRun:
 
     def upload(self, prefetched: Upload | None) -> None:
         ctx, task, w = self.ctx, self.task, self.w
+        if task.kept:
+            return self._bind_kept()
         grad = task.kind != "F"
+        kept = {l for r in task.keep for l in r}   # run with autograd for a kept backward stage
         for l in task.layers:
             if ctx.write_buffers and ctx.host.layers[l].written and task.kind != "B" and task.round > 0:
                 self._get(("buf", l, task.round - 1))   # buffers of the previous round's forward
@@ -130,7 +139,7 @@ class StageRun:
                 written = iter(w.upload_buffers([st.buffers[i] for i in st.written]))
                 constants = iter(bufs)
                 bufs = [next(constants) if c else next(written) for c in st.constant]
-            self.bound.append(rep.bind(params, [grad and p.requires_grad for p in st.params], bufs))
+            self.bound.append(rep.bind(params, [(grad or l in kept) and p.requires_grad for p in st.params], bufs))
             self.acc.append([None] * len(st.trainable))
             if grad and w.compute_dtype != torch.float32:
                 acc = self.acc[-1]
@@ -141,9 +150,21 @@ class StageRun:
             self.keep = DequantKeep(w.ledger)
             attach(self.quantized, self.keep)
 
+    def _bind_kept(self) -> None:
+        """A kept backward stage: the weights its forward stage bound on this worker (the kept graph uses
+        them; their gradients land on them), with this stage's accumulators."""
+        self.bound = self.ctx.kept.pop(("weights", self.task.layers.start, self.task.round))
+        for l, bound in zip(self.task.layers, self.bound):
+            acc = [None] * len(self.ctx.host.layers[l].trainable)
+            self.acc.append(acc)
+            if self.w.compute_dtype != torch.float32:
+                for k, j in enumerate(self.ctx.host.layers[l].trainable):
+                    bound[j].register_post_accumulate_grad_hook(functools.partial(self._fold, acc, k))
+
     def release(self) -> None:
-        """The end of the stage: its weights die once their copies completed (tests/engine/test_memory.py)."""
-        for rep in self.reps:
+        """The end of the stage: its weights die once their copies completed (tests/engine/test_memory.py);
+        those of a kept graph live on in it until its backward stage ran."""
+        for rep in self.reps if not self.task.kept else ():
             rep.unbind()
         if self.keep is not None:   # the kept dequantized weights die here
             attach(self.quantized, None)
@@ -190,8 +211,40 @@ class StageRun:
 
     def forward(self, m: int) -> None:
         x = self._input(m)
-        with torch.no_grad(), recording(self.ctx.bn_stats):
-            run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m), self._report(m, "forward"))
+        if not self.task.keep:
+            with torch.no_grad(), recording(self.ctx.bn_stats):
+                run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m), self._report(m, "forward"))
+            return
+        publish, report = self._publish_act(m), self._report(m, "forward")
+        for r, keep in self._segments():
+            if not keep:
+                with torch.no_grad(), recording(self.ctx.bn_stats):
+                    x = run_layers(self.ctx, self.w, r, x, m, publish, report)
+                continue
+            # a kept backward stage's layers: their own graph from a fresh input leaf, kept on this worker
+            x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, x)
+            for t in float_leaves(x):
+                t.requires_grad_(True)
+            watched = tree_leaves(x)
+            with torch.enable_grad(), recording(self.ctx.bn_stats):
+                out = run_layers(self.ctx, self.w, r, x, m, _detached(publish), report, saving=False)
+            self.ctx.kept[("graph", r.start, m)] = (watched, out)
+            if m == self.task.mbs[0]:
+                first = self.task.layers.start
+                self.ctx.kept[("weights", r.start, self.task.round)] = self.bound[r.start - first:r.stop - first]
+            x = out
+
+    def _segments(self) -> list[tuple[range, bool]]:
+        """The stage's layers cut at its kept ranges: (range, kept) in order."""
+        out, at = [], self.task.layers.start
+        for r in sorted(self.task.keep, key=lambda r: r.start):
+            if at < r.start:
+                out.append((range(at, r.start), False))
+            out.append((r, True))
+            at = r.stop
+        if at < self.task.layers.stop:
+            out.append((range(at, self.task.layers.stop), False))
+        return out
 
     def _input_with_grad(self, m: int, layer: int | None = None) -> tuple[Any, list | None]:
         """The input of `layer` (default: the stage's first) with its floating leaves requiring grad, and the
@@ -326,6 +379,8 @@ class StageRun:
             f"recompute of layers {r.start}-{r.stop - 1} microbatch {m} differs from its forward"
 
     def backward(self, m: int) -> None:
+        if self.task.kept:
+            return self._backward_kept(m)
         if self.task.by_layer:
             return self._backward_by_layer(m)
         ctx, r = self.ctx, self.task.layers
@@ -343,6 +398,14 @@ class StageRun:
         pairs = [(o, g) for o, g in zip(tree_leaves(out), grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_kept(self, m: int) -> None:
+        """The backward alone, on the graph the forward stage kept on this worker: nothing recomputed."""
+        watched, out = self.ctx.kept.pop(("graph", self.task.layers.start, m))
+        grads = self._use(self.w.receive(self._get(("grad", self.task.layers.stop, m))))
+        self._backward(*self._pairs(out, grads), m)
+        del out
+        self._publish_input_grad(m, watched)
 
     def _backward_by_layer(self, m: int) -> None:
         """Layer grain: from the top layer down, recompute one layer from its saved input, backpropagate it,
@@ -435,6 +498,11 @@ class StageRun:
         return land
 
 
+def _detached(publish: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+    """publish, handing on the activation without the graph a kept range builds (the next stage's leaf)."""
+    return lambda b, x: publish(b, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, x))
+
+
 def _describe_form(form: tuple) -> str:
     """A loss_fn's return (compute.loss_parts's form plus the other entries' shapes) in words."""
     if not form:
@@ -478,8 +546,8 @@ def prefetch(ctx: CallContext, w: Worker, task: StageTask, windows: int) -> Uplo
 
     They ride in the current stage's `windows`, behind its next activation uploads.
     """
-    if not all(ctx.sync.upload_ready(ctx.call, l) for l in task.layers):
-        return None
+    if task.kept or not all(ctx.sync.upload_ready(ctx.call, l) for l in task.layers):
+        return None   # a kept backward stage uploads nothing
     return upload_stage(ctx, w, task.layers, windows)
 
 
@@ -506,7 +574,8 @@ def run_stage(ctx: CallContext, w: Worker, task: StageTask, prefetched: Upload |
                         run.upload_input_early(m)
                     if i + 1 < len(task.mbs):
                         run.upload_input_early(task.mbs[i + 1])
-                timer = w.timer_start() if ctx.on_timing is not None else None
+                # a kept backward stage's time (no recompute) is not the cost model's backward: not profiled
+                timer = w.timer_start() if ctx.on_timing is not None and not task.kept else None
                 step(m)
                 w.copies.microbatch_done()   # earlier gradients paced out, downloads bounded, m's input freed
                 if timer is not None:   # execution time: on a GPU measured by events, reported later
