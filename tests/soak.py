@@ -23,7 +23,8 @@ count, an optimizer and a list of operations, printed whole on failure (`Case.de
 
 A case also draws RoundPipe(recompute=): "stage" or, half the time, "layer" (a backward stage recomputes
 and backpropagates one layer at a time; the default plans of these small models have one-layer backward
-stages, so the plan operations' multi-layer ones are what it splits).
+stages, so the plan operations' multi-layer ones are what it splits), and half the time a roomy device_memory
+cap, under which backward stages on their forward stage's worker keep its graph instead of recomputing.
 
 Model kinds (`KINDS`) and what each is checked against:
 
@@ -112,6 +113,10 @@ RESIDENT = 0.5
 # worker (RoundPipe(device_step=True), roundpipe/engine/step/device_step.py); its steps are then synchronous.
 # Checked against plain PyTorch like any fp32 case: the device update is the optimizer's formula in torch ops.
 DEVICE_STEP = 0.5
+# How often a case runs under a roomy device_memory cap (1 GiB, never reached): its backward stages on their forward
+# stage's worker then keep the forward's graph instead of recomputing (docs/planner.md, "Kept graphs").  The
+# canonical rerun has no cap, so it recomputes every one: bit for bit the same.
+KEPT_GRAPHS = 0.5
 
 
 def run_with_watchdog(fn, timeout_s=CASE_TIMEOUT_S):
@@ -263,6 +268,7 @@ def draw_case(seed: int, kind: str | None = None, n_ops: tuple[int, int] = (10, 
         options["device_step"] = True
         options["resident_layers"] = rng.randint(1, layers + 1)   # the head too, at times
         ops = [(op[0], False, *op[2:]) if op[0] in ("step", "late_bwd") else op for op in ops]   # synchronous only
+    options["device_memory"] = (1 << 30) if rng.random() < KEPT_GRAPHS else None   # drawn last
     return Case(seed, kind, workers, layers, fail_at, num_mb, optimizer, options, ops)
 
 
@@ -294,7 +300,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def engine_options(case: Case, tmp: str) -> dict:
     kw = dict(devices=["cpu"] * case.workers, num_microbatches=case.num_mb, stall_timeout=STALL_S,
               recompute=case.options.get("recompute", "stage"), resident_layers=case.options.get("resident_layers", 0),
-              device_step=case.options.get("device_step", False))
+              device_step=case.options.get("device_step", False), device_memory=case.options.get("device_memory"))
     for name in ("compute_dtype", "master_dtype"):
         if name in case.options:
             kw[name] = DTYPES[case.options[name]]
@@ -554,8 +560,9 @@ def run_case(case: Case, tmp: str, *, kept: set | None = None, group=None, rank:
 
 def check_case(case: Case) -> None:
     """One case and its check (the module docstring): against plain PyTorch, or its canonical rerun, which
-    recomputes a stage at a time and keeps no resident weights (the layer grain's results are the stage
-    grain's, and resident weights change no number: bit for bit)."""
+    recomputes a stage at a time, keeps no resident weights and has no cap, so keeps no graphs (the layer
+    grain's results are the stage grain's, and resident weights and kept graphs change no number: bit for
+    bit)."""
     split: dict = {}
     with tempfile.TemporaryDirectory(prefix="rp-soak-") as tmp:
         got = run_case(case, tmp, split=split)
@@ -563,13 +570,13 @@ def check_case(case: Case) -> None:
         return
     kept = canonical(case.ops)
     rerun = dataclasses.replace(case, fail_key=next(_keys), options={**case.options, "recompute": "stage",
-                                                                     "resident_layers": 0})
+                                                                     "resident_layers": 0, "device_memory": None})
     with tempfile.TemporaryDirectory(prefix="rp-soak-") as tmp:
         want = run_case(rerun, tmp, kept={i for i, _ in kept}, split=split)
     for key, w in want.items():
         g = got[key]
         same = all(torch.equal(a, b) for a, b in zip(g, w)) if key == "final" else torch.equal(g, w)
-        assert same, (f"{case.describe()}\n  {key} differs from the canonical run (recompute 'stage', no resident weights, "
+        assert same, (f"{case.describe()}\n  {key} differs from the canonical run (recompute 'stage', no resident weights, no cap, "
                       f"{'unsplit' if split['unsplit'] else 'split'} default-count calls, kept ops "
                       f"{[i for i, _ in kept]})")
 
