@@ -28,7 +28,8 @@ put in .whl/peers/ and scripts/gpu-bench.sh installed into one --target folder e
 
 Columns: tokens/s (timed steps' tokens over their wall time), exposed step s (ours: seconds per
 iteration the optimizer step adds, 2 iterations with it against 2 of forward_backward alone), kept layers (ours:
-the layers whose weights stay on the GPU between stages, RoundPipe(resident_layers=)), vs torch (plain PyTorch on the same
+the layers whose weights stay on the GPU between stages, RoundPipe(resident_layers=)), kept graphs (ours: the
+layers whose backward ran on their forward's graph, not recomputed: memory_stats()["kept_graphs"]), vs torch (plain PyTorch on the same
 workload at the same cap, else at the full card), vs best peer (the fastest of fsdp2-offload,
 deepspeed-zero-offload and roundpipe-0.1.1 on the same workload and cap), the first and the final
 step's loss (nats/token; all providers start from the same weights and batch), device peak
@@ -255,7 +256,8 @@ def row_of(case: Case, result: dict | None, reason: str | None) -> dict:
     row = {"workload": w.name, "provider": case.provider,
            "cap": cap_label(case.cap),
            "batch x seq": f"{w.batch}x{w.seq}", "tokens/s": r.get("tokens_per_s"),
-           "exposed step s": r.get("exposed_step_s"), "kept layers": r.get("kept_layers"), "vs torch": None,
+           "exposed step s": r.get("exposed_step_s"), "kept layers": r.get("kept_layers"),
+           "kept graphs": r.get("kept_graphs"), "vs torch": None,
            "vs best peer": None, "first loss": r.get("first_loss"), "final loss": r.get("final_loss"),
            "max seq": r.get("seq_len"), "device peak GB": r["device_peak"] / 1e9 if r.get("device_peak") else None,
            "peak RSS GB": r["peak_rss"] / 1e9 if r.get("peak_rss") else None, "s": r.get("seconds"),
@@ -341,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row_of(c, *results[i]) for i, c in enumerate(cases)]
     add_ratios(rows)
 
-    report = Report("gpu_bench", columns=["workload", "provider", "cap", "batch x seq", "tokens/s", "exposed step s", "kept layers", "vs torch",
+    report = Report("gpu_bench", columns=["workload", "provider", "cap", "batch x seq", "tokens/s", "exposed step s", "kept layers",
+                                          "kept graphs", "vs torch",
                                           "vs best peer", "first loss", "final loss", "max seq", "device peak GB",
                                           "peak RSS GB", "s", "status"], device="cpu")
     report.env.update(device=facts["device"], **versions)

@@ -152,6 +152,7 @@ def run_ours(spec: dict) -> dict:
         out["exposed_step_s"] = exposed_step(spec, step, alone, model.synchronize)
         worker = next(iter(model.memory_stats()["workers"].values()))   # resident weights (docs/planner.md)
         out["kept_layers"] = worker.get("device_step_layers", worker["resident_layers"])
+        out["kept_graphs"] = sum(b - a + 1 for a, b in model.memory_stats()["kept_graphs"])   # layers not recomputed
         return out
     finally:
         model.close()

@@ -215,6 +215,7 @@ class RoundPipe(ModelState, ModelSteps):
         self._closed = False
         self._inflight: list[_InFlight] = []   # training calls that returned and may still be running
         self._grads_reserved = False   # the arena has grown for gradients (the first training call)
+        self._kept_graphs: tuple[range, ...] = ()   # the last training call's kept backward stages (memory_stats)
         # A model dropped unclosed still lets its threads exit (executor.py); flush lets a pending step run.
         self._finalizer = stop_when_collected(self, [e for w in self.workers for e in w.executors()]
                                               + self._host_threads(), self.sync.flush)
@@ -436,6 +437,8 @@ class RoundPipe(ModelState, ModelSteps):
         self._retire(keep=1, cancelled=key)   # at most one earlier call still draining
         sched = self.dispatcher.schedule(plan, training, len(mb), mb.round_size or self.round_size, layer_grain)
         self.predictions.check(sched, self.host, self.autoplan, (mb.args[0], mb.kwargs[0]), loss)   # before any work
+        if training:
+            self._kept_graphs = tuple(plan.backward[j] for j in sorted(sched.kept))
         if training and not self._grads_reserved:   # before any work: no growth on the copy threads later
             self._grads_reserved = True
             self.host.reserve_gradients(reduced=self.dp is not None)

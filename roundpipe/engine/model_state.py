@@ -117,7 +117,8 @@ class ModelState:
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Device bytes per worker (current and peak per category, roundpipe/workers/ledger.py) and host
-        bytes of the training state; with `optimizer`, its state's bytes too.  Peaks since the last
+        bytes of the training state; with `optimizer`, its state's bytes too; "kept_graphs": the last
+        training call's backward stages ([first, last] layer) that kept their forward's graph.  Peaks since the last
         `reset_peak_memory()`.  On CUDA each worker also reports torch.cuda.memory_allocated.
         Waits for the calls still draining (`wait_calls`), so the figures are not caught mid-call."""
         if not self._closed:
@@ -135,7 +136,9 @@ class ModelState:
                                           for v in state.values() if isinstance(v, torch.Tensor))
         if self.offload is not None:
             host.update(self.offload.stats())
-        return {"workers": workers, "host": host}
+        # the backward stages of the last training call that ran on their forward's graph (docs/planner.md)
+        kept = [[r.start, r.stop - 1] for r in self._kept_graphs]
+        return {"workers": workers, "host": host, "kept_graphs": kept}
 
     def reset_peak_memory(self) -> None:
         self.predictions.reset()

@@ -78,8 +78,9 @@ def _train(cap, dtype=torch.float32, workers=1, calls=1):
                 losses.append(model.forward_backward(x, labels=y, loss_fn=loss_fn))
         model.synchronize()
         kept = model.dispatcher.schedule(PLAN, True, 2, model.round_size).kept
-        return (losses, [p.grad.clone() for p in model.parameters()], trace, kept,
-                model.memory_stats()["workers"])
+        stats = model.memory_stats()
+        assert stats["kept_graphs"] == [[PLAN.backward[j].start, PLAN.backward[j].stop - 1] for j in sorted(kept)]
+        return losses, [p.grad.clone() for p in model.parameters()], trace, kept, stats["workers"]
 
 
 def _parts(trace) -> set[tuple[str, str]]:
@@ -214,3 +215,27 @@ def test_a_kept_range_saves_no_recompute_data():
         loss.backward()
         for p, q in zip(model.parameters(), (p for b in ref for p in b.parameters())):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.cuda
+def test_kept_graphs_on_a_gpu_worker(monkeypatch):
+    """One CUDA worker (which always has a cap): the kept stages' backward runs on the forward's graph on the
+    compute stream (no recompute span), and the gradients equal those of a run whose kept-graph choice is
+    switched off, bitwise (bf16)."""
+    def run():
+        layers = build_layers(DECODER, seed=0)
+        gen = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, 256, (8, 64), generator=gen) for _ in range(2))
+        with rp.RoundPipe(layers, devices=["cuda:0"], device_memory=4 << 30, plan=PLAN, num_microbatches=2,
+                          compute_dtype=torch.bfloat16, resident_layers=0) as model:
+            with model.record_trace() as trace:
+                model.forward_backward(x, labels=y, loss_fn=loss_fn)
+            model.synchronize()
+            return [p.grad.clone() for p in model.parameters()], _parts(trace), model.memory_stats()["kept_graphs"]
+    with monkeypatch.context() as m:
+        m.setattr(Schedule, "keepable", lambda self, quantized=None: [])
+        want, parts_want, none = run()
+    got, parts, kept = run()
+    assert none == [] and ("B3[4-5]", "recompute") in parts_want
+    assert kept == [[4, 5], [2, 3]] and ("B3[4-5]", "recompute") not in parts
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
