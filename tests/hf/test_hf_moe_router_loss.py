@@ -108,3 +108,22 @@ def test_a_model_without_what_the_loss_needs_is_refused():
     with rp.hf.wrap(copy.deepcopy(ref), devices=["cpu"]) as model:
         loss = model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
         assert abs(loss.item() - out.loss.item()) <= 1e-5 * out.loss.item()
+
+
+def test_kept_graphs_carry_the_router_loss():
+    """Under a roomy cap the backward stage on its forward's worker keeps that forward's graph (docs/planner.md,
+    "Kept graphs"); the router statistics ride in the activation with their gradient, so the aux term still
+    reaches every router: the loss and every gradient equal the recomputing, uncapped run's, bitwise."""
+    ids, mask, labels = batch("right")
+    plan = rp.Plan(forward=[range(0, 1), range(1, 3)], backward=[range(3, 6), range(1, 3), range(0, 1)])
+
+    def run(cap):
+        with rp.hf.wrap(tiny("qwen3_moe", num_hidden_layers=4), devices=["cpu"], num_microbatches=2, plan=plan,
+                        device_memory=cap, resident_layers=0) as model:
+            loss = model.forward_backward(input_ids=ids, attention_mask=mask, labels=labels)
+            model.synchronize()
+            return loss, {n: p.grad.clone() for n, p in model.named_parameters()}, model.memory_stats()["kept_graphs"]
+    want_loss, want, none = run(None)
+    loss, got, kept = run(1 << 30)
+    assert none == [] and kept == [[1, 2]]
+    assert torch.equal(loss, want_loss) and all(torch.equal(got[n], want[n]) for n in want)
