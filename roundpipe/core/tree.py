@@ -27,6 +27,11 @@ def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
     return fn(obj)
 
 
+def detached(obj: Any) -> Any:
+    """The nest with every tensor detached from autograd (other leaves as they are)."""
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, obj)
+
+
 def _collect(obj: Any, out: list) -> None:
     if isinstance(obj, (tuple, list)):
         for o in obj:

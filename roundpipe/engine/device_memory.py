@@ -150,8 +150,7 @@ class PeakPredictions:
             sched.predicted = self._predict(sched, host, autoplan, sample, loss)
             sched.fits_checked = True
         if not self.auto_resident and (sched.resident or sched.kept):   # a call with them ran out of memory:
-            sched.resident = 0                                             # none from now on
-            sched.keep_activations(())
+            sched.resident = 0                                             # none from now on (nor graphs)
             sched.predicted = self._predict(sched, host, autoplan, sample, loss)
         for name, need in sched.predicted.items():
             self.peaks[name] = max(self.peaks.get(name, 0), need)

@@ -31,7 +31,7 @@ from torch import nn
 
 from roundpipe.core import omp
 from roundpipe.core.executor import SerialExecutor, engine_thread, stop_when_collected
-from roundpipe.core.tree import tree_leaves, tree_map
+from roundpipe.core.tree import detached, tree_leaves, tree_map
 from roundpipe.engine.autoplan import AutoPlanner, PlanningConfig
 from roundpipe.engine.calls import batchnorm as batchnorm_stats
 from roundpipe.engine.calls import composed
@@ -353,7 +353,7 @@ class RoundPipe(ModelState, ModelSteps):
             raise ValueError("an input that requires grad with split_fn= set: the gradient of an input can only be "
                              "put together from the default split's microbatches; detach the input, or build "
                              "the model without split_fn")
-        inputs = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (tuple(args), dict(kwargs)))
+        inputs = detached((tuple(args), dict(kwargs)))
         mb = split(inputs[0], inputs[1], None, count, self.round_size, self.split_fn)
         base, steps = self._draw_base(), self.sync.steps_issued
 
@@ -453,8 +453,7 @@ class RoundPipe(ModelState, ModelSteps):
                           on_timing=self.autoplan.recorder(key, training, self.stage_timing),
                           check_recompute={} if self._check_recompute else None, compute_s=self._compute_s,
                           bn_skip=self._bn_skip, precision=self.precision, resident=self.resident,
-                          resident_count=sched.resident, keeps=bool(sched.kept), device_step=self.device_step,
-                          **fields)
+                          resident_count=sched.resident, device_step=self.device_step, **fields)
         if self.device_step is not None:   # a forward-only call binds the device-stepped weights too
             ctx.device_layers = self._device_layers = self.device_step.chosen(sched.resident)
         # A training call's inputs already on a GPU are copied on the caller's stream, owned by the call:
@@ -473,9 +472,9 @@ class RoundPipe(ModelState, ModelSteps):
 
         def on_end(run: CallRun) -> None:
             try:
-                if not run.ok:   # kept weights go with a failed call; after running out of memory, none (nor graphs) are kept
+                if not run.ok:   # kept weights go with a failed call; out of memory: no more weights or graphs kept
                     resident.clear()
-                    if isinstance(run.error, torch.OutOfMemoryError) and (run.ctx.resident_count or run.ctx.keeps):
+                    if isinstance(run.error, torch.OutOfMemoryError) and (run.ctx.resident_count or sched.kept):
                         predictions.auto_resident = False
                 if device is not None and run.ctx.device_layers:   # its device gradients: kept or dropped
                     device.end_call(run.ctx.call.index, run.ok)

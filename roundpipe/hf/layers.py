@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from roundpipe.core.tree import detached
 from roundpipe.engine.calls.recompute_data import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.hf.loss import RouterStats, add_router_logits, empty_router_stats, load_balancing_loss
 from roundpipe.hf.presets import Router
@@ -152,10 +153,6 @@ def _is_rebuild(value) -> bool:
     return isinstance(value, str) and value == _REBUILD
 
 
-def _detached(t):
-    return t.detach() if isinstance(t, torch.Tensor) else t
-
-
 class Decoder(nn.Module):
     """One HF decoder layer, called as the HF model calls it (adding its routers' sums to x.router)."""
 
@@ -170,10 +167,10 @@ class Decoder(nn.Module):
 
     def forward(self, x: Activation) -> Activation:
         x = Activation(*x)
-        kwargs: dict[str, Any] = {"attention_mask": _detached(x.masks[self.attention_type]),
+        kwargs: dict[str, Any] = {"attention_mask": detached(x.masks[self.attention_type]),
                                   "position_ids": x.position_ids}
         if x.cos is not None:
-            kwargs["position_embeddings"] = (_detached(x.cos), _detached(x.sin))
+            kwargs["position_embeddings"] = (detached(x.cos), detached(x.sin))
         logits: list[torch.Tensor] = []
         index = self.router.index if self.router is not None else 0
 
@@ -190,7 +187,7 @@ class Decoder(nn.Module):
             out = out[0]
         if self.router is None or x.router is None:
             return x._replace(hidden=out)
-        stats, mask = RouterStats(*x.router), _detached(x.attention_mask)
+        stats, mask = RouterStats(*x.router), detached(x.attention_mask)
         for t in logits:
             stats = add_router_logits(stats, t, self.router.top_k, mask)
         return x._replace(hidden=out, router=stats)

@@ -185,25 +185,26 @@ def kept_graph_bytes(mem: Sequence[LayerMemory], layers: range) -> int:
     return mem[layers.start].in_bytes + sum(mem[j].saved for j in layers)
 
 
-def _kept_bytes(task, weights: Sequence[int], grads: Sequence[int], mem: Sequence[LayerMemory]) -> tuple[int, int]:
-    """(the stage's own need, what it adds to or takes from the worker's kept bytes afterwards) for a stage
-    that keeps graphs or runs on kept ones: a forward stage holds its kept ranges' graphs of every
-    microbatch of the round and their weights from its run to their backward stage's end (its worst: all
-    of them and what one layer's forward with grad makes beyond what it keeps); a kept backward stage needs
-    its fp32 accumulators and one layer's backward workspace beside them (beyond the layer's kept part),
-    and frees them."""
-    mbs = len(task.mbs)
+def _stage_need(task, weights: Sequence[int], grads: Sequence[int], mem: Sequence[LayerMemory],
+                layer_grain: bool) -> tuple[int, int]:
+    """(a stage task's own need at its worst moment, what it adds to or takes from the worker's kept-graph
+    bytes afterwards).  A forward stage with kept ranges (`keep`) also holds their graphs of every microbatch
+    of the round and, from its run to their backward stage's end, their weights (its worst: all the graphs
+    and what one layer's forward with grad makes beyond what it keeps); a kept backward stage (`kept`)
+    needs only its fp32 accumulators and one layer's backward workspace beyond the layer's kept part, and
+    frees the graphs and weights."""
+    r, mbs = task.layers, len(task.mbs)
     if getattr(task, "kept", False):
-        r = task.layers
         own = (sum(grads[l] for l in r) + sum(mem[l].param_grads for l in r)
                + max(mem[j].backward - mem[j].saved + mem[j].out_bytes for j in r))
         return own, -(mbs * kept_graph_bytes(mem, r) + sum(weights[l] for l in r))
+    need = stage_bytes(task.kind, r, weights, grads, mem, mbs, layer_grain)
     keep = getattr(task, "keep", ())
     if not keep:
-        return 0, 0
-    graphs = mbs * sum(kept_graph_bytes(mem, r) for r in keep)
-    making = max(mem[j].recompute - mem[j].saved for r in keep for j in r)
-    return graphs + max(making, 0), graphs + sum(weights[l] for r in keep for l in r)
+        return need, 0
+    graphs = mbs * sum(kept_graph_bytes(mem, k) for k in keep)
+    making = max(mem[j].recompute - mem[j].saved for k in keep for j in k)
+    return need + graphs + max(making, 0), graphs + sum(weights[l] for k in keep for l in k)
 
 
 def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads: Sequence[int],
@@ -220,17 +221,15 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
     (the steady state; earlier calls hold less).  `held`: per layer, device bytes a resident layer holds
     beside its weights all the time (the device step's masters, optimizer state and gradient sums:
     roundpipe/engine/step/device_step.py).  Kept graphs (a forward stage's `keep`, a backward stage's
-    `kept`: `_kept_bytes`) sit beside every stage from their forward stage to their backward stage."""
+    `kept`: `_stage_need`) sit beside every stage from their forward stage to their backward stage."""
     peaks = {}
     for name, tasks in tasks_by_worker.items():
         worst = holding = 0
         kept = range(resident)
         always = sum(held[l] for l in kept) if held is not None else 0
         for i, task in enumerate(tasks):
-            own, change = _kept_bytes(task, weights, grads, mem)
-            on_kept = getattr(task, "kept", False)
-            need = own if on_kept else own + stage_bytes(task.kind, task.layers, weights, grads, mem, len(task.mbs),
-                                                          layer_grain)
+            need, change = _stage_need(task, weights, grads, mem, layer_grain)
+            on_kept = getattr(task, "kept", False)   # it uploads neither its weights nor its input
             if kept:
                 counted = set(task.layers)
                 if prefetches and i + 1 < len(tasks):

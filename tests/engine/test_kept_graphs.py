@@ -3,7 +3,7 @@ backward stage whose forward stage runs on the same worker keeps that forward's 
 recomputing it (roundpipe/engine/calls/dispatcher.py `Schedule.keepable`, chosen by
 roundpipe/engine/device_memory.py `PeakPredictions`).  Checked here: the trace shows no recompute for the
 kept stages and their weights are not uploaded again; gradients equal the recomputing run's bitwise; the
-measured peak is within the cap and near the prediction (roundpipe/planner/memory.py `_kept_bytes`); no
+measured peak is within the cap and near the prediction (roundpipe/planner/memory.py `_stage_need`); no
 stage is kept where the prediction says the graphs do not fit; a failed call drops the kept graphs and the
 model keeps none from then on."""
 import copy

@@ -74,7 +74,6 @@ class CallContext:
     # kept graphs (dispatcher.Schedule.kept): ("graph", first layer, microbatch) -> (input leaves, output),
     # ("weights", first layer, round) -> the forward's bound weights; each taken by its backward stage
     kept: dict[tuple, Any] = field(default_factory=dict)
-    keeps: bool = False   # the schedule keeps graphs (a call that runs out of memory with them drops them for good)
 
     def abort_requested(self) -> bool:
         return self.board.aborted

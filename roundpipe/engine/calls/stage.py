@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from roundpipe.core.tree import tree_leaves, tree_map, tree_unflatten
+from roundpipe.core.tree import detached, tree_leaves, tree_map, tree_unflatten
 from roundpipe.engine.calls.batchnorm import recording
 from roundpipe.engine.calls.compute import autograd_backward, float_leaves, loss_parts, run_layers, tag
 from roundpipe.engine.calls.context import CallContext
@@ -81,6 +81,7 @@ class StageRun:
         self._routes: dict[tuple, tuple[bool, bool]] = {}   # (kind, boundary) -> (keep_device, need_host)
         self.keep: DequantKeep | None = None   # the stage's dequantized 4-bit weights, while it runs
         self.quantized: list = []              # the replicas' 4-bit modules the keep is attached to
+        self.segments = _segments(task) if task.keep else []   # a forward stage's layers cut at its kept ranges
 
     def _get(self, key: tuple) -> Any:
         """A board value; held-back bulk copies are sent first if it has to be waited for."""
@@ -216,35 +217,24 @@ class StageRun:
                 run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m), self._report(m, "forward"))
             return
         publish, report = self._publish_act(m), self._report(m, "forward")
-        for r, keep in self._segments():
+        for r, keep in self.segments:
             if not keep:
                 with torch.no_grad(), recording(self.ctx.bn_stats):
                     x = run_layers(self.ctx, self.w, r, x, m, publish, report)
                 continue
             # a kept backward stage's layers: their own graph from a fresh input leaf, kept on this worker
-            x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, x)
+            x = detached(x)
             for t in float_leaves(x):
                 t.requires_grad_(True)
             watched = tree_leaves(x)
             with torch.enable_grad(), recording(self.ctx.bn_stats):
-                out = run_layers(self.ctx, self.w, r, x, m, _detached(publish), report, saving=False)
+                # handed on without the graph: the next stage's input is a leaf
+                out = run_layers(self.ctx, self.w, r, x, m, lambda b, y: publish(b, detached(y)), report, saving=False)
             self.ctx.kept[("graph", r.start, m)] = (watched, out)
             if m == self.task.mbs[0]:
                 first = self.task.layers.start
                 self.ctx.kept[("weights", r.start, self.task.round)] = self.bound[r.start - first:r.stop - first]
             x = out
-
-    def _segments(self) -> list[tuple[range, bool]]:
-        """The stage's layers cut at its kept ranges: (range, kept) in order."""
-        out, at = [], self.task.layers.start
-        for r in sorted(self.task.keep, key=lambda r: r.start):
-            if at < r.start:
-                out.append((range(at, r.start), False))
-            out.append((r, True))
-            at = r.stop
-        if at < self.task.layers.stop:
-            out.append((range(at, self.task.layers.stop), False))
-        return out
 
     def _input_with_grad(self, m: int, layer: int | None = None) -> tuple[Any, list | None]:
         """The input of `layer` (default: the stage's first) with its floating leaves requiring grad, and the
@@ -498,9 +488,17 @@ class StageRun:
         return land
 
 
-def _detached(publish: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
-    """publish, handing on the activation without the graph a kept range builds (the next stage's leaf)."""
-    return lambda b, x: publish(b, tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, x))
+def _segments(task: StageTask) -> list[tuple[range, bool]]:
+    """A forward stage's layers cut at its kept ranges: (range, kept) in order."""
+    out, at = [], task.layers.start
+    for r in sorted(task.keep, key=lambda r: r.start):
+        if at < r.start:
+            out.append((range(at, r.start), False))
+        out.append((r, True))
+        at = r.stop
+    if at < task.layers.stop:
+        out.append((range(at, task.layers.stop), False))
+    return out
 
 
 def _describe_form(form: tuple) -> str:
