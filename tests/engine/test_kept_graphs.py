@@ -79,6 +79,8 @@ def _train(cap, dtype=torch.float32, workers=1, calls=1):
         model.synchronize()
         kept = model.dispatcher.schedule(PLAN, True, 2, model.round_size).kept
         stats = model.memory_stats()
+        for s in stats["workers"].values():   # every kept graph and its weights died with its backward stage
+            assert sum(s["current"].values()) == 0, s
         assert stats["kept_graphs"] == [[PLAN.backward[j].start, PLAN.backward[j].stop - 1] for j in sorted(kept)]
         return losses, [p.grad.clone() for p in model.parameters()], trace, kept, stats["workers"]
 
