@@ -357,14 +357,27 @@ class Worker(ABC):
         return dev
 
     # ---- activations
-    def send(self, value: Any, need_host: bool, keep_device: bool) -> Handoff:
-        """Publishes a stage output; need_host: a consumer is elsewhere or it is a stage input to keep."""
+    def send(self, value: Any, need_host: bool, keep_device: bool, goes_on: bool = False) -> Handoff:
+        """Publishes a stage output; need_host: a consumer is elsewhere or it is a stage input to keep.
+
+        goes_on: the producer's next layer gets `value` too (a saved boundary inside a stage, every layer
+        boundary at layer grain).  Its first op may write it in place (ReLU(inplace=True), `x += b`: a
+        forward stage runs under no_grad, so autograd allows it), and the download is ordered after the
+        compute issued so far only, so on a GPU that kernel races the PCIe copy and the host copy every
+        backward stage recomputes from gets the new values (issue 51, item 1).  So what is sent is a
+        device copy of its own, made on the compute stream (~2-3 TB/s on an H100 against PCIe's ~25 GB/s:
+        cheaper than making the next layer wait for the download), unless the copy is done before this
+        returns (a CPU worker's inline copy)."""
         # One pass over the flattened leaves (a plain tensor for most stages) instead of a walk per step.
         leaves = tree_leaves(value)
         if need_host:
             leaves = [t.detach().contiguous() if isinstance(t, torch.Tensor) else t for t in leaves]
         else:
             leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+        if goes_on and (keep_device or not self.copies.done_on_issue(
+                [t for t in leaves if isinstance(t, torch.Tensor) and t.device == self.device])):
+            with self.compute():
+                leaves = [t.clone() if isinstance(t, torch.Tensor) and t.device == self.device else t for t in leaves]
         h = Handoff(device=self.device, space=self.space)
         compute = self._compute_fence()   # after the contiguous copies, which run on the compute stream
         if keep_device:

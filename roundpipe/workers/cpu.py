@@ -35,6 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from roundpipe.core.executor import waiting_for
+from roundpipe.workers import strict
 from roundpipe.workers.base import Alloc, Owns, Worker
 from roundpipe.workers.ledger import WorkspaceTracker
 
@@ -91,9 +92,37 @@ class CpuWorker(Worker):
                  owns: Owns | None = None):
         super().__init__(device, name, compute_dtype, alloc, owns)
         self.copies.inline_bytes = self.inline_copy_bytes
+        config = strict.current()
+        self.strict = config is not None and self.copies.native
+        if self.strict:   # the strict device model (strict.py): every copy late, on its queue's thread
+            self.copies.inline_bytes = 0
+            self.copies.strict = strict.StrictQueues(config, name, self._where)
+
+    def _where(self) -> str:
+        """The issuer of a copy, for the strict model's errors: worker, stage and microbatch."""
+        task = self.stage
+        if task is None:
+            return f"worker {self.name} (between stages)"
+        label, mbs, done = getattr(task, "label", task), getattr(task, "mbs", None), self.stage_mbs_done
+        m = f", microbatch {mbs[done]}" if mbs is not None and done < len(mbs) else ""
+        return f"worker {self.name}, stage {label}{m}"
+
+    def executors(self) -> list:
+        own = super().executors()
+        return own + self.copies.strict.executors() if self.copies.strict is not None else own
+
+    def close(self) -> None:
+        super().close()
+        if self.copies.strict is not None and not self.stalled:
+            self.copies.strict.close()
 
     def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype)
+        return strict.poison(t) if self.strict else t   # fresh device memory holds garbage
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        h = super()._to_host(t)
+        return strict.poison(h) if self.strict and t.device == self.device else h
 
     def set_cap(self, cap: int | None) -> None:
         """Its ledger is its device's memory: past the cap an allocation raises torch.OutOfMemoryError, as on a GPU."""

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from roundpipe import _native, testing
+from roundpipe.workers.strict import StrictQueues
 
 QUEUES = ("act_up", "act_down", "param_up", "grad_down")
 _BULK_OF = {"act_up": "param_up", "act_down": "grad_down"}
@@ -99,6 +100,7 @@ class Transfers:
         self._downs: deque[tuple[int, Bulk]] = deque()   # downloads not known complete, with their stage
         self._act_downs: deque = deque()   # activation download fences not known complete, oldest first
         self._clocks: dict[str, _CopyClock] = {}
+        self.strict: StrictQueues | None = None   # the strict device model's queues (a CPU worker: strict.py)
         self.on_copy: Callable[[str, int, float, float], None] | None = None   # see record_copies
         self.on_microbatch: Callable[[], None] | None = None   # after each microbatch_done (the worker's progress)
 
@@ -141,6 +143,8 @@ class Transfers:
                 d.copy_(s)
             return None
         after = [f for f in after if f is not None]
+        if self.strict is not None:
+            return self.strict.submit(queue, dsts, srcs, after)
         if self._inline(srcs, urgent):
             for f in after:
                 f.wait()
@@ -172,6 +176,11 @@ class Transfers:
             if left < 0:
                 return False
         return True
+
+    def done_on_issue(self, srcs: list) -> bool:
+        """Whether an activation copy of srcs would be complete when `activation` returns (copied on the
+        issuing thread: no native core, or a host engine's small copy)."""
+        return not self.native or self._inline(srcs)
 
     def activation(self, queue: str, dsts: list, srcs: list, after: Sequence = ()) -> Any:
         """An activation copy now; the oldest held-back bulk window of its direction goes right behind it."""
@@ -328,6 +337,8 @@ class Transfers:
 
     def synchronize(self) -> None:
         self.flush()
+        if self.strict is not None:
+            self.strict.synchronize()
         if self.native and self.engine is not None:
             self.engine.synchronize()
 

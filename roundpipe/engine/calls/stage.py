@@ -181,10 +181,11 @@ class StageRun:
             if self.ctx.check_recompute is not None:
                 self.ctx.check_recompute[(b, m)] = tree_map(lambda t: t.detach().cpu().clone()
                                                             if isinstance(t, torch.Tensor) else t, x)
-            self._handoff(("act", b, m), x, cons)
+            self._handoff(("act", b, m), x, cons, goes_on=b != self.task.layers.stop)
         return publish
 
-    def _handoff(self, key: tuple, x: Any, cons: list[Consumer]) -> None:
+    def _handoff(self, key: tuple, x: Any, cons: list[Consumer], goes_on: bool = False) -> None:
+        """Publishes x under key for its consumers; goes_on: this stage's next layer gets x too (Worker.send)."""
         w = self.w
         if key[0] == "act" and key[1] == len(self.ctx.host):
             self.ctx.outputs[key[2]] = w.send(x, need_host=True, keep_device=False)
@@ -196,7 +197,7 @@ class StageRun:
         if route is None:
             route = self._routes[key[:2]] = (any(c.forward and c.worker.space == w.space for c in cons),
                                             any((not c.forward) or c.worker.space != w.space for c in cons))
-        self.ctx.board.put(key, w.send(x, route[1], route[0]), len(cons))
+        self.ctx.board.put(key, w.send(x, route[1], route[0], goes_on), len(cons))
 
     def _report(self, m: int, part: str) -> Callable[[float, float], None] | None:
         """The trace's record of one compute span of microbatch m (None when no trace is kept).
@@ -217,7 +218,7 @@ class StageRun:
                 run_layers(self.ctx, self.w, self.task.layers, x, m, self._publish_act(m), self._report(m, "forward"))
             return
         publish, report = self._publish_act(m), self._report(m, "forward")
-        for r, keep in self.segments:
+        for i, (r, keep) in enumerate(self.segments):
             if not keep:
                 with torch.no_grad(), recording(self.ctx.bn_stats):
                     x = run_layers(self.ctx, self.w, r, x, m, publish, report)
@@ -234,7 +235,9 @@ class StageRun:
             if m == self.task.mbs[0]:
                 first = self.task.layers.start
                 self.ctx.kept[("weights", r.start, self.task.round)] = self.bound[r.start - first:r.stop - first]
-            x = out
+            # the next (no_grad) segment may write its input in place: not the kept graph's output
+            x = out if i + 1 == len(self.segments) or self.segments[i + 1][1] else \
+                tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
 
     def _input_with_grad(self, m: int, layer: int | None = None) -> tuple[Any, list | None]:
         """The input of `layer` (default: the stage's first) with its floating leaves requiring grad, and the
