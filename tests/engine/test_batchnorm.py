@@ -145,3 +145,21 @@ def test_default_updates_once_per_microbatch_and_async_whole_batch_counts_calls(
 def test_bad_batchnorm_mode_is_named():
     with pytest.raises(ValueError, match="batchnorm='deferred'"):
         rp.RoundPipe(bn_layers(0), devices=["cpu"], batchnorm="deferred")
+
+
+@pytest.mark.parametrize("mode", ["per-microbatch", "whole-batch"])
+def test_uploads_of_written_buffers_are_ordered_after_their_writes(mode):
+    """Under the strict device model with every weight upload late, a stage's upload of running statistics never
+    reads them while a landing or a call's end writes them (before: CopyRaceError in most runs, a backward
+    stage's upload beside its round's forward landing, or a later call's beside the whole-batch update)."""
+    from roundpipe.workers import strict
+
+    layers = bn_layers(2)
+    with strict.model(strict.DeviceModel(seed=3, max_delay_s=0.05, prob=1.0)):
+        with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=3, batchnorm=mode) as model:
+            opt = rp.optim.AdamW(model.parameters(), lr=1e-3)
+            for x, y in batches(2, n=6):
+                model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+                model.step(opt, asynchronous=True)
+            model.synchronize()
+    assert int(layers[0][1].num_batches_tracked) == (6 if mode == "whole-batch" else 18)

@@ -71,7 +71,7 @@ class BatchStats:
 
     def apply(self, modules: dict[tuple[int, str], nn.Module]) -> None:
         """One running-statistics update per BatchNorm from the whole batch (the call's end)."""
-        with torch.no_grad():
+        with torch.no_grad(), BUFFERS_LOCK:
             for key, parts in self.parts.items():
                 m = modules[key]
                 n = sum(c for _, _, c in parts)
@@ -83,6 +83,21 @@ class BatchStats:
                 factor = m.momentum if m.momentum is not None else 1.0 / float(m.num_batches_tracked)
                 m.running_mean.mul_(1 - factor).add_(mean.to(m.running_mean.dtype), alpha=factor)
                 m.running_var.mul_(1 - factor).add_(var.to(m.running_var.dtype), alpha=factor)
+
+
+# Held while a layer's written buffers on the host change (a call's end updating the masters' running
+# statistics, `BatchStats.apply`; a stage's landing of the buffers it wrote, stage.py) and while a stage
+# snapshots them for its upload.  Uploads straight from the masters were read by copies that nothing
+# ordered after those writes: a backward stage's upload beside the forward stage's landing of the same
+# round, a later call's stages beside a call's end.  A GPU could upload a half-written statistic (caught
+# as CopyRaceError under the strict device model, roundpipe/workers/strict.py, in test_batchnorm.py).
+BUFFERS_LOCK = threading.Lock()
+
+
+def buffers_snapshot(buffers: list[torch.Tensor], written: list[int], alloc) -> list[torch.Tensor]:
+    """Private copies of a layer's written buffers in host blocks from `alloc`, for an upload (BUFFERS_LOCK)."""
+    with BUFFERS_LOCK:
+        return [alloc(buffers[i].shape, buffers[i].dtype).copy_(buffers[i]) for i in written]
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from roundpipe.core.tree import detached, tree_leaves, tree_map, tree_unflatten
-from roundpipe.engine.calls.batchnorm import recording
+from roundpipe.engine.calls.batchnorm import BUFFERS_LOCK, buffers_snapshot, recording
 from roundpipe.engine.calls.compute import autograd_backward, float_leaves, loss_parts, run_layers, tag
 from roundpipe.engine.calls.context import CallContext
 from roundpipe.planner.memory import first_input
@@ -137,7 +137,7 @@ class StageRun:
             st = ctx.host.layers[l]
             params, bufs = params[:len(st.params)], params[len(st.params):]   # uploads: parameters, then constants
             if st.written:   # in buffer order: the constants uploaded with the parameters, the rest now
-                written = iter(w.upload_buffers([st.buffers[i] for i in st.written]))
+                written = iter(w.upload_buffers(buffers_snapshot(st.buffers, st.written, w.host_alloc)))
                 constants = iter(bufs)
                 bufs = [next(constants) if c else next(written) for c in st.constant]
             self.bound.append(rep.bind(params, [(grad or l in kept) and p.requires_grad for p in st.params], bufs))
@@ -469,10 +469,10 @@ class StageRun:
 
         def land(host_bufs: list) -> None:
             st = self.ctx.host.layers[l]
-            for i, src in zip(st.written, host_bufs):
-                dst = st.buffers[i]
-                if i not in skip:   # whole-batch BatchNorm statistics: the call's end updates them
-                    dst.copy_(src)
+            with BUFFERS_LOCK:   # a stage uploading them snapshots them under it (batchnorm.buffers_snapshot)
+                for i, src in zip(st.written, host_bufs):
+                    if i not in skip:   # whole-batch BatchNorm statistics: the call's end updates them
+                        st.buffers[i].copy_(src)
             self.ctx.board.put(("buf", l, self.task.round), True, 0 if self.task.last_round else 1)
         return land
 
