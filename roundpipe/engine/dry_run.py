@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.core.tree import tree_leaves, tree_map
+from roundpipe.engine.calls.compute import writable
 from roundpipe.engine.memory_probe import measure_layer, measure_loss
 from roundpipe.planner import LayerCost
 from roundpipe.planner.costs import BWD_PER_FWD
@@ -405,7 +406,7 @@ def _dry_run(layers: Sequence[nn.Module], sample: tuple[tuple, dict], dtype: tor
         cost = measured.find(key) if key is not None else None
         if cost is not None:   # its output, for the layers after it, from a forward without the counting modes
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
-                x = replica(x)
+                x = replica(writable(x))
         else:
             cost, x, reads_values = _measure(replica, x, i == 0, dtype, device, rates)
             # On the CPU a layer that read values into Python (MoE routing, a mask's .all()) may cost
@@ -445,7 +446,10 @@ def _measure(replica: nn.Module, x: Any, first: bool, dtype: torch.dtype, device
         if attention.counting and id(t) not in params and not (kept and id(t.untyped_storage()) in kept):
             saved[0] += t.numel() * t.element_size()
     in_bytes = _nbytes(x)
-    call = (lambda v: replica(*v[0], **v[1])) if first else replica
+
+    def call(v: Any) -> Any:   # input leaves writable in place (ReLU(inplace=True)), as in a stage: compute.py
+        v = writable(v)
+        return replica(*v[0], **v[1]) if first else replica(v)
     memory = measure_layer(replica, call, x, device, first=first)
     if dtype == torch.float32:   # an fp32 .grad is the accumulator itself (StageRun._backward)
         memory = dataclasses.replace(memory, param_grads=0)

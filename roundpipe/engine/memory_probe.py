@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.core.tree import tree_leaves, tree_map
-from roundpipe.engine.calls.compute import autograd_backward, autograd_grad
+from roundpipe.engine.calls.compute import autograd_backward, autograd_grad, writable
 from roundpipe.planner.memory import LayerMemory
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -187,7 +187,7 @@ def measure_loss(loss_fn: Callable, out: Any, labels: Any, device_type: str) -> 
     out = tree_map(lambda t: t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point()
                    else t, out)
     with timeline, _AttentionAsFused(timeline), torch.enable_grad():
-        loss = loss_fn(out, labels)
+        loss = loss_fn(writable(out), labels)   # as in the fused stage, loss_fn may write `out` in place
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()
     return timeline.peak + sum(t.numel() * t.element_size() for t in tree_leaves(labels) if isinstance(t, torch.Tensor))

@@ -2,6 +2,40 @@
 
 Every exception raised by a layer, by loss_fn or in a backward is tagged with where it
 happened (`layer 3`, `loss_fn`, `backward of layers 4-5`) and re-raised unchanged in type.
+
+In-place first ops (issue 51).  A stage's input, and at layer grain each layer's, is a fresh autograd
+leaf that requires grad (stage.py `_input_with_grad`), so `nn.ReLU(inplace=True)` or `x.add_(b)` as
+the first op of the fused tail, of a recomputed backward stage or of a kept forward segment raised
+"a leaf Variable that requires grad is being used in an in-place operation", where plain PyTorch,
+whose layer inputs are the outputs of the layers before, trains.  Such a layer gets its input through
+`writable`: each such leaf replaced by an alias (`_Alias`: the same storage but neither the leaf nor a
+view of it, so autograd lets the op write it; its gradient lands on the leaf).  The op then writes the
+stage input in place as it writes a forward stage's (every input a worker `use`s is private to it:
+workers/base.py).  Which layers need it is learned (`_run_layer`): a layer runs on its input as it is;
+when that raises this error, the input is unchanged (torch checks before the kernel writes), so unless
+the failed try changed one of the layer's buffers it runs again on `writable(x)` from the same seed,
+and its replicas on every worker remember it (`Replica.writes_input`): later microbatches and calls
+alias up front and never raise.  Why not the alternatives:
+
+    clone every stage input      one more activation live beside the leaf, for every stage input
+    clone on that error          the same for the layers that write their input
+    alias every stage input      no retry, but the Function costs every stage-microbatch with autograd
+                                 (and every layer at layer grain) ~10 us, whether its first layer writes
+                                 in place or not: 24 -> 34 us for an 8-wide linear's forward and backward
+                                 (best of 40), +20-30 us per stage-microbatch in a loaded engine trace
+                                 whose trivial stage-microbatches compute for 150-170 us (2-core VM,
+                                 torch 2.13)
+    alias once learned (this)    nothing for a layer that never writes its input; one failed try per
+                                 such layer and model (two workers may race to one each), then ~10 us
+
+The retry keys on torch's message (it covers "a view of a leaf Variable ..." too): should torch reword
+it, the error reaches the caller as before.  A layer whose failed try changed a buffer (a running
+statistic updated before the in-place op) is not run again, which would change the buffer twice: the
+error says so.  Other effects before the in-place op (a forward hook, a Python counter) happen twice
+in that one failed run; the layers this is for write their input first.  The planner's dry run
+(dry_run.py, memory_probe.py) runs its layers on `writable` inputs always (its speed does not matter),
+so it measures such models rather than failing over to parameter counts; the alias allocates nothing,
+so the measured bytes are the layer's own.
 """
 from __future__ import annotations
 
@@ -10,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from roundpipe.core.errors import Aborted
-from roundpipe.core.tree import tree_leaves
+from roundpipe.core.tree import tree_leaves, tree_unflatten
 from roundpipe.engine.calls.precision import dtype_mismatch_note
 from roundpipe.engine.calls.recompute_data import LayerRuns
 from roundpipe.workers.base import Worker
@@ -18,6 +52,7 @@ from roundpipe.workers.rng import layer_seed
 
 if TYPE_CHECKING:
     from roundpipe.engine.calls.context import CallContext
+    from roundpipe.engine.calls.replica import Replica
 
 
 def tag(exc: BaseException, where: str) -> BaseException:
@@ -71,6 +106,71 @@ def float_leaves(x: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
+class _Alias(torch.autograd.Function):
+    """Each input as a new tensor on its storage (`detach`: not a view of it, so autograd lets a layer
+    write it in place) whose gradient flows to the input unchanged; saves nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)   # an alias the layer never used passes None, not zeros
+        return tuple(t.detach() for t in leaves)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return grads
+
+
+def writable(x: Any) -> Any:
+    """x with every tensor that is an autograd leaf requiring grad replaced by its `_Alias` (the module
+    docstring: a layer may write it in place, its gradient still lands on the leaf); x itself when grad
+    mode is off or x holds no such leaf."""
+    if not torch.is_grad_enabled():
+        return x
+    leaves = tree_leaves(x)
+    at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+    if not at:
+        return x
+    for i, alias in zip(at, _Alias.apply(*(leaves[i] for i in at))):
+        leaves[i] = alias
+    return tree_unflatten(x, leaves)
+
+
+# torch's message when an op writes a leaf that requires grad, or a view of one, in place
+_LEAF_IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _call(module: torch.nn.Module, l: int, x: Any) -> Any:
+    return module(*x[0], **x[1]) if l == 0 else module(x)
+
+
+def _run_layer(ctx: CallContext, w: Worker, rep: Replica, l: int, x: Any, seed: int) -> Any:
+    """Layer l on x, its input `writable` where the layer writes it in place: known from an earlier run, or
+    learned now from the error of a first try, then retried from the same seed (the module docstring).
+
+    A recompute's scope (recompute_data.py) hands both tries the same saved data; a saving scope (a
+    forward stage's first run) is under no_grad, where the error never happens."""
+    if rep.writes_input:
+        return _call(rep.module, l, writable(x))
+    if not torch.is_grad_enabled():
+        return _call(rep.module, l, x)
+    versions = [b._version for b in rep.bound_buffers()]
+    try:
+        return _call(rep.module, l, x)
+    except RuntimeError as e:
+        if _LEAF_IN_PLACE not in str(e) or not any(isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
+                                                   for t in tree_leaves(x)):
+            raise
+        if versions != [b._version for b in rep.bound_buffers()]:
+            e.add_note(f"[roundpipe] layer {l} writes its input in place after it changed a buffer, so it cannot "
+                       "be run again on a writable input (the buffer would change twice); write the input in "
+                       "place before changing buffers, or out of place")
+            raise
+    for reps in ctx.replicas.values():   # every worker's replica: later runs alias up front
+        reps[l].writes_input = True
+    w.rng.reseed(seed)   # the same random draws as the failed try's
+    return _call(rep.module, l, writable(x))
+
+
 def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                publish: Callable[[int, Any], None] | None = None,
                report: Callable[[float, float], None] | None = None, recompute: bool = False,
@@ -81,7 +181,8 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
     compute runs outside the worker's turn (Worker.compute_span).  recompute: a backward stage's
     recompute, whose layers get what their first run saved (recompute_data.py); a forward stage
     (one that publishes) of a training call is that first run, unless `saving` is False (layers whose graph
-    is kept for their backward: never recomputed)."""
+    is kept for their backward: never recomputed).  A layer that writes its input in place gets it
+    `writable` (the module docstring)."""
     reps = ctx.replicas[w.name]
     runs = LayerRuns(ctx, w, layers, m, recompute, first=publish is not None and saving)   # may wait: before the span
     with w.compute_span(ctx.compute_s, ("f", layers.start, layers.stop), report) as span, w.rng.stream(), \
@@ -89,10 +190,11 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
         for l in layers:
             if ctx.abort_requested():
                 raise Aborted()
-            w.rng.reseed(layer_seed(ctx.rng_base, l, m))
+            seed = layer_seed(ctx.rng_base, l, m)
+            w.rng.reseed(seed)
             try:
                 with runs.layer(l):
-                    x = reps[l].module(*x[0], **x[1]) if l == 0 else reps[l].module(x)
+                    x = _run_layer(ctx, w, reps[l], l, x, seed)
             except Exception as e:  # noqa: BLE001 - any layer error is tagged with where it happened
                 dtype_mismatch_note(e)
                 raise tag(e, f"layer {l}")  # noqa: B904 - re-raises e itself, tagged

@@ -50,6 +50,9 @@ class Replica:
         # are copied once, here, so change a layer's configuration before wrapping it.
         self._modes = list(zip(self.module.modules(), layer.modules()))
         self.keeping = keeping(self.module.modules())   # modules a stage run's DequantKeep is attached to
+        # The layer writes its input in place, so an input leaf that requires grad reaches it as an alias
+        # (compute.py `writable`); learned from its first such run, set on every worker's replica.
+        self.writes_input = False
 
     def bind(self, params: list[torch.Tensor], requires_grad: list[bool],
              buffers: list[torch.Tensor]) -> list[nn.Parameter]:
