@@ -220,8 +220,13 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
     (roundpipe/engine/calls/dispatcher.py), so in time each worker has run, and keeps, every such layer
     (the steady state; earlier calls hold less).  `held`: per layer, device bytes a resident layer holds
     beside its weights all the time (the device step's masters, optimizer state and gradient sums:
-    roundpipe/engine/step/device_step.py).  Kept graphs (a forward stage's `keep`, a backward stage's
-    `kept`: `_stage_need`) sit beside every stage from their forward stage to their backward stage."""
+    roundpipe/engine/step/device_step.py), and after the call that step's update, one layer at a time:
+    beside what the resident layers keep, a copy of what the update writes (the layer's masters and state)
+    and the formula's temporaries, counted as 1.5x the layer's `held` (Adam: a 12-byte copy per parameter of
+    the layer, temporaries of up to 12 bytes per element of its largest parameter with clipping, against the
+    16-20 bytes held per parameter; every stage's working set is gone by then).  Kept graphs (a forward stage's
+    `keep`, a backward stage's `kept`: `_stage_need`) sit beside every stage from their forward stage to
+    their backward stage."""
     peaks = {}
     for name, tasks in tasks_by_worker.items():
         worst = holding = 0
@@ -245,6 +250,8 @@ def worker_peaks(tasks_by_worker: dict[str, list], weights: Sequence[int], grads
                     need += sum(weights[l] for l in tasks[i + 1].layers)
             worst = max(worst, need + always + holding)
             holding += change
+        if always:   # the device step's update of its largest layer (above)
+            worst = max(worst, sum(weights[l] for l in kept) + always + max(held[l] for l in kept) * 3 // 2)
         peaks[name] = worst
     return peaks
 

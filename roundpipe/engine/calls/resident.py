@@ -25,7 +25,10 @@ largest prefix whose bytes, beside the plan's predicted working set, keep every 
 predicted peak under its device_memory cap (roundpipe/engine/device_memory.py, `resident_prefix`);
 a worker with no cap (CPU workers by default) keeps none unless `RoundPipe(resident_layers=k)`
 asks for it.  An entry past the current prefix is dropped by its worker at its next stage (after a
-re-plan shrank it), and every entry at a failed call, a checkpoint load and close.
+re-plan shrank it), and every entry at a failed call, a checkpoint load and close.  A trained weight
+the device step took over (roundpipe/engine/step/device_step.py) is bound from the worker's own copy
+instead, and its kept upload copy is dead weight: each device update stamps the layer, so the copy's
+key no longer matches and the next lookup drops it; none is kept again while the device step owns it.
 """
 from __future__ import annotations
 

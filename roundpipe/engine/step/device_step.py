@@ -35,9 +35,41 @@ the next step reads.
 Failed calls.  A call's gradients are summed apart (`_pending`) and joined to the layer's sum
 when the call ends well, in call order; a failed call's are dropped, so the sum is exactly what
 it was.  The memory model counts both sums (roundpipe/engine/device_memory.py).
+
+Out of memory in a step.  The optimizer's formula updates a layer's tensors one parameter at a time,
+in place, and allocates temporaries as it goes (Adam: the moments are written, then `sqrt`
+allocates), so an allocation failing in the second parameter would leave the first one stepped (its
+step count advanced), the second half-stepped, `dirty` unset and the weights not rewritten:
+synchronize() would show the host's masters while the next call trained on the device's.  A layer's
+update is therefore all or nothing (`_step`): what it allocates beside the formula's temporaries (a
+bf16 weight's first buffer) and the truth before it are made before anything is written, and if the
+formula raises, the layer is put back exactly as it was: the error reaches step()'s caller, the
+protocol drops the step's gradients (as for any failed update) and the layer stays a device layer.
+The truth before the update is the host's while the layer is not dirty (its first step, and the
+first after a sync point): the device copies are dropped and made again from the host's at the next
+step, nothing is copied.  While it is dirty (every other step) the device's masters and state are
+the only truth, so they are copied on the device first and written back on failure (copy_, which
+allocates nothing); the optimizer's host entries the update changes (step counts advanced in place,
+the buffers a state lacked) are restored either way.  Cost: one layer's masters and state (Adam: 12
+bytes per parameter) while it is updated, which the memory model counts (roundpipe/planner/memory.py
+`worker_peaks`), and one copy of them per step (24 bytes per parameter read and written, beside the
+~80 of Adam's formula in torch ops: counted from its ops, not timed on a GPU).  Rejected: reserving
+the temporaries before writing (nothing more allocated, but the formula's allocations belong to the
+optimizer and whether they reuse a reservation is the CUDA caching allocator's business, which no
+CPU test can show), and stepping each parameter into its own scratch (one parameter's bytes, not a
+layer's, but a failure in the second parameter would still leave the first stepped).  On a CPU
+worker that records workspace (under a cap) the formula's temporaries are workspace in its ledger,
+so a full modelled device fails there as a GPU would (tests/engine/test_device_step_oom.py).
+
+Resident copies.  Before the device step owns a layer, its stages bind the kept upload copies of
+resident.py; afterwards they bind `weight`, and the kept copy would stay beside it (24 bytes per
+parameter held in bf16 where the model counts 22).  Each update stamps the layer on the host, as
+a host update does, so its upload key moves and the next call's lookup drops the kept copy; none
+is kept again for a weight the device step supplies (roundpipe/engine/calls/stage.py `upload_stage`).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -46,6 +78,7 @@ from typing import Any
 import torch
 
 from roundpipe.engine.step.host_state import HostState
+from roundpipe.workers.ledger import WorkspaceTracker
 
 
 def eligible(host: HostState) -> list[bool]:
@@ -138,7 +171,7 @@ class DeviceStep:
     def update(self, layer: int, optimizer: Any, clip_coef: float) -> None:
         """One step of the layer on the device: masters and state made there on its first step (from the
         host's), the host's own gradients (shown by synchronize(), or landed before the layer was
-        device-stepped) added to the device sums, the update, the weights rewritten."""
+        device-stepped) added to the device sums, the update (all or nothing: `_step`), the weights rewritten."""
         st, w = self.host.layers[layer], self.worker
         with self._lock, w.compute():
             rec = self.layers.setdefault(layer, DeviceLayer())
@@ -156,16 +189,43 @@ class DeviceStep:
                     rec.state[j] = {k: w.ledger.track(v, "optimizer")
                                     for k, v in optimizer.state_copies(st.params[j], w.device).items()}
             if live:
-                optimizer.step_copies([st.params[j] for j in live], [rec.master[j] for j in live],
-                                      [rec.grad[j] for j in live], [rec.state[j] for j in live], clip_coef)
-            for j in live:
-                if w.compute_dtype != torch.float32:
-                    if j in rec.weight:
-                        rec.weight[j].copy_(rec.master[j])
-                    else:
-                        rec.weight[j] = w.ledger.track(rec.master[j].to(w.compute_dtype), "weights")
+                self._step(layer, rec, live, optimizer, clip_coef)
             rec.grad.clear()
-            rec.dirty = rec.dirty or bool(live)
+
+    def _step(self, layer: int, rec: DeviceLayer, live: list[int], optimizer: Any, clip_coef: float) -> None:
+        """The update of the layer's parameters `live`, all or nothing (module docstring, "Out of memory in a
+        step"): what it allocates beside the formula's temporaries first, then, while the layer is dirty, a
+        copy of what the formula writes, restored if anything raises (not dirty: the device copies are
+        dropped, the host's are the truth); on success the weights stages bind are rewritten and the layer
+        stamped (its resident key moves: the kept upload copy the device weight replaced is dropped)."""
+        st, w = self.host.layers[layer], self.worker
+        params = [st.params[j] for j in live]
+        fp32 = w.compute_dtype == torch.float32
+        made = {j: w.ledger.track(torch.empty_like(rec.master[j], dtype=w.compute_dtype), "weights")
+                for j in live if not fp32 and j not in rec.weight}
+        # the truth before the update: the host's while the layer is not dirty, else a copy made on the device
+        dirty = rec.dirty
+        saved = _Saved(w, [rec.master[j] for j in live] + [v for j in live for v in rec.state[j].values()]
+                       if dirty else [], [optimizer.state[p] for p in params])
+        # a CPU worker recording workspace sees the formula's temporaries (on CUDA memory_allocated counts them)
+        tracker = WorkspaceTracker(w.ledger, w.device.type) if w.records_workspace else None
+        try:
+            with tracker if tracker is not None else contextlib.nullcontext():
+                optimizer.step_copies(params, [rec.master[j] for j in live], [rec.grad[j] for j in live],
+                                      [rec.state[j] for j in live], clip_coef)
+        except BaseException:
+            saved.restore()
+            if not dirty:   # made again from the host's at the next step, uploaded from it until then
+                rec.master.clear()
+                rec.weight.clear()
+                rec.state.clear()
+            raise
+        rec.weight.update(made)
+        if not fp32:
+            for j in live:
+                rec.weight[j].copy_(rec.master[j])
+        rec.dirty = True
+        self.host.stamp(layer)
 
     def _absorb(self, layer: int) -> None:
         """The host's gradients of a device layer (shown at a sync point, or landed before the layer was
@@ -279,6 +339,26 @@ class DeviceStep:
         with self._lock:
             self.layers.clear()
             self._pending.clear()
+
+
+class _Saved:
+    """What a layer's update writes, as it was before the update: copies of its device tensors (masters and
+    state buffers, in the ledger: they are device memory while the update runs) and the optimizer's host
+    state entries of its parameters (which entries there were, and the 0-dim step counts by value: the
+    update advances them in place and stores the buffers a state lacked)."""
+
+    def __init__(self, worker: Any, tensors: list[torch.Tensor], states: list[dict[str, Any]]):
+        self.device = [(t, worker.ledger.track(t.clone(), "optimizer")) for t in tensors]
+        self.host = [(s, {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for k, v in s.items()})
+                     for s in states]
+
+    def restore(self) -> None:
+        """Everything back as it was (copies into the tensors themselves: nothing is allocated)."""
+        for t, copy in self.device:
+            t.copy_(copy)
+        for s, entries in self.host:
+            s.clear()
+            s.update(entries)
 
 
 def _call(ref: weakref.ref, method: str, **kwargs: Any) -> None:
