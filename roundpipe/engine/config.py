@@ -120,7 +120,8 @@ class EngineConfig:
     """Seconds with no progress of any busy worker (a stage or microbatch ending) after which a waiting call raises
     RoundPipeStalled naming the stuck worker, its stage and microbatch, with every engine thread's stack; the
     model then takes no more calls.  None (default): off, wait as long as it takes.  Give more than the longest
-    stage-microbatch compute and the longest optimizer step (docs/semantics.md, "Stalled workers")."""
+    stage-microbatch compute and the longest optimizer step (docs/semantics.md, "Stalled workers"); on a GPU
+    progress is compute the device has done, per compute span."""
 
     # derived in __post_init__
     worker_devices: list[torch.device] = _derived()

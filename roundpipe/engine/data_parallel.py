@@ -33,7 +33,11 @@ issued only at those points (never eagerly when a call returns, which depends on
 thread timing).  A rank that raises or dies makes the others' next collective
 fail within the group's timeout (`init_process_group(timeout=...)`); the error
 is raised by their next engine call and names the all-reduce.  The job cannot go
-on after that: restart it from the last checkpoint.
+on after that: restart it from the last checkpoint.  A training call that runs out
+of device memory on one rank fails there alone; a retry on that rank alone (as an
+automatic batch-size search does) would pair its collectives with different calls
+of the others, silently, so the rank then refuses every collective (`refuse`) and
+fails like a rank that raised: every rank must be restarted, with a smaller batch.
 
 Under NCCL each rank all-reduces on a GPU of its own (`reduce_device`): one of its
 workers' devices, picked by LOCAL_RANK when the ranks of a node share them, never
@@ -90,12 +94,31 @@ class DataParallel:
         ranks = dist.get_process_group_ranks(process_group)
         self.control = dist.new_group(ranks, backend="gloo", timeout=timeout) if self.world > 1 else process_group
         self.device = reduce_device(self.backend, devices, os.environ.get("LOCAL_RANK"))
+        self.refused: BaseException | None = None   # the error after which this rank joins no collective
+
+    # ---- a rank that must not go on
+    def refuse(self, error: BaseException) -> None:
+        """After `error`, a training call's failure on this rank alone (out of device memory), every later
+        collective of this rank raises instead of running: a retry would pair its plan broadcast and
+        reductions with different calls of the other ranks, silently averaging gradients of other steps.
+        Refusing makes the rank fail, and the others at their next collective."""
+        if self.world > 1 and self.refused is None:
+            self.refused = error
+
+    def _check_usable(self, what: str) -> None:
+        if self.refused is not None:
+            raise RuntimeError(
+                f"[roundpipe] {what} refused: rank {self.rank} of {self.world} ran out of device memory in a training "
+                "call (the chained error) that the other ranks went on from, so its calls may no longer pair with "
+                "theirs.  Let every rank stop and restart them all from the last checkpoint with a smaller batch, "
+                "more microbatches or a plan with smaller stages") from self.refused
 
     # ---- plans (caller thread)
     def agree_plan(self, plan: Plan) -> Plan:
         """Rank 0's plan, on every rank."""
         if self.world == 1:
             return plan
+        self._check_usable("a training call (the broadcast of its plan)")
         fwd, bwd = list(plan.forward), list(plan.backward)
         size = 2 + 4 * self.L
         buf = torch.zeros(size, dtype=torch.int64)
@@ -112,18 +135,21 @@ class DataParallel:
         """value summed over the ranks (a batch's token count), on the control group."""
         if self.world == 1:
             return value
+        self._check_usable("the sum over ranks")
         t = torch.tensor([value], dtype=torch.float64)
         _dist().all_reduce(t, group=self.control)
         return float(t)
 
     def barrier(self) -> None:
         if self.world > 1:
+            self._check_usable("a barrier (a checkpoint's)")
             _dist().barrier(group=self.control)
 
     def all_true(self, ok: bool) -> bool:
         """Whether `ok` holds on every rank (a checkpoint's files were all written)."""
         if self.world == 1:
             return ok
+        self._check_usable("a vote (a checkpoint's)")
         t = torch.tensor([0 if ok else 1], dtype=torch.int64)
         _dist().all_reduce(t, group=self.control)
         return int(t) == 0
@@ -175,6 +201,9 @@ class DataParallel:
     def reducer(self, host: "HostState") -> Callable[[], None]:
         """The G-copy's reduction: on failure the local sums are dropped and the error names the all_reduce."""
         def reduce() -> None:
+            if self.refused is not None:
+                self.drop_landed(host)
+                self._check_usable("the gradient all_reduce")
             try:
                 self.reduce_landed(host)
             except BaseException as e:  # noqa: BLE001 - the landed gradients are dropped on any exit
@@ -300,6 +329,7 @@ class OptimizerShards:
         """Every rank's updated slices into every rank's masters (fp32, bucketed, a broadcast per rank)."""
         if self.dp.world == 1:
             return
+        self.dp._check_usable("the gather of the optimizer shards")
         for bucket in buckets(sorted(self.slices), lambda k: self.slices[k][2] * 4 * self.dp.world,
                               self.dp.bucket_bytes):
             self._gather_bucket(bucket)

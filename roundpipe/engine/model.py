@@ -37,7 +37,7 @@ from roundpipe.engine.calls import batchnorm as batchnorm_stats
 from roundpipe.engine.calls import composed
 from roundpipe.engine.calls.board import Board
 from roundpipe.engine.calls.context import CallContext
-from roundpipe.engine.calls.dispatcher import CallRun, Dispatcher, default_plan
+from roundpipe.engine.calls.dispatcher import CallRun, Dispatcher, default_plan, out_of_device_memory
 from roundpipe.engine.calls.microbatch import SplitFn, batch_size_of, merge, split, weighted_sum
 from roundpipe.engine.calls.precision import Precision
 from roundpipe.engine.calls.replica import Replica
@@ -206,7 +206,8 @@ class RoundPipe(ModelState, ModelSteps):
             for l, rep in enumerate(reps):
                 batchnorm_stats.patch_replica(rep.module, l)
         self.dispatcher = Dispatcher(self.workers, cfg.stall_timeout,   # stall watchdog: dispatcher.py
-                                     layer_grain=cfg.recompute == "layer")
+                                     layer_grain=cfg.recompute == "layer",   # ranks: for out-of-memory notes
+                                     ranks=(self.dp.rank, self.dp.world) if self.dp and self.dp.world > 1 else None)
         self.stage_timing: TimingFn | None = None   # profiler seam: (worker, kind, first_layer, mb, t0, t1)
         self._trace: Trace | None = None
         self._check_recompute = False
@@ -468,14 +469,17 @@ class RoundPipe(ModelState, ModelSteps):
             ctx.board.put(("act", 0, m), Handoff(host=inputs[m], gpu_ready=ctx.gpu_ready), sched.input_consumers)
         ctx.call = self.sync.begin_call(training, sched.uploads)
         host, sync, bn = self.host, self.sync, self._bn   # the end runs on a worker thread: no reference to the model
-        resident, predictions, device = self.resident, self.predictions, self.device_step
+        resident, predictions, device, dp = self.resident, self.predictions, self.device_step, self.dp
 
         def on_end(run: CallRun) -> None:
             try:
                 if not run.ok:   # kept weights go with a failed call; out of memory: no more weights or graphs kept
                     resident.clear()
-                    if isinstance(run.error, torch.OutOfMemoryError) and (run.ctx.resident_count or sched.kept):
+                    oom = out_of_device_memory(run.error)   # a cuBLAS/cuDNN/CUDA RuntimeError too (dispatcher.py)
+                    if oom and (run.ctx.resident_count or sched.kept):
                         predictions.auto_resident = False
+                    if oom and training and dp is not None:   # this rank's alone: it must not go on (dispatcher.py)
+                        dp.refuse(run.error)
                 if device is not None and run.ctx.device_layers:   # its device gradients: kept or dropped
                     device.end_call(run.ctx.call.index, run.ok)
                 host.end_call(run.ok)   # keeps or takes back the gradients the call landed

@@ -28,9 +28,19 @@ round trip is skipped.
 Progress and faults.  A worker keeps what the stall watchdog of
 roundpipe/engine/calls/dispatcher.py reads: the stage it runs, how many of its
 microbatches finished and when it last made progress (a stage began or ended, a
-compute span or a microbatch ended, a download landed).  `inject_oom(kind)` is a
-test seam: the next allocation of that part of the work fails with
-torch.OutOfMemoryError, as a full device would make it (tests/engine/test_device_oom.py).
+compute span or a microbatch ended, a download landed).  Where compute is
+asynchronous (a GPU: `_progress_fence` is not None) and the watchdog is on
+(`track_progress`), a compute span or microbatch counts once the device has done
+it, not when the thread issued it: the thread issues a stage-microbatch in
+microseconds that the GPU may run for seconds, then waits for it without making
+progress of its own, so a stall_timeout shorter than a stage's GPU time marked
+healthy workers stalled (issue 51, item 6).  The fences of the work issued wait
+in a queue that `poll_progress` (called by the watchdog) turns into progress as
+they complete; a device whose queued work completes nothing is still a stall.
+
+`inject_oom(kind)` is a test seam: the next allocation of that part of the work
+fails with torch.OutOfMemoryError, as a full device would make it
+(tests/engine/test_device_oom.py).
 """
 from __future__ import annotations
 
@@ -38,6 +48,7 @@ import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
@@ -157,6 +168,11 @@ class Worker(ABC):
         self.stage_mbs_done = 0       # microbatches of that stage finished
         self.computing: Hashable | None = None   # the key of the compute span running, if any
         self.stalled = False          # given up by the watchdog: takes no more work, close() does not join it
+        # set by the watchdog when it is on: progress is device work done (module docstring), and the
+        # fences of work issued queue here, appended by this worker's thread, polled by a waiting caller
+        self.track_progress = False
+        self._progress_fences: deque = deque()
+        self._progress_lock = threading.Lock()
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Runs fn on this worker's thread after everything submitted before (fn handles its errors)."""
@@ -194,7 +210,35 @@ class Worker(ABC):
 
     def _microbatch_done(self) -> None:
         self.stage_mbs_done += 1
-        self.progress_at = time.monotonic()
+        self._issued()
+
+    def _issued(self) -> None:
+        """Compute was issued up to here (a compute span or a microbatch ended): progress once it is done.
+        Compute done when issued (a CPU worker's, or the watchdog off) counts now; a GPU's when the fence
+        recorded behind it completes (`poll_progress`)."""
+        fence = self._progress_fence() if self.track_progress else None
+        if fence is None:
+            self.progress_at = time.monotonic()
+            return
+        with self._progress_lock:
+            self._progress_fences.append(fence)
+        self.poll_progress()   # drops the completed ones: the queue holds only the work still in flight
+
+    def _progress_fence(self) -> Any:
+        """A fence for the compute issued so far, for progress (None: it is done already)."""
+        return self._compute_fence()
+
+    def poll_progress(self) -> None:
+        """Device work issued earlier and completed since the last poll counts as progress now (the watchdog
+        calls it before it judges a worker; a worker whose compute is done when issued has none queued)."""
+        if not self._progress_fences:
+            return
+        with self._progress_lock:
+            left = deque(f for f in self._progress_fences if f.state == "pending")
+            done = len(left) < len(self._progress_fences)
+            self._progress_fences = left
+        if done:
+            self.progress_at = time.monotonic()
 
     def inject_oom(self, kind: str | None) -> None:
         """Test seam: the next allocation of `kind` on this worker raises torch.OutOfMemoryError (None disarms).
@@ -589,7 +633,11 @@ class _ComputeSpan:
     def __exit__(self, *exc) -> None:
         self.seconds[self.key] = time.perf_counter() - self.t0
         w = self.w
-        w.computing, w.progress_at = None, time.monotonic()
+        w.computing = None
+        if exc[0] is None:
+            w._issued()
+        else:   # no device call after a failure: a sticky CUDA error would replace it with its own
+            w.progress_at = time.monotonic()
         if self.armed and w.ledger.armed:   # the span made no new storage: the injection lapses with it
             w.ledger.fail_next(None)
         if self.tracker is not None:

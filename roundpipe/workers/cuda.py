@@ -19,6 +19,10 @@ reused block); tensors used on a stream other than the one that allocated them
 are marked with `record_stream`, so the caching allocator does not hand their
 memory out again before that stream is done with them.
 
+Progress for the stall watchdog is compute the GPU has done (Worker.poll_progress): with the
+watchdog on, a fence recorded on the compute stream after each compute span and microbatch
+counts when it completes, not when this thread issued the work (issue 51, item 6).
+
 Stage timings (`RoundPipe.stage_timing`) are GPU execution times: a pair of
 timing events around each stage-microbatch on the compute stream, read once
 the end event has completed (polled after later microbatches and at drain),
@@ -154,6 +158,7 @@ class CudaWorker(Worker):
         # Through blocking-sync events, not Stream.synchronize: under the default device flags that
         # spins a core for the whole wait (every call's end), beside the OpenMP optimizer step
         # that needs the cores (issue 26 part 2, item 5; the pooled fences are created the same way).
+        # The copy streams hold every copy only once the held-back windows were sent (`_idle`).
         events = []
         for s in (self.s_compute, self.s_param_up, self.s_act_up, self.s_act_down, self.s_grad_down):
             ev = torch.cuda.Event(blocking=True)
@@ -162,14 +167,22 @@ class CudaWorker(Worker):
         for ev in events:
             ev.synchronize()
 
-    def drain(self) -> None:
-        self.copies.synchronize()
+    def _idle(self) -> None:
+        """Waits, sleeping, until the device has done everything issued: held-back copy windows are sent
+        first, then every stream's blocking event is waited for.  Only then does the base class's
+        `copies.synchronize()` run: the native engine's cudaStreamSynchronize on each copy stream spins a
+        core for as long as the stream is busy (issue 51, item 7: it ran first, spinning through every
+        call's tail of copies); on idle streams it returns at once, and still drops the references the
+        engine holds to completed copies' buffers."""
+        self.copies.flush()
         self._sync_streams()
+
+    def drain(self) -> None:
+        self._idle()
         self._resolve_timers(block=True)
         super().drain()
 
     def abandon(self) -> None:
-        self.copies.synchronize()
-        self._sync_streams()
+        self._idle()
         self._timers.clear()
         super().abandon()

@@ -25,18 +25,34 @@ protocol (roundpipe/engine/step/async_step.py).
 partitioner and follows the profiled costs (roundpipe/engine/autoplan.py).
 
 Failures (docs/semantics.md).  A worker's error fails the call and aborts its board;
-the caller re-raises it once every worker stopped.  A `torch.OutOfMemoryError` gets a
-note naming the worker, the stage, the microbatch, the plan's predicted peak and the
-cap, and the locals of the frames it passed through are cleared, so everything the
-failed stage held on the worker (weights, inputs, the autograd graph) dies before the
-caller sees it, not when the caller drops the exception.  The `Watchdog` turns a stall
-(no worker of a live call made progress for `stall_timeout` seconds) into
-`RoundPipeStalled` in the waiting caller, with every engine thread's stack; a stuck
-thread cannot be stopped, so its calls are given up (ended without effect) and the
-model takes no more calls.
+the caller re-raises it once every worker stopped.  An error that `out_of_device_memory`
+recognises gets a note naming the worker, the stage, the microbatch, the plan's predicted
+peak and the cap, and the locals of the frames it passed through are cleared, so
+everything the failed stage held on the worker (weights, inputs, the autograd graph)
+dies before the caller sees it, not when the caller drops the exception; the model then
+keeps no resident weights, graphs or device-stepped layers (engine/model.py).  Not only
+torch.OutOfMemoryError (the caching allocator's): cuBLAS, cuDNN and CUDA runtime calls
+that cannot allocate (a handle, a workspace, an event) raise a plain RuntimeError, which
+used to keep all of that alive and on, so a retry failed the same way (issue 51, item 5).
+The error keeps its type (STYLE.md item 8).  A sticky CUDA error (`sticky_device_error`:
+an illegal address, a launch failure, a device-side assert) is no out-of-memory: the
+CUDA context is broken, every later CUDA call of the process fails, so its note says to
+restart the process, never to retry.  Under data parallelism (`ranks`) an out-of-memory
+error of a training call is this rank's alone: the other ranks went on, and a retry on
+this rank alone would pair its collectives with the wrong calls of theirs; the note says
+so, and the model makes the rank refuse every later collective (DataParallel.refuse),
+so that it fails instead of desynchronising the group.  Making the failure collective
+(every rank dropping the call) would need an agreement at every call's end, where the
+continuous pipeline has none: not done.
+
+The `Watchdog` turns a stall (no worker of a live call made progress for `stall_timeout`
+seconds) into `RoundPipeStalled` in the waiting caller, with every engine thread's stack;
+a stuck thread cannot be stopped, so its calls are given up (ended without effect) and
+the model takes no more calls.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 import traceback
@@ -173,16 +189,68 @@ def _microbatch(w: Worker, task: StageTask) -> str:
     return f"at microbatch {task.mbs[done]}" if done < len(task.mbs) else "after its last microbatch (the stage's end)"
 
 
-def _oom_note(w: Worker, task: StageTask | None, predicted: int | None) -> str:
+# A device out of memory that torch reports as a plain RuntimeError, by its message (torch 2.x):
+#   "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"   (a cuBLAS/cuBLASLt handle or
+#       workspace; cuSOLVER, cuSPARSE, cuRAND report *_STATUS_ALLOC_FAILED, cuFFT CUFFT_ALLOC_FAILED)
+#   "cuDNN error: CUDNN_STATUS_ALLOC_FAILED" (cuDNN 8), "... CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED" (9)
+#   "CUDA error: out of memory" (cudaErrorMemoryAllocation from a runtime call: cudaEventCreate, a library's
+#       cudaMalloc, a kernel launch short of local memory; CUDA_ERROR_OUT_OF_MEMORY from the driver API)
+# Not matched: CUDNN_STATUS_NOT_SUPPORTED (a shape or algorithm, not memory), "too many resources requested
+# for launch" (registers or shared memory per block: the same launch fails again at any batch size), Triton's
+# "out of resource: shared memory", the host's "DefaultCPUAllocator: can't allocate memory", "out of memory" in a
+# message that names no CUDA (or HIP) error (a layer's own).
+_OOM_MESSAGE = re.compile(r"\b(?:CUDA|HIP)\b[^\n]*\bout of memory|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY"
+                          r"|\b(?:CUBLAS|CUBLASLT|CUSOLVER|CUSPARSE|CURAND)_STATUS_ALLOC_FAILED|\bCUFFT_ALLOC_FAILED"
+                          r"|\bCUDNN_STATUS_(?:ALLOC_FAILED|INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED)", re.IGNORECASE)
+# CUDA errors after which the context is unusable ("sticky"): every later CUDA call of the process fails with
+# the same error, so nothing in the process can recover the device; a kernel's fault may surface at any later call
+_STICKY_MESSAGE = re.compile(r"an illegal memory access was encountered|unspecified launch failure"
+                             r"|device-side assert triggered|misaligned address|an illegal instruction was encountered"
+                             r"|invalid program counter|hardware stack error|the launch timed out and was terminated"
+                             r"|uncorrectable ECC error encountered|cudaErrorIllegalAddress|cudaErrorLaunchFailure"
+                             r"|CUDA_ERROR_ILLEGAL_ADDRESS|CUDA_ERROR_LAUNCH_FAILED")
+
+
+def out_of_device_memory(e: BaseException | None) -> bool:
+    """Whether e says a device ran out of memory: torch.OutOfMemoryError, or a RuntimeError whose message is
+    one of a library's or the CUDA runtime's allocation failures (_OOM_MESSAGE).  Everything in the engine
+    that reacts to an out-of-memory error asks this, so all of them get the same handling."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and not sticky_device_error(e) and bool(_OOM_MESSAGE.search(str(e)))
+
+
+def sticky_device_error(e: BaseException | None) -> bool:
+    """Whether e is a CUDA error that leaves the process's CUDA context unusable (_STICKY_MESSAGE)."""
+    return isinstance(e, RuntimeError) and bool(_STICKY_MESSAGE.search(str(e)))
+
+
+def _oom_note(w: Worker, task: StageTask | None, predicted: int | None, ranks: tuple[int, int] | None) -> str:
+    """ranks: (rank, world) when the failed call was a training call of a data-parallel group of several."""
     where = (f"in {stage_words(task)}, {_microbatch(w, task)}" if task is not None
              else "after its stages (its copies and gradient landings)")
     pred = (f"the plan's predicted peak for this worker is {predicted:,} bytes" if predicted
             else "no predicted peak (a fixed plan and no device_memory cap)")
     cap = (f"its device_memory cap is {w.device_cap:,} bytes" if w.device_cap is not None
            else "it has no device_memory cap (the device's own limit)")
-    return (f"[roundpipe] out of device memory on worker {w.name} {where}; {pred}, {cap}.  The call had no effect "
-            "and what the stage held on the worker was released: the model stays usable; retry with a smaller batch, "
-            "more microbatches (num_microbatches=) or a plan with smaller stages")
+    head = f"[roundpipe] out of device memory on worker {w.name} {where}; {pred}, {cap}."
+    smaller = "a smaller batch, more microbatches (num_microbatches=) or a plan with smaller stages"
+    if ranks is not None:
+        rank, world = ranks
+        return (f"{head}  The call had no effect on this rank, rank {rank} of the {world} of its process group, "
+                "and the other ranks went on unless they failed too: a retry on this rank alone would pair its "
+                "collectives with different calls of theirs, so this rank refuses every collective call from now "
+                "on.  Let the error end every rank and restart them all from the last checkpoint with " + smaller)
+    return (f"{head}  The call had no effect and what the stage held on the worker was released: the model stays "
+            "usable; retry with " + smaller)
+
+
+def _sticky_note(w: Worker, task: StageTask | None) -> str:
+    where = f"in {stage_words(task)}, {_microbatch(w, task)}" if task is not None else "after its stages"
+    return (f"[roundpipe] CUDA error on worker {w.name} {where} that leaves the process's CUDA context unusable: "
+            "every later CUDA call of this process fails the same way, and since kernels run asynchronously the "
+            "faulty kernel may be an earlier one (CUDA_LAUNCH_BLOCKING=1 reports it where it is launched).  Do "
+            "not retry: restart the process (every rank, with data parallelism) from the last checkpoint")
 
 
 def _release_frames(e: BaseException) -> None:
@@ -202,7 +270,12 @@ class Watchdog:
     """Raises RoundPipeStalled in a waiting caller when the engine stalls (EngineConfig.stall_timeout).
 
     Progress is a worker's (Worker.progress_at): a stage began or ended, a compute span or a
-    microbatch ended, a download landed.  A caller's wait polls `check`: when none of the workers
+    microbatch ended, a download landed.  On a GPU a compute span or microbatch counts once the
+    device did it, not when it was issued (Worker.poll_progress, polled here before each judgement):
+    a worker whose queued GPU work keeps completing is never stalled, however long its thread
+    waits for that work; one whose queued work completes nothing for `timeout` is.  So the
+    timeout must exceed the longest compute span's GPU time (a stage-microbatch's forward, loss
+    or backward; a layer's at layer grain), not a whole stage's.  A caller's wait polls `check`: when none of the workers
     still busy with a live call progressed for `timeout` seconds (since the wait began at the
     earliest), every live call is aborted, the workers that are not stuck get a moment to stop,
     and the calls are given up: ended without effect as a failed call is (their `on_end` runs on
@@ -214,6 +287,8 @@ class Watchdog:
     def __init__(self, workers: list[Worker], timeout: float | None):
         self.workers = {w.name: w for w in workers}
         self.timeout = timeout
+        for w in workers:   # GPU workers queue fences of their compute for `check` to poll (none when off)
+            w.track_progress = timeout is not None
         self.tripped: RoundPipeStalled | None = None
         self._live: list[CallRun] = []   # calls started and not ended
         self._lock = threading.Lock()
@@ -238,6 +313,8 @@ class Watchdog:
         busy = sorted({name for r in runs for name in r.busy_names()})
         if not busy:
             return
+        for n in busy:
+            self.workers[n].poll_progress()   # device work done since the last check counts now
         idle = time.monotonic() - max([since] + [self.workers[n].progress_at for n in busy])
         if idle >= self.timeout:
             self._trip(run, runs, busy, idle)
@@ -412,9 +489,11 @@ class CallRun:
 class Dispatcher:
     """Owns the rotation g0 and runs each call's schedule on the workers."""
 
-    def __init__(self, workers: list[Worker], stall_timeout: float | None = None, layer_grain: bool = False):
+    def __init__(self, workers: list[Worker], stall_timeout: float | None = None, layer_grain: bool = False,
+                 ranks: tuple[int, int] | None = None):
         self.workers = workers
         self.layer_grain = layer_grain   # RoundPipe(recompute="layer")
+        self.ranks = ranks   # (rank, world) of a data-parallel group of several processes, else None
         self.g0 = 0
         self._schedules: dict[tuple, Schedule] = {}
         self.watchdog = Watchdog(workers, stall_timeout)
@@ -445,7 +524,7 @@ class Dispatcher:
         submitted = 0
         try:
             for w in self.workers:
-                w.submit(self._work_fn(ctx, w, sched.tasks[w.name], run, sched.predicted.get(w.name)))
+                w.submit(self._work_fn(ctx, w, sched.tasks[w.name], run, sched.predicted.get(w.name), self.ranks))
                 submitted += 1
         except BaseException:
             ctx.board.abort()   # Ctrl-C while handing out work: stop the workers that got it
@@ -472,8 +551,9 @@ class Dispatcher:
 
     @staticmethod
     def _work_fn(ctx: CallContext, w: Worker, tasks: list[StageTask], run: CallRun,
-                 predicted: int | None) -> Callable[[], None]:
-        """Worker w's part of the call; `predicted`: its predicted peak device bytes (for an out-of-memory note)."""
+                 predicted: int | None, ranks: tuple[int, int] | None = None) -> Callable[[], None]:
+        """Worker w's part of the call; `predicted`: its predicted peak device bytes, `ranks`: the data-parallel
+        (rank, world) (both for an out-of-memory note)."""
         def work() -> None:
             pre = task = None
             try:
@@ -488,9 +568,12 @@ class Dispatcher:
             except Aborted:
                 pass
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller by Dispatcher.wait
-                if isinstance(e, torch.OutOfMemoryError):
-                    e.add_note(_oom_note(w, task, predicted))
+                if out_of_device_memory(e):
+                    training = ctx.call is not None and ctx.call.training
+                    e.add_note(_oom_note(w, task, predicted, ranks if training else None))
                     _release_frames(e)   # the failed stage's tensors die now, not with the exception
+                elif sticky_device_error(e):
+                    e.add_note(_sticky_note(w, task))
                 run.fail(e)
                 ctx.board.abort()
             finally:
