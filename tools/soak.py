@@ -5,8 +5,9 @@
     python tools/soak.py --seed 10042 --cases 1 --kinds bf16      # replays one case
     python tools/soak.py --cases 20 --kinds dp2                   # 2 data-parallel ranks (one launch per 10)
 
-Case seed s runs kind kinds[s % len(kinds)]; a failure prints the case (seed, kind, every operation), the
-error and the command that replays it.  A hang fails its case after the watchdog with every thread's
+Case seed s runs kind kinds[s % len(kinds)], its CPU workers under the strict device model seeded with s
+(roundpipe/workers/strict.py; `--device-model fast` for the fast one); a failure prints the case (seed, kind,
+every operation), the error and the command that replays it.  A hang fails its case after the watchdog with every thread's
 stack; its threads are left behind and the run goes on.  Exit status 1 if any case failed.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "
 import pytest  # noqa: E402 - after the tests/ folder is importable
 import soak  # noqa: E402
 
+from roundpipe.workers import strict  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -32,7 +35,10 @@ def main() -> int:
     ap.add_argument("--kinds", default=",".join(soak.KINDS + ("dp2",)),
                     help=f"comma-separated model kinds among {soak.KINDS + ('dp2',)}")
     ap.add_argument("--timeout", type=float, default=soak.CASE_TIMEOUT_S, help="the watchdog, seconds per case")
+    ap.add_argument("--device-model", choices=strict.MODES, default="strict",
+                    help="how CPU workers model a device (default: strict, seeded with each case's seed)")
     args = ap.parse_args()
+    os.environ[strict.ENV] = args.device_model   # the dp2 ranks, started as processes, follow it too
     kinds = args.kinds.split(",")
     for k in kinds:
         if k not in soak.KINDS + ("dp2",):
@@ -45,7 +51,8 @@ def main() -> int:
     def report(s, kind, error):
         case = soak.draw_case(s, kind)
         failures.append((s, kind, error))
-        print(f"FAIL {case.describe()}\n{error}\n  replay: python tools/soak.py --seed {s} --cases 1 --kinds {kind}\n",
+        print(f"FAIL {case.describe()}\n{error}\n  replay: python tools/soak.py --seed {s} --cases 1 --kinds {kind} "
+              f"--device-model {args.device_model}\n",
               flush=True)
 
     def run_dp():
@@ -69,7 +76,8 @@ def main() -> int:
             counts[kind] = counts.get(kind, 0) + 1
             case = soak.draw_case(seed, kind)
             try:
-                soak.run_with_watchdog(lambda: soak.check_case(case), args.timeout)
+                with strict.model(strict.DeviceModel(args.device_model, seed=seed)):
+                    soak.run_with_watchdog(lambda: soak.check_case(case), args.timeout)
             except (Exception, pytest.fail.Exception):  # noqa: BLE001 - reported, the soak goes on
                 report(seed, kind, traceback.format_exc()[-6000:])
         seed += 1

@@ -375,6 +375,7 @@ def test_frozen_parameters_get_no_gradient():
                 assert max_rel_err(p.grad, q.grad) <= 1e-5
 
 
+@pytest.mark.fast_device   # the strict device model adds four copy-queue threads per CPU worker
 def test_dropped_model_stops_its_threads():
     """A model garbage-collected without close() lets its worker and host threads exit."""
     import gc
