@@ -168,6 +168,7 @@ class Worker(ABC):
         self.stage_mbs_done = 0       # microbatches of that stage finished
         self.computing: Hashable | None = None   # the key of the compute span running, if any
         self.stalled = False          # given up by the watchdog: takes no more work, close() does not join it
+        self._stager = None           # the host copy engine staging pageable uploads (`_stage_pageable`)
         # set by the watchdog when it is on: progress is device work done (module docstring), and the
         # fences of work issued queue here, appended by this worker's thread, polled by a waiting caller
         self.track_progress = False
@@ -305,6 +306,14 @@ class Worker(ABC):
     # they compete with compute for the same cores; tests switch it on to run those paths.
     prefetches: bool = False
 
+    # True when an upload whose source is outside the pinned arena (a base mapped from its files:
+    # roundpipe/hf/mapped.py) is staged through an arena block first (`upload_params`).  A CUDA copy from
+    # pageable memory is staged by the driver and returns when it is done: issued in a window behind the
+    # next microbatch's input upload, under the transfers' lock, it held the worker's thread before m's
+    # compute was issued, so upload and compute ran one after the other (issue 51, item 3).  A CPU worker
+    # copies any memory alike, except under the strict device model, which models that hazard.
+    stages_pageable: bool = False
+
     # True when a download whose copies have already completed may run its callback on the
     # worker thread instead of the completion thread.  A CPU worker copying small tensors
     # inline saves a thread hop per stage: 0.4-3 ms per call of 42 stage runs on the 2-core
@@ -371,7 +380,28 @@ class Worker(ABC):
                 if have is None or have[i][j] is None:
                     flat_dev.append(dev[i][j])
                     flat_host.append(u)
-        return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows, self._alloc_fences(), urgent))
+        after = self._alloc_fences()
+        if self.stages_pageable:
+            flat_host, staging = self._stage_pageable(flat_host)
+            after += staging
+        return Upload(dev, self.copies.bulk("param_up", flat_dev, flat_host, windows, after, urgent))
+
+    def _stage_pageable(self, host: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        """Sources outside the pinned arena copied into arena blocks by a host copy engine's own thread (memcpy
+        from the page cache), started now, when the stage's upload is issued; the upload's windows wait for it
+        (`stages_pageable`).  Returns the sources to upload from and the staging's fence."""
+        idx = [k for k, u in enumerate(host) if not self.host_owns(u)]
+        if not idx or not self.copies.native:
+            return host, []
+        if self._stager is None:
+            from roundpipe.offload import CopyEngine
+            self._stager = CopyEngine("cpu")
+        host = list(host)
+        srcs = [host[k].contiguous() for k in idx]
+        for k, s in zip(idx, srcs):
+            host[k] = self.host_alloc(s.shape, s.dtype)
+        fence = self._stager.copy_many("param_up", [host[k] for k in idx], srcs)
+        return host, [fence]
 
     def params_ready(self, up: Upload) -> list[list[torch.Tensor]]:
         """The uploaded weights, once compute has waited for them."""

@@ -96,7 +96,8 @@ class CpuWorker(Worker):
         self.strict = config is not None and self.copies.native
         if self.strict:   # the strict device model (strict.py): every copy late, on its queue's thread
             self.copies.inline_bytes = 0
-            self.copies.strict = strict.StrictQueues(config, name, self._where)
+            self.copies.strict = strict.StrictQueues(config, name, self._where, self.host_owns)
+            self.stages_pageable = True   # as a CUDA worker does (Worker.upload_params)
 
     def _where(self) -> str:
         """The issuer of a copy, for the strict model's errors: worker, stage and microbatch."""

@@ -62,6 +62,7 @@ class CudaWorker(Worker):
         self._anchor: tuple[torch.cuda.Event, float] | None = None
 
     prefetches = True
+    stages_pageable = True   # a copy from pageable memory would hold this thread (Worker.stages_pageable)
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:

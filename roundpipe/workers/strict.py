@@ -20,6 +20,9 @@ on keep to that promise and no more:
     a read of a copy's destination before the     the destination is filled with 0xFF bytes (NaN in
     copy's event                                  every float dtype) when the copy's fences are done,
                                                   and stays so for the copy's delay
+    a copy from pageable host memory is staged    a copy whose host side the worker's pinned arena does
+    by the driver, synchronous with the issuer    not own fails at once (PageableCopyError): uploads of a
+                                                  mapped base go through pinned staging (base.py)
     fresh device or pinned memory holds garbage   CPU workers' device buffers and download staging
                                                   buffers are born 0xFF-filled
 
@@ -61,6 +64,10 @@ ROLES = {"act_up": "stage input upload (act_up)", "act_down": "stage output down
 
 class CopyRaceError(RuntimeError):
     """A copy's source was written by compute that no fence ordered after the copy."""
+
+
+class PageableCopyError(RuntimeError):
+    """An asynchronous copy was given host memory outside the pinned arena (on a GPU: a synchronous copy)."""
 
 
 @dataclass(frozen=True)
@@ -132,8 +139,9 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 class StrictQueues:
     """A CPU worker's four copy queues under the strict model: one thread each, copies in order, late."""
 
-    def __init__(self, config: DeviceModel, name: str, describe: Callable[[], str]):
-        self.config, self.name, self.describe = config, name, describe
+    def __init__(self, config: DeviceModel, name: str, describe: Callable[[], str],
+                 owns: Callable[[torch.Tensor], bool]):
+        self.config, self.name, self.describe, self.owns = config, name, describe, owns
         self._queues: dict[str, tuple[SerialExecutor, random.Random, threading.Lock]] = {}
         for q in ROLES:
             rng = random.Random(zlib.crc32(f"{config.seed}/{name}/{q}".encode()))
@@ -145,6 +153,12 @@ class StrictQueues:
     def submit(self, queue: str, dsts: list, srcs: list, after: list):
         """Queues dsts[i] <- srcs[i] behind `after`; returns the fence it completes (or fails) with."""
         executor, rng, lock = self._queues[queue]
+        for i, h in enumerate(srcs if queue in ("act_up", "param_up") else dsts):
+            if not self.owns(h):
+                raise PageableCopyError(
+                    f"strict device model: the {ROLES[queue]} issued by {self.describe()} has host tensor {i} "
+                    f"(shape {tuple(h.shape)}, {h.dtype}) outside the pinned arena; on a GPU the copy would be "
+                    "synchronous with the issuing thread: stage it through an arena block first")
         fence = _native.lib.HostFence()
         versions = [s._version for s in srcs]
         where = self.describe()
