@@ -1,5 +1,5 @@
 """rp.hf.from_pretrained(base_in_ram=False): a LoRA base left in its safetensors files trains bitwise as in RAM,
-with the process's anonymous memory growing by under a third of the base (the base only in the page cache)."""
+with the process's anonymous memory growing by under half the base (the base only in the page cache)."""
 import json
 import os
 import subprocess
@@ -104,8 +104,11 @@ def finish(proc: subprocess.Popen) -> int:
     return json.loads(stdout.strip().splitlines()[-1])["growth"]
 
 
-def test_base_in_files_trains_bitwise_with_a_third_of_the_memory(base_dir, tiny_dir, tmp_path):
-    """Base in its files: anonymous memory grows by < base/3 (in RAM: > base), LoRA weights bitwise equal."""
+def test_base_in_files_trains_bitwise_without_the_base_in_anonymous_memory(base_dir, tiny_dir, tmp_path):
+    """Base in its files: anonymous memory grows by < base/2 and by over base/2 less than in RAM (in RAM: > base);
+    LoRA weights bitwise equal.  The mapped run's growth is mostly not the base's: 12.5 MB + 0.18 bytes per base
+    byte (27-29 MB of this 79 MB base; 19.8 MB with half the layers, 2-core VM, the code of 10a5e04 alike), which
+    is why the bound is not a third, as it was when that was 1-3 MB under it."""
     size = base_bytes(base_dir)
     assert size > 70e6
     # the two runs side by side: each process samples only its own anonymous memory, and most of a run is its
@@ -117,7 +120,7 @@ def test_base_in_files_trains_bitwise_with_a_third_of_the_memory(base_dir, tiny_
     finally:
         for run in runs:   # the other one too when one failed
             run.kill()
-    assert mapped < size / 3, (mapped, size)
+    assert mapped < size / 2 and in_ram - mapped > size / 2, (mapped, in_ram, size)
     assert in_ram > size, (in_ram, size)
     a, b = torch.load(tmp_path / "mapped.pt"), torch.load(tmp_path / "in_ram.pt")
     assert sorted(a) == sorted(b) and len(a) == 24 * 3 * 2
