@@ -119,7 +119,15 @@ class CpuWorker(Worker):
 
     def _empty(self, shape: torch.Size, dtype: torch.dtype, queue: str) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype)
-        return strict.poison(t) if self.strict else t   # fresh device memory holds garbage
+        if self.strict:   # fresh device memory holds garbage; the copy filling it is its queue's (CudaWorker._empty)
+            strict.record(t, queue)
+            strict.poison(t)
+        return t
+
+    def _read_by_copy(self, tensors, queue: str) -> None:
+        if self.strict:   # where a CUDA worker calls record_stream (strict.py: StreamUseError)
+            for t in tensors:
+                strict.record(t, queue)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         h = super()._to_host(t)

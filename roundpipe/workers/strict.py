@@ -23,15 +23,19 @@ on keep to that promise and no more:
     a copy from pageable host memory is staged    a copy whose host side the worker's pinned arena does
     by the driver, synchronous with the issuer    not own fails at once (PageableCopyError): uploads of a
                                                   mapped base go through pinned staging (base.py)
+    the caching allocator reuses a block once the  a copy whose device tensor was not marked for its queue
+    stream that allocated it is done with it,      (`Worker._empty(queue)`, `_read_by_copy`: where a CUDA
+    unless `record_stream` names the copy stream   worker calls record_stream) fails at once
+                                                  (StreamUseError)
     fresh device or pinned memory holds garbage   CPU workers' device buffers and download staging
                                                   buffers are born 0xFF-filled
 
 What it cannot show (docs/architecture.md, "The device model"): a write through a raw pointer
 (the native optimizer's P-copy) does not move a version counter, so only the copies' own ordering
-tests catch it, as wrong numbers; a caching allocator that reuses a block while a side stream
-still reads it (a missing `record_stream`): a CPU worker's copies keep their tensors alive until
-they completed; released blocks are not poisoned, since a Python reference to a freed storage
-cannot exist.  Only CPU workers follow the model; a CUDA worker is the real thing.
+tests catch it, as wrong numbers; an actual reuse of a released block (a CPU worker's copies keep
+their tensors alive until they completed and a Python reference to a freed storage cannot exist, so
+released blocks are not poisoned: the marking that prevents the reuse on a GPU is checked instead).
+Only CPU workers follow the model; a CUDA worker is the real thing.
 
 The copies themselves are raw memcpy (`_native.lib.copy_many`): a torch `copy_` would move the
 destination's version counter and make a later copy reading it (an upload from a landed
@@ -68,6 +72,23 @@ class CopyRaceError(RuntimeError):
 
 class PageableCopyError(RuntimeError):
     """An asynchronous copy was given host memory outside the pinned arena (on a GPU: a synchronous copy)."""
+
+
+class StreamUseError(RuntimeError):
+    """A copy reads or writes a device tensor that was never marked for its queue (a missing record_stream)."""
+
+
+_STREAMS = "_roundpipe_streams"   # on a storage object (kept while the storage lives): the queues marked
+
+
+def record(t: torch.Tensor, queue: str) -> None:
+    """Marks t's storage as used by `queue`, as `Tensor.record_stream` marks a CUDA block for a stream."""
+    storage = t.untyped_storage()
+    marked = getattr(storage, _STREAMS, None)
+    if marked is None:
+        setattr(storage, _STREAMS, {queue})
+    else:
+        marked.add(queue)
 
 
 @dataclass(frozen=True)
@@ -159,6 +180,12 @@ class StrictQueues:
                     f"strict device model: the {ROLES[queue]} issued by {self.describe()} has host tensor {i} "
                     f"(shape {tuple(h.shape)}, {h.dtype}) outside the pinned arena; on a GPU the copy would be "
                     "synchronous with the issuing thread: stage it through an arena block first")
+        for i, d in enumerate(dsts if queue in ("act_up", "param_up") else srcs):
+            if queue not in getattr(d.untyped_storage(), _STREAMS, ()):
+                raise StreamUseError(
+                    f"strict device model: the {ROLES[queue]} issued by {self.describe()} uses device tensor {i} "
+                    f"(shape {tuple(d.shape)}, {d.dtype}) not marked for its queue; on a GPU the caching allocator "
+                    "could hand its block out again while the copy still runs (mark it: Worker._read_by_copy)")
         fence = _native.lib.HostFence()
         versions = [s._version for s in srcs]
         where = self.describe()

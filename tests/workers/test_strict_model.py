@@ -85,3 +85,14 @@ def test_settings_are_checked(monkeypatch):
         strict.DeviceModel("loose")
     with pytest.raises(ValueError, match="max_delay_s=2"):
         strict.DeviceModel(max_delay_s=2)
+
+
+def test_a_copy_of_a_device_tensor_not_marked_for_its_queue_fails(late_worker):
+    """A download of a device tensor the worker never marked for the download queue (a CUDA worker's missing
+    record_stream: the allocator could reuse its block mid-copy) fails at once; marked, it goes."""
+    src, host = torch.ones(16), late_worker._to_host(torch.ones(16))
+    with pytest.raises(strict.StreamUseError, match=r"gradient or buffer download.*not marked for its queue"):
+        late_worker.copies.bulk("grad_down", [host], [src], 1)
+    late_worker._read_by_copy([src], "grad_down")
+    late_worker.copies.wait(late_worker.copies.bulk("grad_down", [host], [src], 1))
+    assert torch.equal(host, src)
