@@ -196,8 +196,9 @@ def layer_costs(layers: list[nn.Module], seq_len: int, dtype: torch.dtype, atten
     receives each layer's attention bytes."""
     from roundpipe.engine.dry_run import RATES, dry_run_costs
 
+    # head="loss": the head hands (normed hidden, weight) to the loss, as in forward_backward (hf/layers.py)
     sample = ((), {"input_ids": torch.zeros(1, seq_len, dtype=torch.long), "attention_mask": None,
-                   "position_ids": None})
+                   "position_ids": None, "head": "loss"})
     mode = _AttentionBytes()
     with mode:
         costs = dry_run_costs(layers, sample, dtype, RATES["cuda"], "meta")

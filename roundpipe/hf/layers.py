@@ -4,12 +4,13 @@ Each holds the HF model's own submodules (the same parameters, so the host maste
 model's weights and `named_parameters()` keeps HF names).  What travels between layers, per
 microbatch of b sequences of T tokens with hidden size H:
 
-    Embed    (input_ids [b, T], attention_mask [b, T] or None, position_ids [b|1, T] or None)
-             -> Activation(hidden [b, T, H], masks, position_ids [b|1, T], cos, sin)
+    Embed    (input_ids [b, T], attention_mask [b, T] or None, position_ids [b|1, T] or None, head, adapters)
+             -> Activation(hidden [b, T, H], masks, position_ids [b|1, T], cos, sin, ..., head, adapters)
     Decoder  Activation -> Activation (hidden replaced)
-    Head     Activation -> logits [b, T, V]                 (no autograd: forward-only calls)
-                        -> (normed hidden [b, T, H], W)     (autograd: the fused tail's loss_fn)
-                        -> (normed hidden, W, coef * aux)   (autograd, with the router loss on)
+    Head     Activation -> logits [b, T, V]                 (head="logits", or no autograd: model(...) calls)
+                        -> (normed hidden [b, T, H], W)     (head="loss", autograd: the fused tail's loss_fn)
+                        -> (normed hidden, W, coef * aux)   (the same, with the router loss on)
+                        -> (logits, None[, coef * aux])     (head="loss+logits", or a head the loss cannot fuse)
 
 `masks` maps an attention type ("full_attention", "sliding_attention") to the mask the HF model
 builds for this microbatch with its own mask functions (None where attention is plainly causal);
@@ -33,10 +34,23 @@ memory bandwidth, so the recompute rebuilds it, a mask with HF's causal-skip che
 shown the mask is needed: the same mask, and no sync).  A mask HF left out (None) is kept at no cost.
 Position ids are the call's own or an arange: nothing to keep.
 
-The head returns its weight rather than logits under autograd so that the loss runs through
-`roundpipe.kernels.linear_cross_entropy` and never materialises the [b, T, V] logits; the
-engine runs the last layer only in the fused tail stage (forward, loss and backward back to back)
-when training, and with autograd off in forward-only calls, which get logits.
+`head` says what the call wants of the Head (`HEAD_FORMS`), and it travels with the activation because only
+the call knows: forward_backward asks for "loss", so that the Head returns its weight rather than logits and
+the loss runs through `roundpipe.kernels.linear_cross_entropy` without materialising the [b, T, V] logits
+(or "loss+logits" when the caller wants the logits back, return_outputs=True); every other call gets the
+head's own output, logits, with autograd or without.  A composed call (`model(...)` under autograd, a
+backward through its logits later: roundpipe/engine/calls/composed.py) runs its backward as a training call
+seeded with the logits' gradient, so its Head must give logits there too, which a rule read from
+`torch.is_grad_enabled()` alone could not tell apart from forward_backward's (issue 52: the seed [b, T, V]
+met (hidden [b, T, H], W)).
+
+`adapters` is the PEFT adapter state of the call (`AdapterState`: disabled or not, the active adapters),
+read from the user's model when the call starts (`adapter_state`).  The workers run replicas, deep copies
+made once when wrapping (roundpipe/engine/calls/replica.py), so `with peft_model.disable_adapter():` or
+`set_adapter()` on the user's model would not reach them; each layer sets its replica's PEFT modules to the
+state its input carries before it runs (`set_adapters`).  Carried rather than read from the model when a
+layer runs: a training call's last backward stages run on after it returned, and their recompute must use
+the state of their own call, not of the one the caller has started since.
 """
 from __future__ import annotations
 
@@ -58,6 +72,70 @@ from roundpipe.hf.presets import Router
 KEEP_BYTES = 256 << 10
 _REBUILD = "rebuild"   # what the forward keeps in place of a tensor the recompute rebuilds
 
+# What a call wants of the Head (module docstring): its logits; the fused loss's inputs; the loss's inputs as logits
+LOGITS, LOSS, LOSS_LOGITS = "logits", "loss", "loss+logits"
+HEAD_FORMS = (LOGITS, LOSS, LOSS_LOGITS)
+
+
+class AdapterState(NamedTuple):
+    """PEFT's switches for one call, model-wide: every adapter off (disable_adapter()), and the active adapters."""
+
+    disabled: bool
+    active: tuple[str, ...]
+
+
+def is_tuner(module: nn.Module) -> bool:
+    """Whether the module is one of PEFT's adapter-holding modules (a LoRA layer, a modules_to_save wrapper):
+    those keep the switches `disable_adapter()` and `set_adapter()` flip (peft's BaseTunerLayer and
+    AuxiliaryTrainingWrapper; duck-typed, so that nothing imports peft)."""
+    return hasattr(module, "_disable_adapters") and hasattr(module, "_active_adapter")
+
+
+def _state_of(module: nn.Module) -> AdapterState:
+    active = module._active_adapter
+    return AdapterState(bool(module._disable_adapters), (active,) if isinstance(active, str) else tuple(active))
+
+
+def adapter_state(tuners: list[tuple[str, nn.Module]]) -> AdapterState | None:
+    """The call's AdapterState from the user's model's PEFT modules (name, module), None without any.
+
+    PEFT's own switches set every module alike; modules set apart by hand are a ValueError, since a call
+    carries one state for the whole model."""
+    if not tuners:
+        return None
+    first_name, first = tuners[0]
+    state = _state_of(first)
+    for name, module in tuners[1:]:
+        other = _state_of(module)
+        if other != state:
+            raise ValueError(f"the PEFT modules of the wrapped model are set apart: {first_name} has adapters "
+                             f"{'disabled' if state.disabled else 'enabled'}, active {list(state.active)}, {name} "
+                             f"{'disabled' if other.disabled else 'enabled'}, active {list(other.active)}; the workers "
+                             "run every module with one state: switch them together with the PEFT model's "
+                             "disable_adapter() / set_adapter()")
+    return state
+
+
+def set_adapters(layer: nn.Module, state: AdapterState | None) -> None:
+    """Sets the PEFT modules of `layer` (a worker's replica: Embed, Decoder or Head, whose `tuner_names` name
+    them) to the call's state, unless they hold it already (`adapters_set`: what this replica was set to last).
+    Set directly: PEFT's enable_adapters() would also flip requires_grad, which the engine binds per call from
+    the user's model."""
+    if state is None or state == layer.adapters_set:
+        return
+    for name in layer.tuner_names:
+        module = layer.get_submodule(name)
+        module._disable_adapters = state.disabled
+        current = module._active_adapter
+        module._active_adapter = state.active[0] if isinstance(current, str) and len(state.active) == 1 \
+            else list(state.active)
+    layer.adapters_set = state
+
+
+def _tuner_names(layer: nn.Module) -> list[str]:
+    """The PEFT modules of a layer, by name: a replica (a deep copy) finds its own."""
+    return [n for n, m in layer.named_modules() if is_tuner(m)]
+
 
 class Activation(NamedTuple):
     hidden: torch.Tensor
@@ -67,6 +145,8 @@ class Activation(NamedTuple):
     sin: torch.Tensor | None
     attention_mask: torch.Tensor | None = None   # [b, T], carried only for the router loss
     router: RouterStats | None = None
+    head: str = LOGITS                  # what the call wants of the Head (HEAD_FORMS)
+    adapters: AdapterState | None = None   # the call's PEFT adapter state (None: no PEFT module)
 
 
 def _mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids) -> dict:
@@ -93,6 +173,8 @@ class Embed(nn.Module):
         self.config = config
         self.attention_types = sorted(set(attention_types))
         self.router = router
+        self.tuner_names = _tuner_names(self)   # LoRA on the embedding
+        self.adapters_set: AdapterState | None = None
 
     def _masks(self, embeds: torch.Tensor, attention_mask, position_ids, kept: dict | None = None) -> dict:
         """The microbatch's mask per attention type; kept: the forward's (a recompute), _REBUILD where too large."""
@@ -115,7 +197,11 @@ class Embed(nn.Module):
         return out
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> Activation:
+                position_ids: torch.Tensor | None = None, head: str = LOGITS,
+                adapters: AdapterState | None = None) -> Activation:
+        if head not in HEAD_FORMS:
+            raise ValueError(f"head={head!r} must be one of {HEAD_FORMS}")
+        set_adapters(self, adapters)
         hidden = self.embed_tokens(input_ids)
         given = position_ids
         if position_ids is None:   # as the HF model does without a cache: 0..T-1 whatever the padding
@@ -134,10 +220,10 @@ class Embed(nn.Module):
         if kept is None:   # a no-op unless a backward stage recomputes this run
             rotary = (cos, sin) if all(_keepable(t) is t for t in (cos, sin)) else _REBUILD
             save_for_recompute({k: _keepable(v) for k, v in masks.items()}, rotary)
-        if self.router is None:
-            return Activation(hidden, masks, position_ids, cos, sin)
+        if self.router is None or head == LOGITS:   # the router loss is summed for a loss only
+            return Activation(hidden, masks, position_ids, cos, sin, head=head, adapters=adapters)
         stats = empty_router_stats(self.router.num_experts, hidden.device)
-        return Activation(hidden, masks, position_ids, cos, sin, attention_mask, stats)
+        return Activation(hidden, masks, position_ids, cos, sin, attention_mask, stats, head, adapters)
 
 
 def _keepable(value):
@@ -164,9 +250,12 @@ class Decoder(nn.Module):
         # by name: a replica (a deep copy of this layer) finds its own router modules
         self.router_names = [] if router is None else \
             [n for n, m in layer.named_modules() if isinstance(m, router.classes)]
+        self.tuner_names = _tuner_names(self)
+        self.adapters_set: AdapterState | None = None
 
     def forward(self, x: Activation) -> Activation:
         x = Activation(*x)
+        set_adapters(self, x.adapters)
         kwargs: dict[str, Any] = {"attention_mask": detached(x.masks[self.attention_type]),
                                   "position_ids": x.position_ids}
         if x.cos is not None:
@@ -199,11 +288,11 @@ def fusable_head(lm_head: nn.Module) -> bool:
 
 
 class Head(nn.Module):
-    """Final norm + LM head: logits without autograd, (normed hidden, head weight) with it.
+    """Final norm + LM head: logits, or for a loss under autograd (head="loss") (normed hidden, head weight).
 
-    A head the fused loss cannot read (a bias, a LoRA-wrapped head) gives (logits, None) under
-    autograd instead; the loss then takes the cross-entropy of those logits.  With the router loss
-    on, a third element: coef * the microbatch's load-balancing loss (loss.py)."""
+    A head the fused loss cannot read (a bias, a LoRA-wrapped head), and head="loss+logits", give
+    (logits, None) for the loss instead; the loss then takes the cross-entropy of those logits.  With the
+    router loss on, a third element: coef * the microbatch's load-balancing loss (loss.py)."""
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, router: Router | None = None):
         super().__init__()
@@ -211,13 +300,16 @@ class Head(nn.Module):
         self.lm_head = lm_head
         self.fused = fusable_head(lm_head)
         self.router = router
+        self.tuner_names = _tuner_names(self)
+        self.adapters_set: AdapterState | None = None
 
     def forward(self, x: Activation):
         x = Activation(*x)
+        set_adapters(self, x.adapters)
         h = self.norm(x.hidden)
-        if not torch.is_grad_enabled():
+        if x.head == LOGITS or not torch.is_grad_enabled():
             return self.lm_head(h)
-        out = (h, self.lm_head.weight) if self.fused else (self.lm_head(h), None)
+        out = (h, self.lm_head.weight) if self.fused and x.head == LOSS else (self.lm_head(h), None)
         if self.router is None or x.router is None:
             return out
         return (*out, load_balancing_loss(RouterStats(*x.router)) * self.router.coef)

@@ -11,12 +11,19 @@ layer (roundpipe/hf/layers.py) that hold the HF model's own modules, so the host
 the HF model's parameters: `named_parameters()`, `state_dict()` and `save_pretrained()` are the
 HF model's.  Training runs the engine with `loss_reduction="sum"` and HF's token-weighted loss
 (roundpipe/hf/loss.py); the LM head's loss goes through the fused linear + cross-entropy.
+
+Each call tells the layers what it wants of the head (logits, or the fused loss's inputs) and which PEFT
+adapters are on, read from the HF model when it starts; both travel with the activation
+(roundpipe/hf/layers.py), so `with model.disable_adapter():` and a backward through `model(...)`'s logits
+reach the workers' replicas.  Per call, forward_backward and `model(...)` take RoundPipe's options
+(num_microbatches, recompute; return_outputs: the logits beside the loss).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -24,7 +31,7 @@ from torch import nn
 from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig
 from roundpipe.engine.model import RoundPipe
 from roundpipe.engine.step.host_state import FILE_BACKED
-from roundpipe.hf.layers import Decoder, Embed, Head
+from roundpipe.hf.layers import LOGITS, LOSS, LOSS_LOGITS, Decoder, Embed, Head, adapter_state, is_tuner
 from roundpipe.hf.loss import TokenLoss, count_items, shift_labels
 from roundpipe.hf.mapped import load_mapped
 from roundpipe.hf.presets import PRESETS, causal_lm, find_parts
@@ -164,6 +171,8 @@ class HFRoundPipe(RoundPipe):
         checkpointing_off(hf_model)
         layers = cut_layers(hf_model, quant)
         self.hf_model = hf_model
+        # PEFT's adapter modules, whose switches each call reads (disable_adapter(), set_adapter(): layers.py)
+        self._tuners = [(n, m) for n, m in hf_model.named_modules() if is_tuner(m)]
         self.kernels_patched = _patch_kernels(hf_model, config.worker_devices)
         super().__init__(layers, config=config)
 
@@ -177,11 +186,11 @@ class HFRoundPipe(RoundPipe):
         return self.hf_model
 
     # ---- calls
-    @staticmethod
-    def _inputs(input_ids, attention_mask, position_ids, extra: dict) -> dict:
+    def _inputs(self, input_ids, attention_mask, position_ids, extra: dict, head: str, takes: str) -> dict:
+        """The first layer's inputs of one call: the batch, what the call wants of the head, the adapter state."""
         if extra:
             raise TypeError(f"unexpected keyword argument(s) {sorted(extra)}; a wrapped HF model takes input_ids, "
-                            "attention_mask, position_ids (and labels, num_items_in_batch for training)")
+                            f"attention_mask, position_ids, {takes}")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             what = f"a {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" \
                 if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -191,13 +200,21 @@ class HFRoundPipe(RoundPipe):
             shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
             raise ValueError(f"attention_mask must be None or a tensor of input_ids' shape {tuple(input_ids.shape)}, "
                              f"got {shape}")
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                "head": head, "adapters": adapter_state(self._tuners)}
 
     def forward_backward(self, input_ids=None, attention_mask=None, labels=None, *, position_ids=None,
-                         num_items_in_batch=None, **kwargs) -> torch.Tensor:
+                         num_items_in_batch=None, return_outputs: bool = False, num_microbatches: int | None = None,
+                         recompute: str | None = None, **kwargs):
         """HF's causal-LM loss of the batch (labels shifted inside, -100 ignored, the mean over the batch's
-        counted tokens or divided by num_items_in_batch) and its gradients; returns the loss."""
-        inputs = self._inputs(input_ids, attention_mask, position_ids, kwargs)
+        counted tokens or divided by num_items_in_batch) and its gradients; returns the loss, or with
+        return_outputs=True (loss, logits [batch, seq_len, vocab] on the CPU, detached; the loss then takes the
+        cross-entropy of those logits rather than the fused head).  num_microbatches and recompute: this call's,
+        as RoundPipe.forward_backward takes them."""
+        if not isinstance(return_outputs, bool):
+            raise TypeError(f"return_outputs must be True or False, got {return_outputs!r}")
+        inputs = self._inputs(input_ids, attention_mask, position_ids, kwargs, LOSS_LOGITS if return_outputs else LOSS,
+                              "labels, num_items_in_batch, return_outputs, num_microbatches, recompute")
         if labels is None:
             raise ValueError("labels is None; pass labels [batch, seq_len] (usually input_ids, with -100 at padding)")
         shifted = shift_labels(labels)
@@ -205,19 +222,40 @@ class HFRoundPipe(RoundPipe):
             raise ValueError(f"labels have shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}; they must match")
         items = count_items(shifted, num_items_in_batch)
         batch = input_ids.shape[0]   # a router loss (MoE) is weighted by each microbatch's share (hf/loss.py)
+        options = {"return_outputs": return_outputs, "num_microbatches": num_microbatches, "recompute": recompute}
         if self.dp is not None and num_items_in_batch is None:
             # the token mean over every rank's batch: each rank divides by the ranks' total count, and
             # the ranks' gradients are summed (loss_reduction="sum"); the loss returned is this rank's own mean
             total = self.dp.sum_over_ranks(items)
             loss_fn = TokenLoss(total, batch, aux_share=items / total)
-            return super().forward_backward(labels=shifted, loss_fn=loss_fn, **inputs) * (total / items)
-        return super().forward_backward(labels=shifted, loss_fn=TokenLoss(items, batch), **inputs)
+            out = super().forward_backward(labels=shifted, loss_fn=loss_fn, **options, **inputs)
+            scale = total / items
+            return (out[0] * scale, out[1][0]) if return_outputs else out * scale
+        out = super().forward_backward(labels=shifted, loss_fn=TokenLoss(items, batch), **options, **inputs)
+        return (out[0], out[1][0]) if return_outputs else out   # the head's (logits, None[, aux]): its logits
 
-    def __call__(self, input_ids=None, attention_mask=None, *, position_ids=None, **kwargs) -> torch.Tensor:
-        """Forward only: logits [batch, seq_len, vocab] on the CPU."""
-        return super().__call__(**self._inputs(input_ids, attention_mask, position_ids, kwargs))
+    def __call__(self, input_ids=None, attention_mask=None, *, position_ids=None, num_microbatches: int | None = None,
+                 recompute: str | None = None, **kwargs) -> torch.Tensor:
+        """Logits [batch, seq_len, vocab] on the CPU: forward only, or under autograd (grad enabled and the model
+        in train() with trainable parameters) a node of the caller's graph, whose backward lands the gradients
+        HF's forward would (RoundPipe.__call__).  num_microbatches and recompute: this call's."""
+        inputs = self._inputs(input_ids, attention_mask, position_ids, kwargs, LOGITS, "num_microbatches, recompute")
+        return super().__call__(num_microbatches=num_microbatches, recompute=recompute, **inputs)
 
     forward = __call__
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """PEFT's `disable_adapter()` of the wrapped PEFT model: calls inside the block run the base model alone
+        on the workers, as PEFT's forward does, and with the adapter after it (e.g. a reference model's
+        log-probabilities, as TRL computes them).  `with model.hf_model.disable_adapter():` does the same."""
+        if not callable(getattr(self.hf_model, "disable_adapter", None)) or not self._tuners:
+            raise TypeError(f"disable_adapter(): the wrapped {type(self.hf_model).__name__} is no PEFT model with an "
+                            "adapter; wrap a peft.get_peft_model(...) model (or pass peft_config= to "
+                            "rp.hf.from_pretrained), or switch transformers' own adapters with "
+                            "model.hf_model.disable_adapters() / enable_adapters()")
+        with self.hf_model.disable_adapter():
+            yield
 
     # ---- files
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
