@@ -10,9 +10,15 @@ Trainer's own: data loading, gradient accumulation (with HF's `num_items_in_batc
 accumulation group's loss is the token mean over the whole group), parameter groups, the lr
 schedule, logging, callbacks, saving.  What changes:
 
-- `training_step` runs `model.forward_backward(**inputs, num_items_in_batch=...)` on the workers;
-  the batches stay on the CPU whatever `args.device` says (the Trainer gets a copy of `args` with
-  `use_cpu=True`: the GPUs are the RoundPipe's workers).
+- `training_step` runs `model.forward_backward(**inputs, num_items_in_batch=...)` on the workers (the fused loss)
+  where compute_loss is known to be the causal-LM loss (`trains_lm_loss`: transformers.Trainer's and
+  trl.SFTTrainer's "nll", without label smoothing or compute_loss_func); any other compute_loss (TRL's DPO, KTO, a
+  subclass's own) runs in the Trainer's own training_step with the RoundPipe as its model, each `model(...)` in it
+  a RoundPipe call inside the loss's autograd graph (roundpipe/hf/trainer_model.py: a third more FLOPs, and the
+  logits cross to the host).  The batches stay on the CPU whatever `args.device` says (the Trainer gets a copy of
+  `args` with `use_cpu=True`: the GPUs are the RoundPipe's workers).
+- the Trainer's arguments are bound to its own __init__'s signature: `args` is passed on by name (TRL's
+  DPOTrainer and KTOTrainer take ref_model second, GRPOTrainer reward_funcs).
 - the optimizer: `adamw_torch`, `adamw_torch_fused`, `sgd`, `adagrad`, `lion_32bit` become their
   roundpipe.optim versions over the Trainer's parameter groups (roundpipe/hf/trainer_optim.py) and
   run the per-layer fused step; any other optimizer runs as one torch step (with a warning).  The
@@ -42,7 +48,10 @@ after a sync point.  `TrainerMixin` carries all of it for other Trainer subclass
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
+import sys
+import typing
 import warnings
 
 import torch
@@ -52,6 +61,7 @@ from torch import nn
 from roundpipe.hf import trainer_optim
 from roundpipe.hf.loss import count_items, shift_labels
 from roundpipe.hf.model import WRAP_OPTIONS, HFRoundPipe, checkpointing_off, wrap
+from roundpipe.hf.trainer_model import EngineModel
 
 CHECKPOINT_DIR = "roundpipe"   # the engine's checkpoint inside a Trainer checkpoint folder
 # TrainingArguments' switches for HF's gradient checkpointing (transformers 5.x's name first, then its old alias)
@@ -63,6 +73,30 @@ def precision_of(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+def trainer_signature(cls: type) -> inspect.Signature:
+    """The signature (less self) of the first __init__ after TrainerMixin in cls's MRO that names `model` and `args`
+    (one that only passes *args, **kwargs on is looked through)."""
+    after = cls.__mro__[cls.__mro__.index(TrainerMixin) + 1:]
+    for c in after:
+        if "__init__" in vars(c):
+            sig = inspect.signature(c.__init__)
+            if {"model", "args"} <= set(sig.parameters):
+                return sig.replace(parameters=list(sig.parameters.values())[1:])
+    raise TypeError(f"{cls.__name__}: no __init__ after rp.hf.TrainerMixin takes `model` and `args`; put the mixin in "
+                    "front of a transformers.Trainer subclass: class T(rp.hf.TrainerMixin, SomeTrainer)")
+
+
+def default_args(signature: inspect.Signature):
+    """args=None: the Trainer's own config class (its `args` annotation: TRL's DPOConfig, ...; else
+    TrainingArguments) with output_dir "tmp_trainer", and use_cpu=True as the Trainer's copy has it anyway (TRL's
+    configs default to bf16=True, which TrainingArguments refuses on a host without a GPU otherwise)."""
+    annotation = signature.parameters["args"].annotation
+    for cls in (annotation, *typing.get_args(annotation)):
+        if isinstance(cls, type) and issubclass(cls, transformers.TrainingArguments):
+            return cls(output_dir="tmp_trainer", use_cpu=True)
+    return transformers.TrainingArguments(output_dir="tmp_trainer", use_cpu=True)
+
+
 def _engine_clears_grads(*args, **kwargs) -> None:
     """model.zero_grad() inside the Trainer's loop: the engine clears the gradients after the step read them
     (and in the asynchronous step it may still be reading them)."""
@@ -72,17 +106,24 @@ class TrainerMixin:
     """The RoundPipe side of `rp.hf.Trainer`, for any transformers.Trainer subclass:
     `class SFT(rp.hf.TrainerMixin, trl.SFTTrainer)`."""
 
-    def __init__(self, model=None, args=None, *trainer_args, devices=None, asynchronous: bool = False, **kwargs):
+    def __init__(self, *trainer_args, devices=None, asynchronous: bool = False, **kwargs):
         if not isinstance(asynchronous, bool):
             raise TypeError(f"asynchronous must be True or False, got {asynchronous!r}")
         # rp.hf.wrap's keywords (every engine option, and quantize, double_quant) go to it, the rest to the Trainer
         wrap_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in WRAP_OPTIONS}
+        # bound to the Trainer's own signature: TRL's DPOTrainer and KTOTrainer take ref_model second, GRPO
+        # reward_funcs, so args is found by its name wherever it stands and passed on where that signature wants it
+        signature = trainer_signature(type(self))
+        bound = signature.bind_partial(*trainer_args, **kwargs)
+        model, args = bound.arguments.get("model"), bound.arguments.get("args")
         if args is None:
-            args = transformers.TrainingArguments(output_dir="tmp_trainer")
-        wrapped = self._checked(model, args, devices, wrap_kwargs, kwargs.get("peft_config"))
+            args = default_args(signature)
+        peft_config = bound.arguments.get("peft_config", kwargs.get("peft_config"))
+        wrapped = self._checked(model, args, devices, wrap_kwargs, peft_config)
         self.asynchronous = asynchronous
         self._engine_scheduler = None
         self._issued_lr: float | None = None
+        self._engine_model: EngineModel | None = None
         # HF's gradient checkpointing gives way to the engine's recompute (model.checkpointing_off): one line says so
         asked = [k for k in CHECKPOINTING_ARGS if getattr(args, k, None)]
         hf_model = model.hf_model if wrapped else model
@@ -92,8 +133,9 @@ class TrainerMixin:
         # no checkpointing for Trainer.train (or TRL) to turn on
         changes = {k: v for k, v in (("use_cpu", True), ("bf16", False), ("fp16", False)) if getattr(args, k) != v}
         changes.update({k: False for k in CHECKPOINTING_ARGS if hasattr(args, k)} if asked else {})
-        args = dataclasses.replace(args, **changes) if changes else args
-        super().__init__(hf_model, args, *trainer_args, **kwargs)
+        bound.arguments["model"] = hf_model
+        bound.arguments["args"] = dataclasses.replace(args, **changes) if changes else args
+        super().__init__(*bound.args, **bound.kwargs)
         self.place_model_on_device = False
         if wrapped:
             self.rp_model = model
@@ -223,8 +265,27 @@ class TrainerMixin:
         self.rp_model.synchronize()   # the last (asynchronous) update applied: the masters are final
         return output
 
+    def trains_lm_loss(self) -> bool:
+        """Whether compute_loss is known to be the causal-LM loss, which forward_backward trains on the workers
+        (the fast path): transformers.Trainer's and trl.SFTTrainer's (loss_type "nll"), without label smoothing or a
+        compute_loss_func.  Any other is called with the RoundPipe as its model (roundpipe/hf/trainer_model.py).  A
+        subclass whose own compute_loss is that loss may return True to take the fast path."""
+        if self.label_smoother is not None or getattr(self, "compute_loss_func", None) is not None:
+            return False
+        own = type(self).compute_loss
+        if own is transformers.Trainer.compute_loss:
+            return True
+        sft = sys.modules.get("trl.trainer.sft_trainer")   # loaded when a subclass of it is what runs
+        return sft is not None and own is sft.SFTTrainer.compute_loss and getattr(self.args, "loss_type", "nll") == "nll"
+
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         self.rp_model.train()
+        if not self.trains_lm_loss():
+            # a loss of its own: the Trainer's step (compute_loss, its scaling for accumulation, backward) with the
+            # RoundPipe as the model, each call of it a node of the loss's graph (a composed call)
+            if self._engine_model is None:
+                self._engine_model = EngineModel(self.rp_model)
+            return super().training_step(self._engine_model, inputs, num_items_in_batch)
         inputs = self._prepare_inputs(inputs)
         labels = inputs.get("labels")
         if num_items_in_batch is None and labels is not None:
