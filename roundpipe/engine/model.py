@@ -361,7 +361,8 @@ class RoundPipe(ModelState, ModelSteps):
         def forward(mb) -> list:
             return _on_host(self._run(mb, training=False, loss_fn=None, rng_base=base).outputs, len(mb))
         call = composed.ComposedCall(mb, inputs, wanted, forward,
-                                     functools.partial(self._composed_backward, base, steps, layer_grain))
+                                     functools.partial(self._composed_backward, base, steps, layer_grain),
+                                     self._backward_done)
         leaves = tree_leaves((args, kwargs))
         return composed.compose(call, [leaves[i] for i in wanted])
 
@@ -380,6 +381,23 @@ class RoundPipe(ModelState, ModelSteps):
                 return [[] for _ in range(len(mb))]
             self._retire()   # the input gradients come from the call's last stage: wait for its end
             return _on_host(ctx.input_grads, len(mb))
+
+    def _backward_done(self) -> None:
+        """The end of a backward pass through this model's composed calls (autograd runs it before backward()
+        returns): p.grad final, as PyTorch promises a torch optimizer stepped next (issue 52 item 1).  What
+        synchronize() does for gradients, no more: the calls end (their last backward stages and landings),
+        a G-copy moves the landed sums into p.grad and held low-precision ones become fp32 (unscaled by the
+        fp16 loss scale); a pending step is waited for only as far as that G-copy waits for it to consume the
+        previous p.grad, and the masters are not brought home from a device step.  Nothing is pending when
+        another node of the same pass ran it already: it then returns at once."""
+        with self._api:
+            self._check_open()
+            self._retire()
+            self._issue_gcopy()
+            self.gcopy_thread.wait_idle(raise_errors=True)
+            inv = self.scaler.inverse(self._scale_index()) if self.scaler is not None else None
+            for l in range(len(self.host)):
+                self.host.materialize(l, inv)
 
     def _draw_base(self) -> int:
         """A call's RNG base: one draw from the caller's generator (each rank's own with data parallelism)."""

@@ -40,7 +40,11 @@ not they were looked at.
 A stamp (requires_grad, version counter, storage address) of every master
 taken at each P-copy lets a call find the masters the user changed since
 (`edited`): an in-place edit under no_grad, `load_state_dict`, `p.data = ...`,
-a freeze or unfreeze (not an in-place op on `p.data`, see `_stamp`).
+a freeze or unfreeze (not an in-place op on `p.data`, see `_stamp`).  A torch optimizer the
+user steps (`loss.backward(); opt.step()` through a composed call) writes the masters in place;
+its fused kernels (`torch.optim.AdamW(fused=True)` on CPU tensors, torch 2.13) bump no version
+counter, so a global optimizer-step post hook (`watch_optimizer_steps`) bumps those of the masters
+it stepped: the next call uploads the update instead of a stale upload copy.
 
 Shared parameters (tied embeddings: the same tensor in the first and the last
 layer, or any weight used by several layers).  The first layer holding the
@@ -110,11 +114,15 @@ in the upload dtype already (a ValueError otherwise: converting it would copy it
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from roundpipe import _native, hostops
 from roundpipe.offload.arena import fix_mmap_threshold
@@ -132,6 +140,33 @@ def _stamp(p: torch.Tensor) -> tuple:
     invisible to autograd by design), so they are not seen; `p.data = t` is.  Checking the
     values themselves would cost a full pass over the masters at every call."""
     return (p.requires_grad, p._version, p.data_ptr())
+
+
+# every master of a HostState built so far, by id (a WeakSet would compare tensors with ==)
+_MASTERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_watch_lock = threading.Lock()
+_watching = False
+
+
+def _bump_stepped_masters(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """After any torch optimizer's step(): the version counters of the masters it may have written (those
+    with a gradient), so that `edited` finds them whether or not its kernels bumped them (fused ones do
+    not).  A step the engine runs itself takes its stamps after this, so it sees no edit."""
+    stepped = [p for group in optimizer.param_groups for p in group["params"]
+               if p.grad is not None and _MASTERS.get(id(p)) is p]
+    if stepped:
+        increment_version(stepped)
+
+
+def watch_optimizer_steps(params: list[torch.Tensor]) -> None:
+    """Adds masters to those `_bump_stepped_masters` bumps; registers it (once per process)."""
+    global _watching
+    with _watch_lock:
+        for p in params:
+            _MASTERS[id(p)] = p
+        if not _watching:
+            register_optimizer_step_post_hook(_bump_stepped_masters)
+            _watching = True
 
 
 def allow_fp32_grad(p: torch.Tensor) -> None:
@@ -287,6 +322,7 @@ class HostState:
                     p.data = u   # already in the upload dtype: the upload copy is the master, one copy
                 state.upload.append(u)
             self._set_trainable(state)
+            watch_optimizer_steps([state.params[j] for j in state.owned])
             state.stamp = [_stamp(p) for p in state.params]
             self.layers.append(state)
             self.versions.append(0)
