@@ -227,3 +227,16 @@ def test_tail_error_not_raised_by_step_but_by_next_forward():
         model.forward_backward(*batch(1, rows)[:1], labels=batch(1, rows)[1], loss_fn=loss_fn)
         model.synchronize()
         assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("keyword, hint", [("input_args", "positional arguments"), ("label", "labels="),
+                                           ("run_config", "num_microbatches=")])
+def test_a_published_keyword_names_its_replacement(keyword, hint):
+    """A keyword of the published RoundPipe's calls left in a call fails in layer 0 with a note naming what
+    replaces it (before: only `Linear.forward() got an unexpected keyword argument`)."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with rp.RoundPipe([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)], devices=["cpu"]) as model:
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'") as info:
+            model.forward_backward(x, labels=y, loss_fn=F.mse_loss, **{keyword: y})
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"{keyword}= is a keyword of the published RoundPipe" in notes and hint in notes

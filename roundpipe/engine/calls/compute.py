@@ -45,7 +45,7 @@ import torch
 
 from roundpipe.core.errors import Aborted
 from roundpipe.core.tree import tree_leaves, tree_unflatten
-from roundpipe.engine.calls.precision import dtype_mismatch_note
+from roundpipe.engine.calls.precision import dtype_mismatch_note, published_keyword_note
 from roundpipe.engine.calls.recompute_data import LayerRuns
 from roundpipe.workers.base import Worker
 from roundpipe.workers.rng import layer_seed
@@ -197,6 +197,8 @@ def run_layers(ctx: CallContext, w: Worker, layers: range, x: Any, m: int,
                     x = _run_layer(ctx, w, reps[l], l, x, seed)
             except Exception as e:  # noqa: BLE001 - any layer error is tagged with where it happened
                 dtype_mismatch_note(e)
+                if l == 0:
+                    published_keyword_note(e)
                 raise tag(e, f"layer {l}")  # noqa: B904 - re-raises e itself, tagged
             if runs.saving:
                 with span.untracked():   # its host staging is not the layer's workspace

@@ -88,6 +88,29 @@ def resolve(precision: Precision | None, compute_dtype: torch.dtype | None, defa
     return precision.resolved(default)
 
 
+# Keywords of the published RoundPipe's calls (roundpipe 0.1.1) and what replaces each (docs/migrating.md)
+_PUBLISHED_KEYWORDS = {
+    "input_args": "pass the inputs as ordinary positional arguments: forward_backward(x, ...)",
+    "input_kwargs": "pass them as ordinary keyword arguments: forward_backward(x, mask=m, ...)",
+    "label": "the labels are labels=",
+    "run_config": "per-call options are keywords of the call (num_microbatches=, recompute=, return_outputs=), "
+                  "model-wide ones the RoundPipe's",
+}
+
+
+def published_keyword_note(exc: BaseException) -> None:
+    """Adds the rename to layer 0's TypeError for a keyword of the published RoundPipe's calls left in a call
+    (`input_args=`, `label=`, `run_config=`), which reach the first layer as its keyword arguments."""
+    if not isinstance(exc, TypeError):
+        return
+    msg = str(exc)
+    for name, hint in _PUBLISHED_KEYWORDS.items():
+        if f"unexpected keyword argument '{name}'" in msg:
+            exc.add_note(f"[roundpipe] {name}= is a keyword of the published RoundPipe (0.1.1), not of this "
+                         f"one: {hint} (docs/migrating.md)")
+            return
+
+
 def dtype_mismatch_note(exc: BaseException) -> None:
     """Adds the policy's hint to a dtype mismatch raised by a layer."""
     msg = str(exc)
