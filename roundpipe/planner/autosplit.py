@@ -18,7 +18,8 @@ submodules in order from its `forward`; `split_module` recovers that sequence:
    gets half the cap, and a layer leaves room in it for activations), is split further:
    its heaviest child that has children of its own is traced through as well (step 1 one
    level deeper) and the cuts are looked for again.  A child whose inside has no cut (a
-   residual block) or cannot be traced stays whole (the latter with a warning).  Weight
+   residual block) or cannot be traced stays whole (the latter with a warning).  A forward that is one
+   step (`return self.body(x)`, the published system's quick-start ResNet) is one such piece.  Weight
    is the criterion because it is what a worker must hold; the planner then balances
    the layers' times (docs/planner.md).
 
@@ -289,10 +290,7 @@ def split_module(module: nn.Module, *, device_memory: int | None = None, compute
     except _Untraceable as e:
         raise ValueError(f"RoundPipe could not split {_describe(module, '')} into layers: {e}; {instead}") from e
     cuts = _Cuts(graph)
-    segs = _segments(module, cuts)
-    if len(segs) == 1:
-        raise ValueError(f"RoundPipe could not split {_describe(module, '')} into layers: there is no point in its "
-                         f"forward where a single value flows on ({cuts.narrowest()}); {instead}")
+    segs = _segments(module, cuts)   # one piece (`return self.body(x)`): split inside its heaviest child below
     total = _numel(list({id(p): p for p in module.parameters()}.values()))
     limit = max_share * total
     budget = layer_budget(device_memory, compute_dtype)
@@ -318,4 +316,8 @@ def split_module(module: nn.Module, *, device_memory: int | None = None, compute
         whole.add(target)   # traced through, or (no cut inside: a residual block) kept whole: never again
         if len(finer) > len(segs):
             expand, graph, segs = expand | {target}, deeper, finer
+    if len(segs) == 1:
+        raise ValueError(f"RoundPipe could not split {_describe(module, '')} into layers: there is no point in its "
+                         f"forward, or inside its heaviest children, where a single value flows on "
+                         f"({cuts.narrowest()}); {instead}")
     return SplitModule(module, _build(module, graph, segs))

@@ -224,7 +224,8 @@ class ReadsTraining(nn.Module):
 @pytest.mark.parametrize("module, match", [
     (Branchy(), r"split the module \(Branchy\) into layers: torch\.fx could not trace its forward: TraceError: "
                 r".*control flow.* at .*test_autosplit\.py:\d+; pass a list of layers"),
-    (TwoStreams(), r"\(TwoStreams\) into layers: there is no point in its forward where a single value flows on "
+    (TwoStreams(), r"\(TwoStreams\) into layers: there is no point in its forward, or inside its heaviest children, "
+                   r"where a single value flows on "
                    r"\(at best 2 values .*: x, a after 'a'\); pass a list of layers"),
     (ReadsTraining(), r"\(ReadsTraining\) into layers: its forward reads self\.training.*; pass a list of layers"),
 ])
@@ -312,3 +313,32 @@ def test_argument_defaulting_to_none_is_traced_as_none():
     assert len(seq) == 2 and torch.equal(seq[1](seq[0](x)), net(x))
     with pytest.raises(AssertionError, match="bias has been specialized to have value None"):
         seq[0](x, torch.ones(4))
+
+
+class OneStep(nn.Module):
+    """The published system's quick-start shape: the whole network in one child, `return self.seq(x)`."""
+
+    def __init__(self, width=4, classes=5):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU(inplace=True), Block(width, width),
+                                 Block(width, 2 * width, stride=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(2 * width, classes))
+
+    def forward(self, x):
+        return self.seq(x)
+
+
+def test_a_forward_of_one_step_is_cut_inside_that_step():
+    """`return self.seq(x)` is cut inside seq (its heaviest child) and trains like PyTorch, keeping seq's names
+    (before: 'its forward has fewer than two steps')."""
+    torch.manual_seed(0)
+    net = OneStep().eval()
+    assert len(split_module(net)) >= 3
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(10, 3, 8, 8, generator=g), torch.randint(0, 5, (10,), generator=g)) for _ in range(2)]
+    model, ref, losses = train_both(net, sgd, batches, workers=2, microbatches=2)
+    with model:
+        for loss, ref_loss in losses:
+            assert max_rel_err(loss, ref_loss) <= 1e-5
+        assert_same_state(model, ref)
+        assert next(iter(model.state_dict())).startswith("seq.0.")
