@@ -395,9 +395,7 @@ class RoundPipe(ModelState, ModelSteps):
             self._retire()
             self._issue_gcopy()
             self.gcopy_thread.wait_idle(raise_errors=True)
-            inv = self.scaler.inverse(self._scale_index()) if self.scaler is not None else None
-            for l in range(len(self.host)):
-                self.host.materialize(l, inv)
+            self._show_grads()
 
     def _draw_base(self) -> int:
         """A call's RNG base: one draw from the caller's generator (each rank's own with data parallelism)."""
@@ -603,9 +601,13 @@ class RoundPipe(ModelState, ModelSteps):
             self._drain()
             if self.device_step is not None:   # device-stepped masters, state and gradients (device_step.py)
                 self.device_step.home(grads=True)
-            inv = self.scaler.inverse(self._scale_index()) if self.scaler is not None else None
-            for l in range(len(self.host)):   # fp32 p.grad, unscaled by the scale its calls used (loss_scale.py)
-                self.host.materialize(l, inv)
+            self._show_grads()
+
+    def _show_grads(self) -> None:
+        """Every layer's landed gradients as fp32 p.grad, unscaled by the scale its calls used (loss_scale.py)."""
+        inv = self.scaler.inverse(self._scale_index()) if self.scaler is not None else None
+        for l in range(len(self.host)):
+            self.host.materialize(l, inv)
 
     def grad_norm(self) -> torch.Tensor:
         """clip_grad_norm_'s total 2-norm of the gradients accumulated since the last step (0 without any), a

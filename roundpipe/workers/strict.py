@@ -174,13 +174,14 @@ class StrictQueues:
     def submit(self, queue: str, dsts: list, srcs: list, after: list):
         """Queues dsts[i] <- srcs[i] behind `after`; returns the fence it completes (or fails) with."""
         executor, rng, lock = self._queues[queue]
-        for i, h in enumerate(srcs if queue in ("act_up", "param_up") else dsts):
+        host, device = (srcs, dsts) if queue in ("act_up", "param_up") else (dsts, srcs)
+        for i, h in enumerate(host):
             if not self.owns(h):
                 raise PageableCopyError(
                     f"strict device model: the {ROLES[queue]} issued by {self.describe()} has host tensor {i} "
                     f"(shape {tuple(h.shape)}, {h.dtype}) outside the pinned arena; on a GPU the copy would be "
                     "synchronous with the issuing thread: stage it through an arena block first")
-        for i, d in enumerate(dsts if queue in ("act_up", "param_up") else srcs):
+        for i, d in enumerate(device):
             if queue not in getattr(d.untyped_storage(), _STREAMS, ()):
                 raise StreamUseError(
                     f"strict device model: the {ROLES[queue]} issued by {self.describe()} uses device tensor {i} "

@@ -112,6 +112,15 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def assert_trains_like_pytorch(net, batches, workers, microbatches):
+    """SGD steps through RoundPipe(net) give plain PyTorch's losses, and its state (names and values) after them."""
+    model, ref, losses = train_both(net, sgd, batches, workers, microbatches)
+    with model:
+        for loss, ref_loss in losses:
+            assert max_rel_err(loss, ref_loss) <= 1e-5
+        assert_same_state(model, ref)
+
+
 def test_resnet_is_cut_at_its_blocks_and_keeps_its_names():
     """A torchvision-style ResNet is cut at its top-level steps and inside its large stages, one block a
     piece; the RoundPipe presents the module's own parameters under the module's own names."""
@@ -141,11 +150,7 @@ def test_resnet_trains_like_pytorch(workers, microbatches):
     net = ResNet().eval()
     g = torch.Generator().manual_seed(7)
     batches = [(torch.randn(10, 3, 8, 8, generator=g), torch.randint(0, 5, (10,), generator=g)) for _ in range(2)]
-    model, ref, losses = train_both(net, sgd, batches, workers, microbatches)
-    with model:
-        for loss, ref_loss in losses:
-            assert max_rel_err(loss, ref_loss) <= 1e-5
-        assert_same_state(model, ref)
+    assert_trains_like_pytorch(net, batches, workers, microbatches)
 
 
 def test_resnet_trains_batchnorm_like_pytorch():
@@ -336,9 +341,4 @@ def test_a_forward_of_one_step_is_cut_inside_that_step():
     assert len(split_module(net)) >= 3
     g = torch.Generator().manual_seed(7)
     batches = [(torch.randn(10, 3, 8, 8, generator=g), torch.randint(0, 5, (10,), generator=g)) for _ in range(2)]
-    model, ref, losses = train_both(net, sgd, batches, workers=2, microbatches=2)
-    with model:
-        for loss, ref_loss in losses:
-            assert max_rel_err(loss, ref_loss) <= 1e-5
-        assert_same_state(model, ref)
-        assert next(iter(model.state_dict())).startswith("seq.0.")
+    assert_trains_like_pytorch(net, batches, workers=2, microbatches=2)   # its state_dict's names are seq's too

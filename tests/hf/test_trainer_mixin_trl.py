@@ -82,16 +82,23 @@ def assert_same_training(trainer, ref, steps=3):
         torch.testing.assert_close(p, ref_adapter[name], rtol=1e-4, atol=1e-4, msg=name)
 
 
+def trained_beside_trl(tmp_path, trl_trainer, ours, config_class, rows):
+    """The TRL trainer trained on a tiny LoRA model, and the mixin's counterpart (2 workers) built over the same
+    model, data and adapter, not trained yet: (ours, reference)."""
+    tokenizer = word_tokenizer()
+    hf = tiny()
+    ref = trl_trainer(model=copy.deepcopy(hf), args=config(config_class, tmp_path / "ref"), train_dataset=rows(),
+                      processing_class=tokenizer, peft_config=lora())
+    ref.train()
+    trainer = ours(model=hf, args=config(config_class, tmp_path / "rp"), train_dataset=rows(),
+                   processing_class=tokenizer, peft_config=lora(), devices=["cpu", "cpu"])
+    return trainer, ref
+
+
 def test_dpo_with_lora_equals_trl(tmp_path):
     """trl.DPOTrainer with peft_config= (the reference: the adapter disabled) through the mixin, 2 workers: the same
     losses, rewards, log-probabilities and adapter as trl.DPOTrainer."""
-    tokenizer = word_tokenizer()
-    hf = tiny()
-    ref = trl.DPOTrainer(model=copy.deepcopy(hf), args=config(trl.DPOConfig, tmp_path / "ref"),
-                         train_dataset=preference_rows(), processing_class=tokenizer, peft_config=lora())
-    ref.train()
-    trainer = DPO(model=hf, args=config(trl.DPOConfig, tmp_path / "rp"), train_dataset=preference_rows(),
-                  processing_class=tokenizer, peft_config=lora(), devices=["cpu", "cpu"])
+    trainer, ref = trained_beside_trl(tmp_path, trl.DPOTrainer, DPO, trl.DPOConfig, preference_rows)
     assert trainer.ref_model is None and isinstance(trainer.model, peft.PeftModel)
     with trainer.rp_model:
         trainer.train()
@@ -101,13 +108,7 @@ def test_dpo_with_lora_equals_trl(tmp_path):
 def test_kto_with_lora_equals_trl(tmp_path):
     """trl.KTOTrainer with peft_config= through the mixin (its KL batch a forward-only call): the same losses,
     rewards and adapter as trl.KTOTrainer."""
-    tokenizer = word_tokenizer()
-    hf = tiny()
-    ref = trl.KTOTrainer(model=copy.deepcopy(hf), args=config(trl.KTOConfig, tmp_path / "ref"),
-                         train_dataset=unpaired_rows(), processing_class=tokenizer, peft_config=lora())
-    ref.train()
-    trainer = KTO(model=hf, args=config(trl.KTOConfig, tmp_path / "rp"), train_dataset=unpaired_rows(),
-                  processing_class=tokenizer, peft_config=lora(), devices=["cpu", "cpu"])
+    trainer, ref = trained_beside_trl(tmp_path, trl.KTOTrainer, KTO, trl.KTOConfig, unpaired_rows)
     with trainer.rp_model:
         trainer.train()
         assert_same_training(trainer, ref)

@@ -34,8 +34,9 @@ keeps no resident weights, graphs or device-stepped layers (engine/model.py).  N
 torch.OutOfMemoryError (the caching allocator's): cuBLAS, cuDNN and CUDA runtime calls
 that cannot allocate (a handle, a workspace, an event) raise a plain RuntimeError, which
 used to keep all of that alive and on, so a retry failed the same way (issue 51, item 5).
-The error keeps its type (an exception in a worker reaches the caller as that exception).  A sticky CUDA error (`sticky_device_error`:
-an illegal address, a launch failure, a device-side assert) is no out-of-memory: the
+The error keeps its type (an exception in a worker reaches the caller as that exception).
+A sticky CUDA error (`sticky_device_error`: an illegal address, a launch failure, a
+device-side assert) is no out-of-memory: the
 CUDA context is broken, every later CUDA call of the process fails, so its note says to
 restart the process, never to retry.  Under data parallelism (`ranks`) an out-of-memory
 error of a training call is this rank's alone: the other ranks went on, and a retry on
