@@ -450,8 +450,9 @@ class Worker(ABC):
             leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
         if goes_on and (keep_device or not self.copies.done_on_issue(
                 [t for t in leaves if isinstance(t, torch.Tensor) and t.device == self.device])):
-            with self.compute():
-                leaves = [t.clone() if isinstance(t, torch.Tensor) and t.device == self.device else t for t in leaves]
+            with self.compute():   # in the ledger until its download (and any consumer) let go of it
+                leaves = [self.ledger.track(t.clone(), "activations")
+                          if isinstance(t, torch.Tensor) and t.device == self.device else t for t in leaves]
         h = Handoff(device=self.device, space=self.space)
         compute = self._compute_fence()   # after the contiguous copies, which run on the compute stream
         if keep_device:
