@@ -469,6 +469,8 @@ class Worker(ABC):
                 dsts, srcs = [d for d, _ in pairs], [t for _, t in pairs]
                 self._read_by_copy(srcs, "act_down")
                 h.host_ready = self.copies.activation("act_down", dsts, srcs, [compute])
+                if goes_on:   # a boundary inside the stage: its copy holds device bytes the memory model
+                    self.copies.bound_activation_downloads()   # counts once, as at a microbatch's end
         return h
 
     def receive(self, handoff: Handoff, forward: bool = True) -> Arrival:

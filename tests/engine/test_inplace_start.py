@@ -1,6 +1,7 @@
 """In-place first ops at stage and layer starts (issue 51): stage inputs are leaves that require grad,
 yet ReLU(inplace=True) or `x.add_(b)` on them trains as in plain PyTorch, at both recompute grains."""
 import copy
+import time
 import warnings
 
 import pytest
@@ -10,6 +11,7 @@ from rp_models import max_rel_err
 from torch import nn
 
 import roundpipe as rp
+from roundpipe import testing
 from roundpipe.engine.dry_run import RATES, dry_run_costs
 
 TOL = 1e-5   # fp32 against fp32: only the summation order of microbatches differs
@@ -227,3 +229,24 @@ def test_cnn_trains_with_the_automatic_planner(recompute):
         assert_grads_match(model, ref)
         for (name, b), r in zip(model.module.named_buffers(), ref.buffers()):
             assert max_rel_err(b.float(), r.float()) <= TOL, name
+
+
+def test_lagging_layer_downloads_do_not_pile_up_on_the_device():
+    """At layer grain a forward stage downloads every layer's output.  When those copies lag behind the
+    compute (a 20 ms delay on each act_down, as a loaded machine or a slow PCIe link gives), the compute
+    waits for them instead of keeping every output on the device: the call fits the cap the planner
+    planned for.  Before, the six outputs of F0[0-6] were alive at once and passed the 72,000-byte cap
+    (seen in CI on a loaded machine)."""
+    torch.manual_seed(4)
+    layers = cnn(blocks=3)
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    x, y = torch.randn(8, 3, 8, 8), torch.randn(8, 4)
+    sum(F.mse_loss(ref(x[i:i + 4].clone()), y[i:i + 4]) for i in (0, 4)).div(2).backward()
+    slow = lambda kind: time.sleep(0.02) if kind == "act_down" else None   # noqa: E731
+    with rp.RoundPipe(layers, devices=["cpu"] * 2, num_microbatches=2, device_memory=72_000,
+                      recompute="layer") as model, testing.inject_delays(slow):
+        model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
+        model.synchronize()
+        peak = max(w.ledger.stats()["peak"]["activations"] for w in model.workers)
+        assert peak <= 3 * 4 * 8 * 8 * 8 * 4, peak   # the input, one output downloading, one being made
+        assert_grads_match(model, ref)
