@@ -214,7 +214,8 @@ class AutoPlanner:
         self._begun = 0         # training calls begun (calls overlap: the next begins before one ends)
         self.replans = 0        # plan changes after the first call's size-based plan
         self.history: list[Plan] = []
-        self._pending: Plan | None = None
+        self._requested: Plan | None = None   # request(plan): the next call's plan, whatever was measured
+        self._measured: Plan | None = None    # the re-planner's plan, taken at the next call's start
         self._events: dict[int, list[tuple]] = {}   # call key -> its timing events (calls overlap)
         self._lock = threading.Lock()
         self._memory: list[LayerMemory] | None = None   # layer_memory for a fixed plan
@@ -277,7 +278,7 @@ class AutoPlanner:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a roundpipe.Plan, got {type(plan).__name__}")
         with self._lock:
-            self._pending = plan.check(len(self.layers))
+            self._requested = plan.check(len(self.layers))
 
     def _profiled(self, call: int) -> bool:
         """Training call number `call` (0-based) is timed: past the warm-up, within the profile."""
@@ -340,7 +341,8 @@ class AutoPlanner:
                 self.profiler.costs())
             self._switch(self.replanner.plan, count=False)
         with self._lock:
-            pending, self._pending = self._pending, None
+            pending = self._requested or self._measured
+            self._requested = self._measured = None
         if pending is not None:
             self._switch(pending)
         return self.plan
@@ -389,21 +391,21 @@ class AutoPlanner:
             prof.record(r, PHASES[kind], sample)
         if not self.replanner.update():
             return
-        if self._worth_it(self.replanner.plan):
-            with self._lock:
-                if self._pending is None:   # an explicit request wins over the measured plan
-                    self._pending = self.replanner.plan
-        else:   # staying: later candidates are compared with the running plan, not the refused one
-            self.replanner.keep(self.plan)
+        with self._lock:   # calls overlap: an earlier call's measured plan may not have been taken yet
+            next_plan = self._measured or self.plan
+            if self._worth_it(self.replanner.plan, next_plan):
+                self._measured = self.replanner.plan
+            else:   # staying: later candidates are compared with that plan, not the refused one
+                self.replanner.keep(next_plan)
 
-    def _worth_it(self, candidate: Plan) -> bool:
+    def _worth_it(self, candidate: Plan, current: Plan) -> bool:
         """Hysteresis: switch only when the candidate's predicted iteration time is more than
-        `threshold` below the running plan's under the same costs.  Without it, timing noise on
+        `threshold` below `current`'s (the plan the next call would run) under the same costs.  Without it, timing noise on
         small layers (measured: >10% call to call on a shared 2-core CPU) flips between plans
         of equal merit."""
         costs = self.profiler.costs()
         m, r = self.replanner.microbatches, self.planned_rounds
-        old = objective(self.plan, costs, self.workers, m, r)
+        old = objective(current, costs, self.workers, m, r)
         return objective(candidate, costs, self.workers, m, r) < old * (1 - self.config.threshold)
 
     def summary(self) -> dict[str, Any]:
