@@ -65,6 +65,9 @@ TimingFn = Callable[[str, str, int, int, float, float], None]
 
 
 def _as_layers(layers: object, cfg: EngineConfig) -> nn.Sequential:
+    if isinstance(layers, RoundPipe):
+        raise TypeError("layers is a RoundPipe already; RoundPipes cannot be nested: give its layers "
+                        "(the_model.module) to one RoundPipe, or call it from a parent module")
     if isinstance(layers, nn.Sequential):
         seq = layers
     elif isinstance(layers, (list, tuple, nn.ModuleList)):
@@ -120,7 +123,7 @@ class _InFlight:
     run: CallRun
 
 
-class RoundPipe(ModelState, ModelSteps):
+class RoundPipe(ModelState, ModelSteps, nn.Module):
     """A model kept in host memory whose stages are dispatched round-robin to a pool of workers.
 
     `RoundPipe(layers, **options)` or `RoundPipe(layers, config=EngineConfig(...))`: the options are
@@ -141,8 +144,10 @@ class RoundPipe(ModelState, ModelSteps):
         # the keywords are EngineConfig's fields (roundpipe/engine/config.py documents and checks them, once);
         # config= gives them as one EngineConfig instead
         options = {name: value for name, value in locals().items() if name in ENGINE_OPTIONS}
+        nn.Module.__init__(self)   # a parent module sees the wrapped model's tree as this one's (_adopt_owner)
         cfg = self.engine_config = engine_config(config, options)
         self.module = _as_layers(layers, cfg)   # any other module is cut into layers (planner/autosplit.py)
+        self._adopt_owner()
         self.devices = list(cfg.worker_devices)
         n = len(self.devices)
         self.loss_reduction = cfg.loss_reduction

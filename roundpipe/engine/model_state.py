@@ -27,6 +27,50 @@ class ModelState:
         tensors)."""
         return self.module.source if isinstance(self.module, SplitModule) else self.module
 
+    # ---- an nn.Module to a parent (RoundPipe derives from nn.Module: Lightning, Accelerate, any parent module)
+    def _adopt_owner(self) -> None:
+        """Makes the owner's module tree this module's own: the same parameter, buffer and child dicts, so a
+        parent module sees the real masters under the owner's names (`parent.rp.0.weight` for a layer list,
+        `parent.rp.model.layers.0...` for an HF model), its optimizer steps them, and its state_dict,
+        load_state_dict, train(), eval(), named_modules() and apply() reach them.  What the engine keeps
+        beside them (workers, threads, arena) are plain attributes, never submodules (`__setattr__`)."""
+        owner = self._owner
+        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            object.__setattr__(self, name, getattr(owner, name))
+        # a parent's load_state_dict reaches the tensors through the shared dicts, not through load_state_dict
+        # below: the same waits come first and the same refresh after
+        self.register_load_state_dict_pre_hook(ModelState._before_parent_load)
+        self.register_load_state_dict_post_hook(ModelState._after_load)
+        object.__setattr__(self, "_adopted", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)   # the engine's own state: never a submodule or parameter
+
+    @property
+    def training(self) -> bool:
+        """The owner's train/eval mode (a parent reads and restores it here, as Lightning does)."""
+        return self._owner.training if self.__dict__.get("_adopted") else True
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        if self.__dict__.get("_adopted"):   # nn.Module.__init__'s own `training = True` does not reach the owner
+            self._owner.training = mode
+
+    def _apply(self, fn, recurse: bool = True):
+        """`.to(device)`, `.cuda()`, `.cpu()` from a parent (Lightning and Accelerate move the whole model) leave
+        the masters in host memory, where the engine keeps them (its workers are the devices); a cast refuses."""
+        probe = torch.zeros(1)
+        out = fn(probe)
+        if isinstance(out, torch.Tensor) and out.dtype != probe.dtype:
+            raise TypeError(f"a RoundPipe cannot be cast to {out.dtype} (.half(), .to(dtype), a framework's "
+                            "'16-true'/'bf16-true' precision): its masters stay in master_dtype and it computes in "
+                            "its compute_dtype; give RoundPipe(compute_dtype=...) or precision=, and a mixed "
+                            "precision to the framework")
+        return self
+
+    def forward(self, *args, **kwargs) -> Any:
+        return self(*args, **kwargs)
+
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self._owner.parameters(recurse)
 
@@ -39,17 +83,18 @@ class ModelState:
     def named_buffers(self, *args, **kwargs):
         return self._owner.named_buffers(*args, **kwargs)
 
-    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """The module's state_dict after every pending step; masters on disk (offload_dir, phase 2) are read into
-        copies (their bytes in RAM: save_checkpoint streams them instead)."""
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The module's state_dict after every pending step (a parent's state_dict calls this with its prefix);
+        masters on disk (offload_dir, phase 2) are read into copies (their bytes in RAM: save_checkpoint streams
+        them instead)."""
         with self._api:
             self._check_open()
             self._drain()
             if self.device_step is not None:   # masters the device step updated (device_step.py)
                 self.device_step.home(grads=False)
-            sd = self._owner.state_dict(*args, **kwargs)
+            sd = self._owner.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
             if self.offload is not None and self.offload.placeholders:
-                for name in self.offload.masters_on_disk(sd):
+                for name in self.offload.masters_on_disk({k: v for k, v in sd.items() if k.startswith(prefix)}):
                     sd[name] = self.offload.master(sd[name])
             return sd
 
@@ -64,19 +109,38 @@ class ModelState:
                     named[f"roundpipe.layers.{name}"] = t
         return named
 
-    def load_state_dict(self, state_dict, strict: bool = True):
+    def _before_load(self, assign: bool) -> None:
+        """Under self._api: pending steps end, the device step's state comes home and is dropped."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would put new tensors in place of the masters the engine "
+                             "holds (its pinned upload copies, optimizer state and workers point at them); load "
+                             "with assign=False: the values are copied into the masters")
+        self._check_open()
+        self._drain()
+        if self.device_step is not None:   # the optimizer state it updated comes home; the masters are replaced
+            self.device_step.home(grads=False)
+            self.device_step.drop()
+
+    def _before_parent_load(self, state_dict, prefix, local_metadata, *_) -> None:
         with self._api:
-            self._check_open()
-            self._drain()
-            if self.device_step is not None:   # the optimizer state it updated comes home; the masters are replaced
-                self.device_step.home(grads=False)
-                self.device_step.drop()
-            result = self._owner.load_state_dict(state_dict, strict=strict)
+            self._before_load(bool(local_metadata.get("assign_to_params_buffers", False)))
+
+    def _after_load(self, *_) -> None:
+        """The upload copies of every layer rewritten from the masters just loaded."""
+        with self._api:
             for l in range(len(self.host)):
                 self.host.refresh(l)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        with self._api:
+            self._before_load(assign)
+            result = self._owner.load_state_dict(state_dict, strict=strict)
+            self._after_load()
             return result
 
     def train(self, mode: bool = True) -> ModelState:
+        if not isinstance(mode, bool):
+            raise ValueError(f"train(mode) takes True or False, got {mode!r}")
         self._owner.train(mode)
         return self
 
