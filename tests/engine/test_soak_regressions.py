@@ -110,3 +110,26 @@ def test_a_resumed_run_splits_default_calls_as_the_run_that_saved():
                     model.save_checkpoint(f"{tmp}/c", opt)
                 losses.append(model.forward_backward(x2, labels=y2, loss_fn=F.mse_loss))
     assert torch.equal(losses[0], losses[1]), [float(v) for v in losses]
+
+
+@pytest.mark.parametrize("seed, kind", [(731049, "adamw8bit"), (732450, "nvme")])
+def test_an_8bit_moment_code_flipped_by_fp32_noise(seed, kind, monkeypatch):
+    """Seeds 731049 and 732450 (AdamW8bit; 2 workers): a microbatched gradient 3e-7 off the reference's whole-batch
+    one (fp32 summation order) quantized one second moment to code 234 where the reference's is 233; the weight
+    it steps was 5.7e-5 off two steps later (1.4 TOL), or, in the other case, a later call's outputs 2.5e-4 off.
+    Both depend on one element only, so the reference now steps two shadow AdamW8bit optimizers on gradients moved
+    by that noise (their moments persist, so a flipped code keeps moving later updates) and allows each master
+    what the shadows' updates differ by; a forward's outputs are then checked at the engine's own masters.  The
+    allowance stays far below TOL where no code can flip: the check still sees a wrong weights version (lr, 200
+    TOL, on every element)."""
+    case = soak.draw_case(seed, kind)
+    allowances = []
+    original = soak.Checker.master_err
+
+    def recording(self, name, got, want):
+        allowances.append((self.allow[name] / (soak.TOL * want.abs().max())).median().item())
+        return original(self, name, got, want)
+
+    monkeypatch.setattr(soak.Checker, "master_err", recording)
+    soak.run_with_watchdog(lambda: soak.check_case(case), 120)
+    assert allowances and max(allowances) < 0.01, allowances
