@@ -23,6 +23,7 @@ the manifest's "whole_batch", restored by load_checkpoint).
 """
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 
@@ -133,3 +134,18 @@ def test_an_8bit_moment_code_flipped_by_fp32_noise(seed, kind, monkeypatch):
     monkeypatch.setattr(soak.Checker, "master_err", recording)
     soak.run_with_watchdog(lambda: soak.check_case(case), 120)
     assert allowances and max(allowances) < 0.01, allowances
+
+
+def test_an_undetermined_first_update_is_followed():
+    """Seed 730039 (dp2; here its ops in one process, fp32): the first real step is synchronous and clipped; one
+    1.0.weight gradient element cancels to within fp32 noise of zero, so Adam's first update there (about lr
+    times its sign) went the other way in the engine: 6.5e-3 of the tensor's largest weight, inside that element's
+    allowance, but every later gradient moved with it and 2.0.weight ended 1.4e-4 off.  After a synchronous step
+    the reference now takes the engine's value and moments where the allowance is open (Checker.follow)."""
+    case = dataclasses.replace(soak.draw_case(730039, "dp2"), kind="fp32")
+    soak.run_with_watchdog(lambda: soak.check_case(case), 120)
+
+
+def test_seed_730039_on_two_ranks(tmp_path):
+    """The case itself, on 2 ranks as the long soak ran it."""
+    assert soak.run_dp_cases([730039], str(tmp_path), timeout=240) == {730039: "ok"}
