@@ -66,6 +66,9 @@ from roundpipe.hf.trainer_model import EngineModel
 CHECKPOINT_DIR = "roundpipe"   # the engine's checkpoint inside a Trainer checkpoint folder
 # TrainingArguments' switches for HF's gradient checkpointing (transformers 5.x's name first, then its old alias)
 CHECKPOINTING_ARGS = ("activation_checkpointing", "gradient_checkpointing")
+# (derived, source): a config field that __post_init__ derives from another and refuses alongside it once both are set
+# (TRL's GRPOConfig and RLOOConfig derive generation_batch_size from steps_per_generation or the reverse)
+DERIVED_ARGS = (("generation_batch_size", "steps_per_generation"),)
 
 
 def precision_of(args) -> torch.dtype:
@@ -95,6 +98,14 @@ def default_args(signature: inspect.Signature):
         if isinstance(cls, type) and issubclass(cls, transformers.TrainingArguments):
             return cls(output_dir="tmp_trainer", use_cpu=True)
     return transformers.TrainingArguments(output_dir="tmp_trainer", use_cpu=True)
+
+
+def changed_args(args, changes: dict):
+    """A copy of args with changes, its __post_init__ run again (the device, mixed precision and pin memory follow
+    use_cpu and bf16); a field derived from another is left for it to derive again, to the same value."""
+    cleared = {d: None for d, src in DERIVED_ARGS if getattr(args, d, None) is not None
+               and getattr(args, src, None) is not None}
+    return dataclasses.replace(args, **cleared, **changes)
 
 
 def _engine_clears_grads(*args, **kwargs) -> None:
@@ -134,7 +145,7 @@ class TrainerMixin:
         changes = {k: v for k, v in (("use_cpu", True), ("bf16", False), ("fp16", False)) if getattr(args, k) != v}
         changes.update({k: False for k in CHECKPOINTING_ARGS if hasattr(args, k)} if asked else {})
         bound.arguments["model"] = hf_model
-        bound.arguments["args"] = dataclasses.replace(args, **changes) if changes else args
+        bound.arguments["args"] = changed_args(args, changes) if changes else args
         super().__init__(*bound.args, **bound.kwargs)
         self.place_model_on_device = False
         if wrapped:
@@ -206,7 +217,7 @@ class TrainerMixin:
         def step(closure=None):
             if closure is not None:
                 raise ValueError("rp.hf.Trainer: an optimizer step with a closure cannot run on a RoundPipe")
-            self._step(optimizer, target)
+            self._engine_step(optimizer, target)
         optimizer.step = step
         optimizer._roundpipe_routed = True
         self._rp_optimizer = optimizer
@@ -226,7 +237,9 @@ class TrainerMixin:
             self._engine_scheduler = trainer_optim.EngineScheduler(sched.scheduler, self._rp_optimizer)
         return self._engine_scheduler
 
-    def _step(self, optimizer, target) -> None:
+    def _engine_step(self, optimizer, target) -> None:
+        """The optimizer's step as model.step (not named `_step`: TRL's GRPOTrainer and RLOOTrainer count their
+        microbatches in self._step)."""
         scheduler = self._engine_lr_scheduler()
         if scheduler is not None:
             self._issued_lr = trainer_optim.scheduled_lr(scheduler.scheduler, self.state.global_step,
