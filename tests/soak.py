@@ -676,15 +676,36 @@ def check_case(case: Case) -> None:
 
 # ---- 2 data-parallel ranks (gloo on loopback): `python tests/soak.py CONFIG_JSON` is one rank
 
-def run_dp_cases(seeds: list[int], folder: str, timeout: float = 600) -> dict[int, str]:
-    """Runs the dp2 cases of `seeds` on 2 ranks in one launch (one process start-up for all of them);
-    returns {seed: "ok" or what failed} over both ranks."""
+NOT_RUN = "not run"   # run_dp_cases' result for a case no launch ran
+
+
+def run_dp_cases(seeds: list[int], folder: str, timeout: float = 600, fail: tuple = ()) -> dict[int, str]:
+    """Runs the dp2 cases of `seeds` on 2 ranks, in one launch (one process start-up for all of them) until a
+    case fails: the ranks stop there (the other rank may be stuck in a collective), and the cases after it run
+    in a new launch.  Returns {seed: "ok", what failed over both ranks, or NOT_RUN + why (a launch that ran
+    none of its cases)}.  fail: seeds both ranks fail on purpose (a test of this function)."""
     import pathlib
 
     from ranks import launch  # tests/ranks.py
-    results = launch(__file__, {"seeds": list(seeds), "dir": folder}, 2, pathlib.Path(folder), timeout)
-    return {seed: "; ".join(f"rank {r}: {res.get(seed, 'not run')}" for r, res in enumerate(results)
-                            if res.get(seed) != "ok") or "ok" for seed in seeds}
+    out: dict[int, str] = {}
+    pending = list(seeds)
+    while pending:
+        where = pathlib.Path(folder) / f"launch-{pending[0]}"
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            results = launch(__file__, {"seeds": pending, "dir": str(where), "fail": list(fail)}, 2, where, timeout)
+        except AssertionError as e:   # a rank wrote nothing: it crashed or hung before saving
+            results, why = [], str(e).splitlines()[0]
+        ran = [s for s in pending if any(s in res for res in results)]
+        for seed in ran:
+            out[seed] = "; ".join(f"rank {r}: {res.get(seed, 'no result (the other rank failed first)')}"
+                                  for r, res in enumerate(results) if res.get(seed) != "ok") or "ok"
+        if not ran:
+            for seed in pending:
+                out[seed] = f"{NOT_RUN}: {why if not results else 'the launch ran none of its cases'}"
+            break
+        pending = [s for s in pending if s not in ran]
+    return {seed: out[seed] for seed in seeds}
 
 
 def _rank_main() -> None:
@@ -701,6 +722,8 @@ def _rank_main() -> None:
             case = draw_case(seed, "dp2")
             folder = os.path.join(cfg["dir"], f"case-{seed}")
             try:
+                if seed in cfg.get("fail", ()):
+                    raise AssertionError(f"seed {seed}: failed on purpose")
                 run_with_watchdog(lambda: run_case(case, folder, group=dist.group.WORLD, rank=rank, world=world))
                 out[seed] = "ok"
             except BaseException as e:  # noqa: BLE001 - reported to the parent; the other rank cannot go on

@@ -46,6 +46,7 @@ def main() -> int:
     if args.cases is None and args.minutes is None:
         ap.error("give --cases, --minutes or both")
     start, seed, counts, failures, dp_pending = time.monotonic(), args.seed, {}, [], []
+    not_run: list[int] = []   # dp2 cases no launch ran (run_dp_cases)
     layer_grain = {}   # kind -> its cases at recompute="layer"
 
     def report(s, kind, error):
@@ -58,6 +59,10 @@ def main() -> int:
     def run_dp():
         with tempfile.TemporaryDirectory(prefix="rp-soak-dp-") as folder:
             for s, result in soak.run_dp_cases(dp_pending, folder).items():
+                if result.startswith(soak.NOT_RUN):   # counted apart: no verdict either way
+                    not_run.append(s)
+                    print(f"NOT RUN seed {s} (dp2): {result}", flush=True)
+                    continue
                 counts["dp2"] = counts.get("dp2", 0) + 1
                 if result != "ok":
                     report(s, "dp2", result)
@@ -85,9 +90,10 @@ def main() -> int:
         run_dp()
     total = sum(counts.values())
     print(f"{total} cases in {time.monotonic() - start:.0f} s (seeds {args.seed}..{seed - 1}): {counts}, of them "
-          f"at recompute='layer' {layer_grain}; {len(failures)} failed: {[(s, k) for s, k, _ in failures]}",
+          f"at recompute='layer' {layer_grain}; {len(failures)} failed: {[(s, k) for s, k, _ in failures]}"
+          + (f"; {len(not_run)} not run: {not_run}" if not_run else ""),
           flush=True)
-    return 1 if failures else 0
+    return 1 if failures or not_run else 0
 
 
 if __name__ == "__main__":

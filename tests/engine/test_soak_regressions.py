@@ -149,3 +149,10 @@ def test_an_undetermined_first_update_is_followed():
 def test_seed_730039_on_two_ranks(tmp_path):
     """The case itself, on 2 ranks as the long soak ran it."""
     assert soak.run_dp_cases([730039], str(tmp_path), timeout=240) == {730039: "ok"}
+
+
+def test_dp_cases_after_a_failing_one_still_run(tmp_path):
+    """A dp2 case that fails stops its launch; the cases after it ran in a new launch and are reported as
+    they ran, not as failures ("rank 0: not run" before, which replays showed to pass)."""
+    results = soak.run_dp_cases([0, 1], str(tmp_path), timeout=240, fail=(0,))
+    assert "failed on purpose" in results[0] and results[1] == "ok", results
