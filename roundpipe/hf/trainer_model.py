@@ -21,7 +21,8 @@ DPO and KTO, a subclass's own, label smoothing) is called as transformers calls 
 Measured on CPU workers against TRL and transformers run on the same model (fp32): trl.DPOTrainer and KTOTrainer with
 a LoRA adapter, and SFTTrainer with loss_type="dft", log every metric TRL logs (losses, rewards, log-probabilities,
 entropy, token accuracy) within 1e-4 and train the same weights (tests/hf/test_trainer_mixin_trl.py); a subclass's
-own loss, label smoothing and compute_loss_func train as under transformers.Trainer (tests/hf/test_trainer_own_loss.py).
+own loss, label smoothing and compute_loss_func train as under transformers.Trainer (tests/hf/test_trainer_own_loss.py);
+ORPO and GRPO with a LoRA adapter log every metric within 1e-4 (tests/hf/test_trainer_mixin_rl.py).
 
 Cost, a composed call's: forward_backward plus one forward of the model (by FLOP count a third more), and the logits
 and their gradient, [B, T, V] each, cross between host and workers (forward_backward's fused loss never builds them).
