@@ -54,7 +54,7 @@ from roundpipe.engine.step.device_step import DeviceStep
 from roundpipe.engine.step.host_state import HostState
 from roundpipe.engine.step.optimizer_step import total_norm
 from roundpipe.engine.step.staleness import StalenessCompensation
-from roundpipe.planner.autosplit import split_module
+from roundpipe.planner.autosplit import SplitModule, split_module
 from roundpipe.planner.plan import Plan
 from roundpipe.trace import Trace
 from roundpipe.workers import make_workers
@@ -266,6 +266,7 @@ class RoundPipe(ModelState, ModelSteps, nn.Module):
         recompute: this call's recompute grain, "stage" or "layer", instead of the model's (its plan stays)."""
         with self._api:
             self._check_open()
+            args, kwargs = self._inputs_for_layers(args, kwargs)
             grain = self._layer_grain(recompute)
             if loss_fn is not None and not callable(loss_fn):
                 raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -297,6 +298,11 @@ class RoundPipe(ModelState, ModelSteps, nn.Module):
             if return_outputs:
                 result.append(merge(_on_host(ctx.outputs, len(mb))))
             return result[0] if len(result) == 1 else tuple(result)
+
+    def _inputs_for_layers(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A module cut by rp.RoundPipe(module) takes none of the forward's arguments that default to None
+        (SplitModule.check_call); others take the call's as they are."""
+        return self.module.check_call(args, kwargs) if isinstance(self.module, SplitModule) else (args, kwargs)
 
     @staticmethod
     def _layer_grain(recompute: Any) -> bool | None:
@@ -338,6 +344,7 @@ class RoundPipe(ModelState, ModelSteps, nn.Module):
         composed call's backward instead of the model's (so a layer cannot take inputs of those names)."""
         with self._api:
             self._check_open()
+            args, kwargs = self._inputs_for_layers(args, kwargs)
             count = self._microbatch_count(num_microbatches)
             grain = self._layer_grain(recompute)
             self.sync.flush()   # a sync point: a forward after step() sees the updated weights

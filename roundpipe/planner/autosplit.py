@@ -61,9 +61,29 @@ class SplitModule(nn.Sequential):
     """The layers cut from `source` by `split_module`, in order.  `source` (the user's module, not a
     submodule of this one) owns the names the RoundPipe presents."""
 
-    def __init__(self, source: nn.Module, pieces: list[nn.Module]):
+    def __init__(self, source: nn.Module, pieces: list[nn.Module], traced_none: tuple[str, ...] = ()):
         super().__init__(*pieces)
         self.__dict__["source"] = source   # not registered: its tensors are the pieces' own
+        # arguments of source.forward that default to None, traced as None (`_unset_args`): the pieces take none
+        self.__dict__["traced_none"] = traced_none
+
+    def check_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A call's arguments for the pieces: those the cut traced as None left out where they are None; a
+        TypeError (before any work) naming one given a value."""
+        if not self.traced_none:
+            return args, kwargs
+        names = list(inspect.signature(self.source.forward).parameters)
+        given = [names[i] for i, a in enumerate(args[:len(names)]) if names[i] in self.traced_none and a is not None]
+        given += [k for k in kwargs if k in self.traced_none and kwargs[k] is not None]
+        if given:
+            raise TypeError(
+                f"{type(self.source).__name__}.forward's argument {given[0]!r} defaults to None and was traced as "
+                "None when rp.RoundPipe(module) cut the module into layers (torch.fx cannot see whether a value "
+                "is None, so the layers were cut for the call without it); to pass it, give RoundPipe a list of "
+                "layers that take it, or make the argument required in forward (docs/migrating.md)")
+        while args and len(args) <= len(names) and names[len(args) - 1] in self.traced_none and args[-1] is None:
+            args = args[:-1]
+        return args, {k: v for k, v in kwargs.items() if k not in self.traced_none}
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):   # nn.Sequential's slice rebuilds its own class
@@ -97,12 +117,17 @@ class _Untraceable(ValueError):
     """A forward that cannot be traced; the message is the reason (fx's error and the line)."""
 
 
+def _unset_args(root: nn.Module) -> tuple[str, ...]:
+    """The arguments of root.forward that default to None."""
+    return tuple(name for name, p in inspect.signature(root.forward).parameters.items() if p.default is None)
+
+
 def _trace(root: nn.Module, expand: frozenset[str]) -> fx.Graph:
     """The dataflow of root's forward, traced through `expand`; _Untraceable when fx fails or the
     traced forwards read self.training."""
     # an argument that defaults to None is traced as None (`if mask is not None` cannot see a proxy's value);
     # fx then asserts at run time that it is not given
-    unset = {name: None for name, p in inspect.signature(root.forward).parameters.items() if p.default is None}
+    unset = dict.fromkeys(_unset_args(root))
     try:
         graph = _Tracer(expand).trace(root, concrete_args=unset or None)
     except Exception as e:  # noqa: BLE001 - whatever the user's forward raised under tracing is the reason
@@ -320,4 +345,4 @@ def split_module(module: nn.Module, *, device_memory: int | None = None, compute
         raise ValueError(f"RoundPipe could not split {_describe(module, '')} into layers: there is no point in its "
                          f"forward, or inside its heaviest children, where a single value flows on "
                          f"({cuts.narrowest()}); {instead}")
-    return SplitModule(module, _build(module, graph, segs))
+    return SplitModule(module, _build(module, graph, segs), _unset_args(module))

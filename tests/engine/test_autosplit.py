@@ -342,3 +342,30 @@ def test_a_forward_of_one_step_is_cut_inside_that_step():
     g = torch.Generator().manual_seed(7)
     batches = [(torch.randn(10, 3, 8, 8, generator=g), torch.randint(0, 5, (10,), generator=g)) for _ in range(2)]
     assert_trains_like_pytorch(net, batches, workers=2, microbatches=2)   # its state_dict's names are seq's too
+
+
+class OptionalScale(nn.Module):
+    """forward(x, scale=None): an argument defaulting to None, traced as None by the cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, scale=None):
+        h = self.a(x)
+        if scale is not None:
+            h = h * scale
+        return self.b(h)
+
+
+def test_an_argument_traced_as_none_is_refused_by_name():
+    """Passing an argument the cut traced as None (by keyword or position) is a TypeError naming it and the rule,
+    before any work (before, layer 0 raised `forward() got an unexpected keyword argument`); None itself is fine."""
+    x = torch.randn(4, 8)
+    with rp.RoundPipe(OptionalScale(), devices=["cpu"]) as model:
+        assert model(x, scale=None).shape == (4, 8)
+        for call in (lambda: model(x, scale=torch.ones(8)), lambda: model(x, torch.ones(8)),
+                     lambda: model.forward_backward(x, scale=torch.ones(8))):
+            with pytest.raises(TypeError, match="'scale' defaults to None and was traced as None"):
+                call()
+        assert model.forward_backward(x, labels=torch.zeros(4, 8), loss_fn=F.mse_loss).dim() == 0   # usable after
