@@ -33,7 +33,9 @@ Failure semantics (per layer all or nothing):
     rewritten from the masters, gradients dropped, as after any step error); layers
     updated before it keep their update, state written; the error reaches the caller.
   - a write fails: the layer was updated and its new state is still in the slot, which
-    the tier keeps in RAM (that layer is resident until a later write of it succeeds), so
+    the tier keeps in RAM (that layer is resident until a later write of it succeeds: read
+    ahead into a slot that is then given up, by a gate opening out of order or a quiesce, its
+    buffer goes back to RAM, never re-read from the region the failed write poisoned), so
     masters and state agree; the error is raised by the next step before it updates any
     layer, or by `synchronize()` / `save_checkpoint` / `close()`, whichever comes first.
 """
@@ -126,10 +128,13 @@ def probe_layout(optimizer: Any, layer: int, params: list[torch.Tensor], index: 
 
 
 class _Slot:
-    """A ring buffer: free (layer None), or holding layer's state being read / ready / in use / written."""
+    """A ring buffer: free (layer None), or holding layer's state being read / ready / in use / written.
+
+    kept: buf is the layer's state after a failed write (taken from StateTier.resident), its only copy until a
+    write of it succeeds; giving the slot up (_free) hands it back to `resident`, never drops it."""
 
     def __init__(self, buf: torch.Tensor):
-        self.buf, self.layer, self.kind, self.fence = buf, None, "free", None
+        self.buf, self.layer, self.kind, self.fence, self.kept = buf, None, "free", None, False
 
 
 class StateTier:
@@ -292,7 +297,8 @@ class StateTier:
                 self._uninstall(installed)
                 for p, before in masters:
                     p.data = before
-                slot.layer, slot.kind = None, "free"   # the state on disk is still the one before the step
+                with self._lock:
+                    self._free(slot)   # the state on disk (or kept in RAM) is still the one before the step
                 raise
             self._pack_and_write(l, slot)
             done.add(l)
@@ -312,8 +318,8 @@ class StateTier:
 
     def _load(self, l: int, slot: _Slot) -> None:
         slot.layer = l
-        if l in self.resident:   # its state after a failed write: the buffer becomes the slot's
-            slot.buf, slot.kind, slot.fence = self.resident.pop(l), "ready", None
+        if l in self.resident:   # its state after a failed write: the buffer becomes the slot's, kept
+            slot.buf, slot.kind, slot.fence, slot.kept = self.resident.pop(l), "ready", None, True
         else:
             fences = []
             if self._needs_read(l):
@@ -339,7 +345,7 @@ class StateTier:
             if s.kind == "write":
                 self._retire_write(s)
                 return s
-        for s in self.slots:   # a layer read ahead out of order: give its slot up
+        for s in self.slots:   # a layer read ahead out of order: give its slot up (a kept one goes back to RAM)
             if s.kind in ("read", "ready"):
                 self._drop(s)
                 return s
@@ -351,17 +357,24 @@ class StateTier:
                 self.store.wait(*s.fence)
             except OSError:
                 pass   # a failed read ahead that nobody needs
-        s.layer, s.kind, s.fence = None, "free", None
+        self._free(s)
 
     def _retire_write(self, s: _Slot) -> None:
         """Waits for the slot's write; a failure keeps the slot's state (the layer's newest) in RAM."""
         try:
             self.store.wait(*s.fence)
         except OSError as e:
+            s.kept = True
+            self.error = self.error or e
+        self._free(s)
+
+    def _free(self, s: _Slot) -> None:
+        """The slot free; a kept buffer (a layer's state whose write failed) goes back to `resident` first, so the
+        layer's next load takes it instead of reading its region (which the failed write left unreadable)."""
+        if s.kept:
             self.resident[s.layer] = s.buf
             s.buf = self.store.empty(s.buf.nbytes)
-            self.error = self.error or e
-        s.layer, s.kind, s.fence = None, "free", None
+        s.layer, s.kind, s.fence, s.kept = None, "free", None, False
 
     def _take(self, l: int) -> _Slot:
         with self._lock:
@@ -373,7 +386,7 @@ class StateTier:
                 try:
                     self.store.wait(*slot.fence)
                 except OSError:
-                    slot.layer, slot.kind, slot.fence = None, "free", None
+                    self._free(slot)
                     self._settle_writes()   # the layers updated before this one: their state on disk
                     raise
             slot.kind, slot.fence = "busy", None
@@ -451,7 +464,7 @@ class StateTier:
             if l in self.master_regions:
                 region, base = self.master_regions[l], self.master_base
                 fences.append(self.store.write_async(region, slot.buf[base:base + region.nbytes]))
-            slot.kind, slot.fence = "write", fences
+            slot.kind, slot.fence, slot.kept = "write", fences, False   # its retirement keeps it again if this fails
 
     def _settle_writes(self) -> None:
         for s in self.slots:
