@@ -156,8 +156,11 @@ def reach_ins(trees: dict[str, ast.AST], known) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("roundpipe"):
                 for a in node.names:
-                    if a.name.startswith("_") and not a.name.startswith("__") \
-                            and f"{node.module}.{a.name}" not in known and a.name != "_C":
+                    if not a.name.startswith("_") or a.name.startswith("__") or a.name == "_C":
+                        continue
+                    private_module = f"{node.module}.{a.name}" in known
+                    # a package's private module is its own: only modules inside that package import it
+                    if not private_module or not (name == node.module or name.startswith(node.module + ".")):
                         found.append(f"{name}:{node.lineno} from {node.module} import {a.name}")
             elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                 if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
@@ -179,6 +182,9 @@ def test_the_private_name_check_sees_a_reach_in():
     """The scanner flags both kinds of reach-in in made-up modules, and a module's own private names not."""
     trees = {"roundpipe.a": ast.parse("_table = {}\nclass M:\n    def __init__(self):\n        self._count = 0\n"),
              "roundpipe.b": ast.parse("from roundpipe.a import _table\ndef f(m):\n    return m._count\n"),
-             "roundpipe.c": ast.parse("class N:\n    def g(self, other):\n        self._count = other._count\n")}
+             "roundpipe.c": ast.parse("class N:\n    def g(self, other):\n        self._count = other._count\n"),
+             "roundpipe.k._impl": ast.parse("x = 1\n"), "roundpipe.k.ops": ast.parse("from roundpipe.k import _impl\n"),
+             "roundpipe.h.use": ast.parse("from roundpipe.k import _impl\n")}
     found = reach_ins(trees, set(trees))
-    assert found == ["roundpipe.b:1 from roundpipe.a import _table", "roundpipe.b:3 m._count (defined in roundpipe.a, roundpipe.c)"]
+    assert found == ["roundpipe.b:1 from roundpipe.a import _table", "roundpipe.b:3 m._count (defined in roundpipe.a, roundpipe.c)",
+                     "roundpipe.h.use:1 from roundpipe.k import _impl"]

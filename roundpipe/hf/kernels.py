@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roundpipe.core.checks import is_number
-from roundpipe.kernels import _triton, apply_rope, rms_norm, swiglu
+from roundpipe.kernels import apply_rope, can_run, rms_norm, swiglu
 from roundpipe.kernels.rms_norm import MAX_HIDDEN, rms_norm_ref
 from roundpipe.kernels.rope import apply_rope_ref
 
@@ -106,7 +106,7 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 def _rms_norm_forward(self, hidden_states, *args, **kwargs):
     weight = self.weight
-    if (args or kwargs or not isinstance(hidden_states, torch.Tensor) or not _triton.can_run(hidden_states)
+    if (args or kwargs or not isinstance(hidden_states, torch.Tensor) or not can_run(hidden_states)
             or hidden_states.dtype != weight.dtype or hidden_states.shape[-1] > MAX_HIDDEN):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     return rms_norm(hidden_states, weight, _eps(self))
@@ -145,7 +145,7 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
 
 
 def _swiglu_forward(self, x, *args, **kwargs):
-    if args or kwargs or not isinstance(x, torch.Tensor) or not _triton.can_run(x):
+    if args or kwargs or not isinstance(x, torch.Tensor) or not can_run(x):
         return type(self).forward(self, x, *args, **kwargs)
     gate, up = self.gate_proj(x), self.up_proj(x)
     if gate.dtype != up.dtype or gate.shape != up.shape:
@@ -175,7 +175,7 @@ def _rope_replacement(original: Callable) -> Callable | None:
         tensors = (q, k, cos, sin)
         plain_call = not args and set(kwargs) <= {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1
         if (not plain_call or not all(isinstance(t, torch.Tensor) for t in tensors)
-                or not _triton.can_run(q) or q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype
+                or not can_run(q) or q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype
                 or cos.requires_grad or sin.requires_grad or cos.shape != sin.shape or cos.dim() not in (2, 3)
                 or cos.shape[-2:] != q.shape[-2:] or q.shape[-1] % 2
                 or (q.shape[0], q.shape[2:]) != (k.shape[0], k.shape[2:])
