@@ -405,3 +405,37 @@ def test_a_bad_path_is_a_type_error_naming_it():
                 model.save_checkpoint(bad)
             with pytest.raises(TypeError, match="load_checkpoint: path must be"):
                 model.load_checkpoint(bad)
+
+
+class LoadsThenFails(torch.optim.AdamW):
+    """An optimizer whose own load_state_dict assigns the state and then raises (a subclass's late check)."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        raise RuntimeError("late check failed")
+
+
+def test_an_optimizer_whose_loader_fails_partway_is_put_back(tmp_path):
+    """load_checkpoint with an optimizer whose load_state_dict fails after assigning: a ValueError naming the
+    file, and the optimizer's state, step counts and lr are what they were (before: the checkpoint's, half
+    loaded while the model kept its own masters)."""
+    with small_model() as model:
+        opt = rp.optim.AdamW(model.parameters(), lr=1e-2)
+        model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
+        model.step(opt, asynchronous=False)
+        model.save_checkpoint(tmp_path / "c", opt)
+    with small_model() as model:
+        opt = LoadsThenFails(model.parameters(), lr=5e-3)
+        model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
+        for _ in range(2):
+            model.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=F.mse_loss)
+            model.step(opt, asynchronous=False)
+        before = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+        with pytest.raises(ValueError, match="optimizer.*late check failed|late check failed"):
+            model.load_checkpoint(tmp_path / "c", opt)
+        after = opt.state_dict()
+        assert after["param_groups"][0]["lr"] == 5e-3
+        assert after["state"].keys() == before.keys()
+        for i, s in before.items():
+            for k, v in s.items():
+                assert torch.equal(after["state"][i][k], v), (i, k)

@@ -440,21 +440,52 @@ def load(model: "RoundPipe", path: str, optimizer: Any, lr_scheduler: Any) -> di
 
 def _load_states(path: str, *given: tuple[Any, Any, str]) -> None:
     """The last check: the (scheduler, optimizer)'s own load_state_dict accepts its saved state; any
-    error is a ValueError naming the file, the scheduler put back (its state is small; an optimizer
-    that refuses its state has not replaced it: torch's and roundpipe's check before they assign)."""
+    error is a ValueError naming the file, and every object is put back as it was: a scheduler from its
+    state dict (small), an optimizer by swapping its own state and groups back in (`_Held`), so a loader
+    that failed after assigning part of the state (a subclass's, or one whose checks come late) leaves
+    nothing half-loaded and copies no state."""
     done = []
     for obj, state, name in given:
         if state is None:
             continue
-        backup = obj.state_dict()
+        held = _Held(obj)
         try:
             obj.load_state_dict(state)
         except Exception as e:   # noqa: BLE001 - whatever the object's own loader raises: name the file
-            for prev, prev_backup in done:
-                prev.load_state_dict(prev_backup)
+            for prev in [held] + done[::-1]:
+                prev.put_back()
             raise ValueError(f"load_checkpoint: {os.path.join(path, name)}: load_state_dict refused it "
                              f"({type(e).__name__}: {tensor_file.short(str(e))})") from None
-        done.append((obj, backup))
+        done.append(held)
+
+
+class _Held:
+    """What an object's load_state_dict may replace, kept to put back.  A torch optimizer: its `state` and
+    each group's dict, by reference (torch's loader assigns new ones; nothing is copied); anything else: its
+    state dict."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+        if isinstance(obj, torch.optim.Optimizer):
+            self.state = {p: dict(s) for p, s in obj.state.items()}
+            self.groups = [dict(g) for g in obj.param_groups]
+        else:
+            self.backup = obj.state_dict()
+
+    def put_back(self) -> None:
+        obj = self.obj
+        if not isinstance(obj, torch.optim.Optimizer):
+            obj.load_state_dict(self.backup)
+            return
+        obj.state.clear()
+        obj.state.update({p: dict(s) for p, s in self.state.items()})
+        del obj.param_groups[len(self.groups):]
+        for i, g in enumerate(self.groups):
+            if i < len(obj.param_groups):
+                obj.param_groups[i].clear()
+                obj.param_groups[i].update(g)
+            else:
+                obj.param_groups.append(dict(g))
 
 
 def _check_aliases(model: "RoundPipe", mf: TensorFile) -> dict[str, str]:
