@@ -5,7 +5,7 @@
 
 Where state lives.  Upload copies and gradients stay in host memory.  At the first
 step the tier learns the optimizer's per-parameter state layout exactly (its own
-`_states` run on meta tensors: AdamW 8 B/param, AdamW8bit 2 B/param + absmax).
+`_states` run on meta tensors: AdamW 8 B/param, AdamW8bit 2 B/param + absmax; state_layout.py).
 Phase 1: it keeps the state of layers in RAM, first fit from layer 0, while masters +
 upload copies + gradients + the ring + the resident state stay under `host_memory`,
 and gives every other layer one region (a preallocated file) of an `NVMeStore` under
@@ -25,7 +25,9 @@ The unchanged fused `step_layer` runs on views of a slot (the kernels update in 
 the bytes and the arithmetic are those of training in RAM: bitwise equal); after it the
 slot is written back whole.  Each state byte crosses the disk once each way per step.
 When the last offloaded layer of a step is updated the writes are waited for and the
-first layers of the next step are read ahead.
+first layers of the next step are read ahead.  The ring and its slots' states: state_ring.py
+(`StateRing`, the step side StateTier derives from); placement, sync points, the masters on
+disk and checkpoints are here.
 
 Failure semantics (per layer all or nothing):
   - a read fails (StorageError naming the file): that layer and every layer after it in
@@ -44,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -52,52 +53,9 @@ import torch
 from roundpipe.core.checks import is_int
 from roundpipe.offload.masters import LazyMaster, MasterLayout, master_layout, movable_bytes, placeholder
 from roundpipe.offload.masters import view as master_view
-from roundpipe.offload.nvme import NVMeConfig, NVMeStore, check_free_space, file_bytes
-
-SLICE_ALIGN = 64   # bytes: each state tensor in a slot starts on a cache line
-TRIM_BYTES = 1 << 20
-
-
-def _trim_heap() -> None:
-    """Hands freed heap memory back to the kernel (glibc malloc_trim).  The first step's fresh state
-    tensors are freed once copied into the ring, but glibc raises its mmap threshold after freeing
-    large chunks and keeps later ones on the heap: measured (bench/nvme_train.py, 8 x Linear(2048),
-    AdamW) the peak RSS stayed at the in-RAM run's without this."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-@dataclass(frozen=True)
-class Slice:
-    """One state tensor of a parameter inside its layer's region."""
-
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    def describe(self) -> list:
-        return [self.key, str(self.dtype).removeprefix("torch."), list(self.shape), self.offset]
-
-
-@dataclass(frozen=True)
-class LayerLayout:
-    """The packed optimizer state of one layer: (optimizer parameter index, its slices) per parameter."""
-
-    layer: int
-    params: tuple[tuple[int, tuple[Slice, ...]], ...]
-    nbytes: int   # a multiple of 4096 (the region's size)
-
-    def describe(self) -> list:
-        return [[i, [s.describe() for s in slices]] for i, slices in self.params]
-
-
-def _view(buf: torch.Tensor, s: Slice) -> torch.Tensor:
-    return buf[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+from roundpipe.offload.nvme import NVMeConfig, NVMeStore, check_free_space
+from roundpipe.offload.state_layout import LayerLayout, Slice, probe_layout, slice_view
+from roundpipe.offload.state_ring import Slot, StateRing, trim_heap
 
 
 def fixed_bytes(host: Any, compute_dtype: torch.dtype) -> dict[str, int]:
@@ -110,34 +68,7 @@ def fixed_bytes(host: Any, compute_dtype: torch.dtype) -> dict[str, int]:
             "gradients": 2 * item * sum(p.numel() for p in trainable.values())}
 
 
-def probe_layout(optimizer: Any, layer: int, params: list[torch.Tensor], index: dict[int, int]) -> LayerLayout:
-    """The layer's state layout, from the optimizer's `state_layout` (meta tensors, nothing allocated)."""
-    out, offset = [], 0
-    for p in params:
-        if id(p) not in index:
-            continue
-        bufs = optimizer.state_layout(p)
-        slices = []
-        for key in sorted(bufs):
-            t = bufs[key]
-            nbytes = t.numel() * t.element_size()
-            slices.append(Slice(key, t.dtype, tuple(t.shape), offset, nbytes))
-            offset += -(-nbytes // SLICE_ALIGN) * SLICE_ALIGN
-        out.append((index[id(p)], tuple(slices)))
-    return LayerLayout(layer, tuple(out), file_bytes(offset))
-
-
-class _Slot:
-    """A ring buffer: free (layer None), or holding layer's state being read / ready / in use / written.
-
-    kept: buf is the layer's state after a failed write (taken from StateTier.resident), its only copy until a
-    write of it succeeds; giving the slot up (_free) hands it back to `resident`, never drops it."""
-
-    def __init__(self, buf: torch.Tensor):
-        self.buf, self.layer, self.kind, self.fence, self.kept = buf, None, "free", None, False
-
-
-class StateTier:
+class StateTier(StateRing):
     """Optimizer state of the layers that do not fit `host_memory`, in files under `directory`."""
 
     def __init__(self, host: Any, directory: Any, host_memory: int | None, compute_dtype: torch.dtype, *,
@@ -178,7 +109,7 @@ class StateTier:
         self._cached: int | None = None              # the layer whose masters slot 0 holds (master_view)
         self.resident_bytes = 0                      # optimizer state kept in RAM (estimated at placement)
         self.regions: dict[int, Any] = {}
-        self.slots: list[_Slot] = []
+        self.slots: list[Slot] = []
         self.initialized: set[int] = set()     # optimizer parameter indices whose state is on disk
         self.resident: dict[int, torch.Tensor] = {}   # layers whose write failed: their state, in RAM
         self.error: BaseException | None = None      # a write failure not raised yet
@@ -213,12 +144,12 @@ class StateTier:
         if disk:
             self.master_base = max(lay.nbytes for lay in disk)
             size = self.master_base + max((m.nbytes for m in mdisk), default=0)
-            self.slots = [_Slot(self.store.empty(size)) for _ in range(self.nslots)]
+            self.slots = [Slot(self.store.empty(size)) for _ in range(self.nslots)]
         self.optimizer, self._params, self.resident_bytes = optimizer, params, resident
         for m in mdisk:   # the masters move: written once, then p.data is the placeholder
             self._write_masters_out(m)
         if mdisk:
-            _trim_heap()
+            trim_heap()
 
     def _place(self, layouts: list[LayerLayout], mlayouts: list[MasterLayout]):
         """(state layouts to disk, master layouts to disk, resident state bytes).  Phase 1: masters in RAM, layers
@@ -272,210 +203,7 @@ class StateTier:
                 "offload_ring": sum(s.buf.nbytes for s in self.slots),
                 "optimizer_state_resident_after_error": sum(t.nbytes for t in self.resident.values())}
 
-    # ---- the step ------------------------------------------------------------------------------------
-    def wrap(self, fns: Any, optimizer: Any) -> Any:
-        """The step's StepFns with every offloaded layer's state read ahead, installed, written behind."""
-        self.bind(optimizer)
-        if not self.layouts:
-            return fns
-        inner = fns.update
-        started, done = [False], set()
-
-        def update(l: int) -> None:
-            with self._lock:
-                if not started[0]:
-                    started[0] = True
-                    self._settle_writes()
-                    self._raise_pending()
-            if l not in self.layouts:
-                return inner(l)
-            slot = self._take(l)
-            installed, masters = self._install(l, slot)
-            try:
-                inner(l)
-            except BaseException:
-                self._uninstall(installed)
-                for p, before in masters:
-                    p.data = before
-                with self._lock:
-                    self._free(slot)   # the state on disk (or kept in RAM) is still the one before the step
-                raise
-            self._pack_and_write(l, slot)
-            done.add(l)
-            if len(done) == len(self.layouts):   # the step's last offloaded layer: settle, read the next step's first
-                with self._lock:
-                    self._settle_writes()
-                    self._prefetch({s.layer for s in self.slots if s.layer is not None})
-        fns.update = update
-        fns.update_many = None   # one layer at a time: each offloaded layer's state is installed around its update
-        return fns
-
-    def _order(self, skip: set[int]) -> list[int]:
-        return sorted((l for l in self.layouts if l not in skip), reverse=True)   # tail first, as gates open
-
-    def _needs_read(self, l: int) -> bool:
-        return any(i in self.initialized for i, _ in self.layouts[l].params)
-
-    def _load(self, l: int, slot: _Slot) -> None:
-        slot.layer = l
-        if l in self.resident:   # its state after a failed write: the buffer becomes the slot's, kept
-            slot.buf, slot.kind, slot.fence, slot.kept = self.resident.pop(l), "ready", None, True
-        else:
-            fences = []
-            if self._needs_read(l):
-                region = self.regions[l]
-                fences.append(self.store.read_async(region, slot.buf[:region.nbytes]))
-            if l in self.master_regions:
-                region, base = self.master_regions[l], self.master_base
-                fences.append(self.store.read_async(region, slot.buf[base:base + region.nbytes]))
-                self._cached = None
-            slot.kind, slot.fence = ("read", fences) if fences else ("ready", None)
-
-    def _free_slot(self, wait: bool) -> _Slot | None:
-        for s in self.slots:
-            if s.kind == "free":
-                return s
-        for s in self.slots:
-            if s.kind == "write" and all(f.state != "pending" for f in s.fence):
-                self._retire_write(s)
-                return s
-        if not wait:
-            return None
-        for s in self.slots:
-            if s.kind == "write":
-                self._retire_write(s)
-                return s
-        for s in self.slots:   # a layer read ahead out of order: give its slot up (a kept one goes back to RAM)
-            if s.kind in ("read", "ready"):
-                self._drop(s)
-                return s
-        raise AssertionError("every ring slot is in use")
-
-    def _drop(self, s: _Slot) -> None:
-        if s.kind == "read":
-            try:
-                self.store.wait(*s.fence)
-            except OSError:
-                pass   # a failed read ahead that nobody needs
-        self._free(s)
-
-    def _retire_write(self, s: _Slot) -> None:
-        """Waits for the slot's write; a failure keeps the slot's state (the layer's newest) in RAM."""
-        try:
-            self.store.wait(*s.fence)
-        except OSError as e:
-            s.kept = True
-            self.error = self.error or e
-        self._free(s)
-
-    def _free(self, s: _Slot) -> None:
-        """The slot free; a kept buffer (a layer's state whose write failed) goes back to `resident` first, so the
-        layer's next load takes it instead of reading its region (which the failed write left unreadable)."""
-        if s.kept:
-            self.resident[s.layer] = s.buf
-            s.buf = self.store.empty(s.buf.nbytes)
-        s.layer, s.kind, s.fence, s.kept = None, "free", None, False
-
-    def _take(self, l: int) -> _Slot:
-        with self._lock:
-            slot = next((s for s in self.slots if s.layer == l and s.kind in ("read", "ready")), None)
-            if slot is None:
-                slot = self._free_slot(wait=True)
-                self._load(l, slot)
-            if slot.kind == "read":
-                try:
-                    self.store.wait(*slot.fence)
-                except OSError:
-                    self._free(slot)
-                    self._settle_writes()   # the layers updated before this one: their state on disk
-                    raise
-            slot.kind, slot.fence = "busy", None
-            self._prefetch({l} | {s.layer for s in self.slots if s.layer is not None}, after=l)
-            return slot
-
-    def _prefetch(self, skip: set[int], after: int | None = None) -> None:
-        """Reads the next layers of the step order (below `after`, or from the top) into free slots."""
-        for l in self._order(skip):
-            if after is not None and l >= after:
-                continue
-            s = self._free_slot(wait=False)
-            if s is None:
-                return
-            self._load(l, s)
-
-    def _install(self, l: int, slot: _Slot) -> tuple[list[tuple[dict, str]], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """state[p][key] = a view of the slot, for the layer's parameters whose state is on disk; p.data = a view of
-        the slot's master part for those whose master is (a master the user replaced since is copied in first:
-        it wins).  Returns what to undo: the state keys, and (p, its data before)."""
-        masters = []
-        if l in self.master_layouts:
-            st, buf = self.host.layers[l], slot.buf[self.master_base:]
-            for j, off, n in self.master_layouts[l].params:
-                p = st.params[j]
-                v, before = master_view(buf, p, off, n), p.data
-                if before.data_ptr() != self.placeholders[l, j].data_ptr():
-                    v.copy_(before)
-                p.data = v
-                masters.append((p, before))
-        installed = []
-        for i, slices in self.layouts[l].params:
-            if i not in self.initialized:
-                continue
-            state = self.optimizer.state[self._params[i]]
-            if any(s.key in state for s in slices):   # loaded into the optimizer since (load_state_dict): it wins
-                continue
-            for s in slices:
-                state[s.key] = _view(slot.buf, s)
-                installed.append((state, s.key))
-        return installed, masters
-
-    @staticmethod
-    def _uninstall(installed: list[tuple[dict, str]]) -> None:
-        for state, key in installed:
-            state.pop(key, None)
-
-    def _pack_and_write(self, l: int, slot: _Slot) -> None:
-        """The layer's state after its update -> the slot (copied where the optimizer made new tensors), out of
-        optimizer.state, and the slot written behind."""
-        copied = 0
-        for i, slices in self.layouts[l].params:
-            state = self.optimizer.state.get(self._params[i])
-            if not state or not any(s.key in state for s in slices):
-                continue
-            for s in slices:
-                t = state.pop(s.key)
-                v = _view(slot.buf, s)
-                assert t.dtype == s.dtype and tuple(t.shape) == s.shape, (l, i, s, t.dtype, t.shape)
-                if t.data_ptr() != v.data_ptr():
-                    v.copy_(t)
-                    copied += t.nbytes
-                del t
-            self.initialized.add(i)
-        if l in self.master_layouts:   # the masters back to their placeholders, as the upload copies now hold them
-            st = self.host.layers[l]
-            for j, _, _ in self.master_layouts[l].params:
-                st.params[j].data = self.placeholders[l, j]
-            self.host.stamp(l)
-        if copied >= TRIM_BYTES:   # state the optimizer made in RAM (a first step, a loaded state dict), now freed
-            _trim_heap()
-        with self._lock:
-            region = self.regions[l]
-            fences = [self.store.write_async(region, slot.buf[:region.nbytes])]
-            if l in self.master_regions:
-                region, base = self.master_regions[l], self.master_base
-                fences.append(self.store.write_async(region, slot.buf[base:base + region.nbytes]))
-            slot.kind, slot.fence, slot.kept = "write", fences, False   # its retirement keeps it again if this fails
-
-    def _settle_writes(self) -> None:
-        for s in self.slots:
-            if s.kind == "write":
-                self._retire_write(s)
-
-    def _raise_pending(self) -> None:
-        if self.error is not None:
-            e, self.error = self.error, None
-            raise e
-
+    # ---- sync points (the step itself: state_ring.py) ---------------------------------------------
     def settle(self) -> None:
         """At a sync point (host thread idle): every write waited for, a write failure raised."""
         with self._lock:
@@ -674,4 +402,4 @@ def load(folder: str, meta: dict, optimizer: Any, tier: StateTier | None) -> Non
                 for key, dtype, shape, off in slices:
                     dt = getattr(torch, dtype)
                     n = torch.empty((), dtype=dt).element_size() * torch.Size(shape).numel()
-                    state[key] = _view(buf, Slice(key, dt, tuple(shape), off, n)).clone()
+                    state[key] = slice_view(buf, Slice(key, dt, tuple(shape), off, n)).clone()
