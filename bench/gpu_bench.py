@@ -1,47 +1,46 @@
 """Ours against every peer on one GPU, held to a 24 GiB card: the table a short GPU session produces.
 
-    bash scripts/gpu-bench.sh                  # on the GPU machine: prerequisites, build, then this (< 9 min)
-    python bench/gpu_bench.py --dry --out DIR  # CPU workers, tiny configs, peers skipped with the reason (< 1 min)
+    bash scripts/gpu-bench.sh --call 1 --out /tmp/gpu --mirror $OUT/gpu   # device call 1 (< 5 min), then --call 2
+    python bench/gpu_bench.py --dry --out DIR   # both calls on CPU workers, tiny configs, and the time estimate
 
-Each (workload, provider, cap) runs in a process of its own (bench/gpu_providers.py) under a time
-limit, so a hang, a crash or an allocator failure is a row with its reason and the run goes on; the
-whole run keeps to --budget seconds (cases left when it is spent get a row saying so).  Before a
-provider starts, its host state is predicted (bytes per parameter below) and compared with the
-machine's available RAM: one that cannot fit gets a row instead of being killed by the kernel.
+The run plan (bench/gpu_plan.py) is two device calls on one warm machine, each held to 5 minutes: call 1
+pays the first-use costs in a prepare phase (bench/gpu_prepare.py: /proc/meminfo, the builds in parallel,
+a tiny smoke of every provider, the cuda-marked engine tests) and then runs the key rows; call 2 the rest.
+Each (workload, provider, cap) runs in a process of its own (bench/gpu_providers.py) under a time limit,
+so a hang, a crash or an allocator failure is a row with its reason and the run goes on; each call keeps
+to --budget seconds (cases left when it is spent get a row saying so).  Every row is saved as it
+finishes (bench/gpu_store.py): the jsonl appended, the table and the logs' archive rewritten.  Before a
+provider starts, its host state is predicted and compared with the machine's available RAM
+(ROUNDPIPE_HOST_AVAILABLE_GIB overrides MemAvailable): one that cannot fit gets a row instead of being
+killed by the kernel.
 
-Workloads (shapes from roundpipe/shapes.py, the published config.json values; random weights, one
-random batch of token ids reused every step as the published benchmark/train.py does, bf16 compute,
-fp32 masters and fp32 Adam state, 5 warm-up + 10 timed steps, lr 1e-4 so the loss moves):
+Workloads (shapes from roundpipe/shapes.py, the published config.json values; random weights drawn on
+the GPU from one seed, one random batch of token ids reused every step as the published
+benchmark/train.py does, bf16 compute, fp32 masters and fp32 Adam state, weight decay 0 everywhere,
+2 warm-up + 6 timed steps (8B: 2 + 3; FSDP2 and DeepSpeed 2 + 4), lr 1e-4 so the loss moves):
 
-    qwen3-1.7b        full fine-tuning, 4 x 2048 tokens: every provider at 24 GiB; ours and plain
-                      PyTorch also at the full card
-    qwen3-1.7b        the longest sequence ours trains at 24 GiB (bisection over 4k..64k, one full
-                      step a probe, bounded time), beside the planner's prediction (rp.hf.max_seq_len)
+    qwen3-1.7b        full fine-tuning, 4 x 2048 tokens: every provider at 24 GiB; plain PyTorch (with
+                      and without gradient checkpointing) and ours also on the full card
+    qwen3-1.7b        the longest sequence ours trains at 24 GiB (bisection from 4k, one full step a
+                      probe, bounded time), beside the planner's prediction (rp.hf.max_seq_len)
     llama-3.1-8b-lora LoRA (r 32, alpha 16, all linear layers) over a frozen NF4 base, 4 x 2048: ours
                       (rp.hf.wrap(..., quantize="nf4")); a provider without a 4-bit base says so
-    llama-3.1-8b      full fine-tuning at 24 GiB: ours with 8-bit Adam state and bf16 masters (~6 host
+    llama-3.1-8b      full fine-tuning at 24 GiB: ours with 8-bit Adam state and bf16 masters (~7 host
                       bytes/param); 16-18 bytes/param do not fit a 128 GiB host, and those rows say so
 
-Providers: ours-sync, ours-async, ours-device, torch, fsdp2-offload, deepspeed-zero-offload, roundpipe-0.1.1
-(bench/gpu_providers.py says how each trains).  Peers come from wheels that scripts/fetch-peers.sh
-put in .whl/peers/ and scripts/gpu-bench.sh installed into one --target folder each under --peers.
-
-Columns: tokens/s (timed steps' tokens over their wall time), exposed step s (ours: seconds per
-iteration the optimizer step adds, 2 iterations with it against 2 of forward_backward alone), kept layers (ours:
-the layers whose weights stay on the GPU between stages, RoundPipe(resident_layers=)), kept graphs (ours: the
-layers whose backward ran on their forward's graph, not recomputed: memory_stats()["kept_graphs"]), vs torch (plain PyTorch on the same
-workload at the same cap, else at the full card), vs best peer (the fastest of fsdp2-offload,
-deepspeed-zero-offload and roundpipe-0.1.1 on the same workload and cap), the first and the final
-step's loss (nats/token; all providers start from the same weights and batch), device peak
-(torch.cuda.max_memory_allocated), peak host RSS, seconds the process took, and the status.  Every
-JSON row also carries the device, commit, date and the torch/CUDA/driver versions.
+Columns: tokens/s (timed steps' tokens over their wall time), exposed step s (ours-sync/async on 1.7B:
+seconds per iteration the optimizer step adds), kept layers, kept graphs (ours), vs torch (plain PyTorch
+on the same workload at the same cap, else at the full card), vs best peer, the first and the final
+step's loss, device peak (torch.cuda.max_memory_allocated after the initialisation), peak host RSS,
+overhead s (process start to the first step: imports, initialisation, set-up; not in tokens/s), the
+seconds the process took, and the status.  Every JSON row also carries the device, commit, date, the
+interpreter and the torch/CUDA/driver versions.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import signal
 import subprocess
@@ -49,74 +48,35 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_plan  # noqa: E402
+from gpu_plan import CALL_LIMIT_S, PEERS, PROVIDERS, TINY, Case, GiB, Workload, cap_label, key, plan  # noqa: E402
+from gpu_prepare import EXTENSIONS, prepare  # noqa: E402
+from gpu_store import COLUMNS, JSONL, Store  # noqa: E402
 
 from roundpipe.bench.runner import Report  # noqa: E402
-from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, DecoderShape  # noqa: E402
+from roundpipe.shapes import DecoderShape  # noqa: E402
 
-GiB = 1 << 30
 CHILD = Path(__file__).with_name("gpu_providers.py")
-PROVIDERS = ("ours-sync", "ours-async", "ours-device", "torch", "fsdp2-offload", "deepspeed-zero-offload",
-             "roundpipe-0.1.1")
-PEERS = ("fsdp2-offload", "deepspeed-zero-offload", "roundpipe-0.1.1")
-PEER_FOLDERS = {"deepspeed-zero-offload": ("deepspeed", "deepspeed"), "roundpipe-0.1.1": ("roundpipe-0.1.1", "roundpipe")}
-# Host bytes per trainable parameter (docs/architecture.md, host-resident state): fp32 master 4 + Adam m, v 8 + upload copy
-# and gradient landing; 8-bit state with bf16 masters ~6; FSDP2's offload keeps fp32 params, grads and
-# Adam state on the host (16); DeepSpeed's fp32 partitions and 0.1.1's fp32 optimizer copies likewise.
-HOST_BYTES = {"ours": 18.0, "ours-8bit": 7.0, "torch": 4.0, "fsdp2-offload": 16.0, "deepspeed-zero-offload": 18.0,
-              "roundpipe-0.1.1": 18.0}
-HOST_OVERHEAD = 4 * GiB      # interpreter, torch, transformers, CUDA context's host side
-TINY = dict(hidden=64, intermediate=128, layers=2, vocab=256, heads=4, kv_heads=2, head_dim=16)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A model and how it trains; `shape` gives the config and the parameter count."""
-
-    name: str
-    shape: DecoderShape
-    batch: int
-    seq: int
-    lora: bool = False        # LoRA over a frozen 4-bit (NF4) base
-    state: str = "fp32"       # ours' host state: "fp32" (AdamW, fp32 masters) or "8bit" (AdamW8bit, bf16 masters)
-
-
-@dataclass(frozen=True)
-class Case:
-    workload: Workload
-    provider: str             # one of PROVIDERS, or ours-maxseq / ours-predicted
-    cap: int | None           # device bytes the provider is held to; None: the full card
-    timeout: float            # seconds for its process
-
-
-def plan(dry: bool, cap: int, timeout: float) -> list[Case]:
-    """The cases in the order they run (the most telling first: a spent budget cuts the tail)."""
-    if dry:
-        qwen = Workload("tiny-qwen3", DecoderShape("tiny-qwen3", tied=True, model_type="qwen3", **TINY), 4, 32)
-        llama = DecoderShape("tiny-llama", **TINY)
-        lora = Workload("tiny-llama-lora", llama, 4, 32, lora=True)
-        big = Workload("tiny-llama-8bit", llama, 4, 32, state="8bit")
-        search = replace(qwen, batch=1)
-    else:
-        qwen = Workload("qwen3-1.7b", QWEN3_1_7B, 4, 2048)
-        lora = Workload("llama-3.1-8b-lora", LLAMA_3_1_8B, 4, 2048, lora=True)
-        big = Workload("llama-3.1-8b", LLAMA_3_1_8B, 4, 2048, state="8bit")
-        search = replace(qwen, batch=1)
-    cases = [Case(qwen, p, cap, timeout * (1.5 if p == "deepspeed-zero-offload" else 1.0)) for p in PROVIDERS]
-    cases += [Case(qwen, p, None, timeout) for p in ("ours-async", "ours-device", "torch")]
-    cases += [Case(search, "ours-maxseq", cap, timeout), Case(search, "ours-predicted", cap, timeout)]
-    cases += [Case(lora, p, cap, timeout) for p in PROVIDERS if p not in ("ours-sync", "ours-device")]
-    cases += [Case(big, p, cap, timeout * 1.5) for p in ("ours-async", "fsdp2-offload", "deepspeed-zero-offload",
-                                                          "roundpipe-0.1.1")]
-    return cases
+PEER_FOLDERS = {"deepspeed-zero-offload": ("deepspeed", "deepspeed"), "roundpipe-0.1.1": ("roundpipe-0.1.1", "roundpipe"),
+                "build-cpu_adam": ("deepspeed", "deepspeed"), "build-published-adam": ("roundpipe-0.1.1", "roundpipe")}
 
 
 def host_available() -> int:
-    """MemAvailable of /proc/meminfo, bytes (0 where unknown)."""
+    """Bytes of host memory the fit checks may count on: ROUNDPIPE_HOST_AVAILABLE_GIB where set (a VM whose
+    memory grows on demand reports little MemAvailable), else MemAvailable of /proc/meminfo (0 where unknown)."""
+    override = os.environ.get("ROUNDPIPE_HOST_AVAILABLE_GIB")
+    if override:
+        try:
+            return int(float(override) * GiB)
+        except ValueError:
+            raise ValueError(f"ROUNDPIPE_HOST_AVAILABLE_GIB={override!r} must be a number of GiB, e.g. 120") from None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -128,12 +88,10 @@ def host_available() -> int:
 
 def skip_reason(case: Case, dry: bool, peers: Path) -> str | None:
     """Why `case` is not run (support, the device, the peer's wheels, host or device bytes), or None."""
-    w, p = case.workload, case.provider
-    n = w.shape.parameters()
-    if w.lora and p in PEERS:
-        return "not supported here: LoRA over a 4-bit (NF4) base needs bitsandbytes, absent from the GPU image"
-    if w.lora and p == "torch":
-        return "not supported: plain PyTorch has no NF4 Linear (bitsandbytes absent from the GPU image)"
+    p = case.provider
+    why = gpu_plan.static_skip(case, dry, 0)
+    if why:
+        return why
     if p in PEER_FOLDERS:
         folder, package = PEER_FOLDERS[p]
         log = peers / f"{folder}.install.log"
@@ -145,20 +103,9 @@ def skip_reason(case: Case, dry: bool, peers: Path) -> str | None:
                     "carry .whl/ and let scripts/gpu-bench.sh install it")
     if dry and p in PEERS:
         return "needs a CUDA GPU (dry run: CPU workers)" + (f"; {isolation(case, peers)}" if p in PEER_FOLDERS else "")
-    if dry and case.cap is None:
-        return "full-card rows need a GPU (dry run)"
-    key = "ours-8bit" if p.startswith("ours") and w.state == "8bit" else "ours" if p.startswith("ours") else p
-    trainable = n // 100 if w.lora else n    # LoRA: the adapters (~1%), the base frozen
-    base = n * 2.6 if w.lora else 0          # bf16 build, then NF4 (0.52 B/param) kept
-    need = trainable * HOST_BYTES[key] + base + HOST_OVERHEAD
-    avail = host_available()
-    if avail and need > 0.9 * avail and p != "ours-predicted":
-        return (f"host state does not fit: ~{need / GiB:.0f} GiB ({HOST_BYTES[key]:g} B/param for {n / 1e9:.2f}B "
-                f"params) > 90% of {avail / GiB:.0f} GiB available")
-    if p == "torch" and not dry and not w.lora and case.cap and n * 16 > case.cap:
-        return (f"does not fit the cap: fp32 weights, grads and Adam state alone are {n * 16 / GiB:.1f} GiB "
-                f"> {case.cap / GiB:.0f} GiB")
-    return None
+    if dry and case.cap is None and p.startswith("ours"):
+        return "full-card rows of ours need a GPU (dry run)"
+    return gpu_plan.static_skip(case, dry, host_available())
 
 
 def isolation(case: Case, peers: Path) -> str:
@@ -168,14 +115,16 @@ def isolation(case: Case, peers: Path) -> str:
     code = f"import importlib.util as u; s = u.find_spec({package!r}); print(s.origin if s else None)"
     origin = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=cwd,
                             timeout=60).stdout.strip()
-    inside = origin not in ("", "None") and Path(origin).resolve().is_relative_to((peers / PEER_FOLDERS[case.provider][0]).resolve())
+    folder = (peers / PEER_FOLDERS[case.provider][0]).resolve()
+    inside = origin not in ("", "None") and Path(origin).resolve().is_relative_to(folder)
     return f"installed; `import {package}` there resolves to {'its own folder' if inside else origin or 'nothing'}"
 
 
 def child_env(case: Case, peers: Path) -> tuple[dict, str]:
     """(environment, cwd) of the case's process: a peer's folder first on its PYTHONPATH and our tree
-    nowhere on it; ours and torch with the repository first."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    nowhere on it; ours and torch with the repository first.  Both peers JIT-build into one folder."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)))
     path = [e for e in env.get("PYTHONPATH", "").split(os.pathsep)
             if e and Path(e).resolve() != REPO_ROOT and not Path(e).resolve().is_relative_to(peers.resolve())]
     if case.provider in PEER_FOLDERS:
@@ -185,13 +134,15 @@ def child_env(case: Case, peers: Path) -> tuple[dict, str]:
     return env, str(REPO_ROOT)
 
 
-def run_case(case: Case, args, limit: float, log: Path) -> dict:
+def run_case(case: Case, args, limit: float, log: Path, overrides: dict) -> dict:
+    """One provider process under `limit` seconds; its RESULT, or {"error": why}."""
     w = case.workload
+    warmup, steps, exposed = gpu_plan.steps_of(case, args.warmup, args.steps)
     spec = {"provider": case.provider, "hf_config": w.shape.hf_config(), "batch": w.batch, "seq": w.seq,
             "lora": w.lora, "state": w.state, "cap": case.cap, "device": "cpu" if args.dry else "cuda",
-            "warmup": args.warmup, "steps": args.steps, "lr": args.lr, "seed": 0, "threads": args.threads,
-            "seq_min": args.seq_min, "seq_max": args.seq_max, "grain": args.grain,
-            "budget_s": max(10.0, limit - 40.0)}
+            "warmup": warmup, "steps": steps, "exposed": exposed, "lr": args.lr, "seed": 0, "threads": args.threads,
+            "seq_min": args.seq_min, "seq_max": args.seq_max, "grain": args.grain, "search_s": args.search_s,
+            "budget_s": max(10.0, limit - 40.0), "parent": os.getpid(), **overrides}
     if case.provider in PEER_FOLDERS:
         spec["peer_path"] = str(args.peers / PEER_FOLDERS[case.provider][0])
     env, cwd = child_env(case, args.peers)
@@ -227,136 +178,178 @@ def gpu_facts() -> dict:
         return {"device": "cuda (nvidia-smi unavailable)", "driver": "unknown"}
 
 
-def finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def add_ratios(rows: list[dict]) -> None:
-    def tps(r):
-        return r.get("tokens/s") if finite(r.get("tokens/s")) else None
-
-    for r in rows:
-        if tps(r) is None or r["provider"] in ("ours-maxseq", "ours-predicted"):
-            continue
-        same = [x for x in rows if x["workload"] == r["workload"] and tps(x)]
-        torch = ([x for x in same if x["provider"] == "torch" and x["cap"] == r["cap"]]
-                 or [x for x in same if x["provider"] == "torch" and x["cap"] == "full"])
-        peers = [tps(x) for x in same if x["provider"] in PEERS and x["cap"] == r["cap"]]
-        r["vs torch"] = tps(r) / tps(torch[0]) if torch else None
-        r["vs best peer"] = tps(r) / max(peers) if peers else None
-
-
-def cap_label(cap: int | None) -> str:
-    return "full" if cap is None else f"{cap / GiB:g}GiB" if cap >= GiB else f"{cap / (1 << 20):g}MiB"
-
-
 def row_of(case: Case, result: dict | None, reason: str | None) -> dict:
     w, r = case.workload, result or {}
     status = "ok" if result and "error" not in r else f"skipped: {reason}" if reason else f"failed: {r.get('error')}"
-    row = {"workload": w.name, "provider": case.provider,
-           "cap": cap_label(case.cap),
+    overhead = r.get("ready_s")
+    row = {"workload": w.name, "provider": case.provider, "cap": cap_label(case.cap), "call": case.call,
            "batch x seq": f"{w.batch}x{w.seq}", "tokens/s": r.get("tokens_per_s"),
            "exposed step s": r.get("exposed_step_s"), "kept layers": r.get("kept_layers"),
-           "kept graphs": r.get("kept_graphs"), "vs torch": None,
-           "vs best peer": None, "first loss": r.get("first_loss"), "final loss": r.get("final_loss"),
-           "max seq": r.get("seq_len"), "device peak GB": r["device_peak"] / 1e9 if r.get("device_peak") else None,
-           "peak RSS GB": r["peak_rss"] / 1e9 if r.get("peak_rss") else None, "s": r.get("seconds"),
+           "kept graphs": r.get("kept_graphs"), "vs torch": None, "vs best peer": None,
+           "first loss": r.get("first_loss"), "final loss": r.get("final_loss"), "max seq": r.get("seq_len"),
+           "device peak GB": r["device_peak"] / 1e9 if r.get("device_peak") else None,
+           "peak RSS GB": r["peak_rss"] / 1e9 if r.get("peak_rss") else None, "overhead s": overhead,
+           "overhead cpu s": r.get("ready_cpu_s"), "init s": r.get("init_s"), "import s": r.get("import_s"),
+           "s": r.get("seconds"),
            "status": status if not r.get("search") or "error" in r else f"ok: {r['search']}"}
     row["tokens_per_s"], row["final_loss"] = row["tokens/s"], row["final loss"]   # JSON names the test reads
     row["reason"] = None if status == "ok" else status
     return row
 
 
+def smoke_cases(cap: int, timeout: float) -> list[Case]:
+    """One tiny case per provider: the prepare phase's smoke (on the GPU in a real run)."""
+    tiny = Workload("smoke", DecoderShape("tiny-qwen3", tied=True, model_type="qwen3", **TINY), 2, 32)
+    return [Case(tiny, p, cap, timeout) for p in PROVIDERS]
+
+
+def run_call(call: int, args, cases: list[Case], store: Store, cap: int) -> None:
+    """One device call: its prepare phase, then its cases in order (the prediction beside them)."""
+    d = args.dry
+    deadline = time.perf_counter() + args.budget
+    if args.prepare != "no":
+        smoke = call == 1 or args.prepare == "yes"
+        prepare(call, smoke, args, store.out, store.add, lambda c, lim, log, o: run_case(c, args, lim, log, o),
+                lambda c: skip_reason(c, d, args.peers), smoke_cases(cap, 120.0), host_available())
+    mine = [c for c in cases if c.call == call]
+
+    def one(case: Case) -> None:
+        reason = skip_reason(case, d, args.peers)
+        left = deadline - time.perf_counter()
+        if reason is None and left < 15:
+            reason = f"call {call}'s {args.budget:.0f} s budget was spent"
+        result = None
+        if reason is None:
+            log = store.out / "logs" / f"{case.workload.name}_{case.provider}_{cap_label(case.cap)}.log"
+            result = run_case(case, args, min(case.timeout, left), log, {})
+        print(f"[call {call}] {case.workload.name} {case.provider} cap={cap_label(case.cap)}: {reason or result}",
+              file=sys.stderr, flush=True)
+        store.add(row_of(case, result, reason))
+
+    # The planner's prediction needs no GPU but minutes of one core on the full-size shape: it runs beside
+    # the others from the start (one thread; the GPU providers' host steps have the other cores).
+    background = [c for c in mine if c.provider == "ours-predicted"]
+    with ThreadPoolExecutor(max_workers=max(1, len(background))) as side, \
+            ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        waiting = [side.submit(one, replace(c, timeout=args.budget)) for c in background]
+        list(pool.map(one, [c for c in mine if c.provider != "ours-predicted"]))
+        for f in waiting:
+            f.result()
+
+
+def estimate(out: Path, cases: list[Case], args) -> int:
+    """Prints each call's expected seconds on the device from the overheads measured in `out`'s rows;
+    1 when a call would pass CALL_LIMIT_S."""
+    text = (out / JSONL).read_text() if (out / JSONL).is_file() else ""
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    # CPU seconds to the first step: imports and set-up are single-threaded, so on the device's idle cores
+    # their wall time is about their CPU time here, which a loaded machine does not stretch
+    measured = {(r["workload"], r["provider"], r["cap"]): r["overhead cpu s"] for r in rows
+                if isinstance(r.get("overhead cpu s"), (int, float)) and r.get("workload") != "prepare"}
+    steps = (2, 6) if args.dry else (args.warmup, args.steps)   # dry: the device's defaults
+    calls = gpu_plan.expected_seconds(cases, measured, *steps)
+    worst = 0
+    for call, t in calls.items():
+        over = t["total"] > CALL_LIMIT_S
+        worst |= over
+        print(f"call {call}: expected {t['total']:.0f} s on a 16-core H100 (scripts {t['shell']:.0f} + prepare "
+              f"{t['prepare']:.0f} + rows {t['rows']:.0f}; {len(measured)} process overheads measured here)"
+              f" -- {'OVER' if over else 'within'} the {CALL_LIMIT_S:.0f} s a call may take")
+    return 1 if worst else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/gpu_bench.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry", action="store_true", help="CPU workers, tiny configs, 2+2 steps; peers skipped")
-    parser.add_argument("--out", default=None, help="folder for gpu_bench.jsonl, table.txt and logs/ (default: "
-                        "bench/results/gpu-<date>/; with --dry a new temporary folder)")
+    parser.add_argument("--call", choices=("1", "2", "all"), default="all",
+                        help="the device call to run (default: both in sequence, then the time estimate)")
+    parser.add_argument("--prepare", choices=("auto", "yes", "no"), default="auto",
+                        help="auto: call 1 builds, smokes and tests, call 2 builds what is missing; no: rows only")
+    parser.add_argument("--out", default=None, help="folder for gpu_bench.jsonl, table.txt, logs.tar.gz and logs/ "
+                        "(rows of an earlier call there are kept; default: bench/results/gpu-<date>/; with --dry "
+                        "a new temporary folder)")
+    parser.add_argument("--mirror", type=Path, default=None, help="a folder that gets a copy of the jsonl, the table "
+                        "and the logs' archive after every row (the device call's $OUT)")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSONL",
+                        help="no run: the rows of these files (the two calls' gpu_bench.jsonl) into --out")
+    parser.add_argument("--estimate", action="store_true", help="no run: each call's expected seconds from --out's rows")
     parser.add_argument("--peers", type=Path, default=Path("/tmp/roundpipe-peers"),
                         help="folder holding one --target folder per peer (scripts/gpu-bench.sh fills it)")
     parser.add_argument("--cap-gib", type=float, default=24.0, help="device memory every provider is held to")
-    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 470; dry 150)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for one call, its prepare phase "
+                        "included (default 270; dry 150)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per provider (default 100; dry 60)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5; dry 2)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; dry 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2: first-use costs are "
+                        "the prepare phase's; dry 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 6; dry 2)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seq-min", type=int, default=None, help="search's shortest length (default 4096; dry 32)")
     parser.add_argument("--seq-max", type=int, default=None, help="search's longest length (default 65536; dry 512)")
     parser.add_argument("--grain", type=int, default=None, help="search's step (default 2048; dry 32)")
+    parser.add_argument("--search-s", type=float, default=None, help="the search's time (default 20)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (dry default 1)")
     parser.add_argument("--jobs", type=int, default=None, help="processes at once (default 1: timings; dry 2)")
+    parser.add_argument("--prepare-jobs", type=int, default=None, help="processes at once in the prepare phase "
+                        "(builds, smokes, tests; default 8; dry 2)")
     parser.add_argument("--only", default=None, help="comma-separated providers or workloads to run (others "
                         "get no row)")
     args = parser.parse_args(argv)
     d = args.dry
-    args.budget = args.budget or (150.0 if d else 470.0)
     timeout = args.timeout or (60.0 if d else 100.0)
-    args.warmup = args.warmup if args.warmup is not None else (2 if d else 5)
-    args.steps = args.steps or (2 if d else 10)
+    args.warmup = args.warmup if args.warmup is not None else 2
+    args.steps = args.steps or (2 if d else 6)
     args.seq_min, args.seq_max = args.seq_min or (32 if d else 4096), args.seq_max or (512 if d else 65536)
     args.grain = args.grain or (32 if d else 2048)
+    args.search_s = args.search_s or gpu_plan.MAXSEQ_S
     args.threads = args.threads or (1 if d else None)
-    jobs = args.jobs or (2 if d else 1)
-    # dry: the cap is what a CPU worker may hold, small enough that the search finds a limit
-    cap = int(args.cap_gib * GiB) if not d else 24 * GiB
+    args.jobs = args.jobs or (2 if d else 1)
+    args.prepare_jobs = args.prepare_jobs or (2 if d else 8)
+    cap = int(args.cap_gib * GiB) if not d else 24 * GiB   # dry: what a CPU worker may hold
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="gpu-bench-")) if d
                                            else REPO_ROOT / "bench" / "results" / f"gpu-{date}")
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    cases = plan(d, cap, timeout)
+    if d:   # the search in dry: a cap a few tiny layers exceed at a few hundred tokens
+        cases = [replace(c, cap=2 << 20) if c.provider in ("ours-maxseq", "ours-predicted") else c for c in cases]
+    if args.estimate:
+        return estimate(out, cases, args)
 
     import torch  # versions only: no CUDA context in this process (children need the whole card)
 
     facts = {"device": "cpu (dry run)", "driver": None} if d else gpu_facts()
-    versions = {"cuda": torch.version.cuda, "driver": facts.get("driver"), "torch": torch.__version__}
-    cases = plan(d, cap, timeout)
+    report = Report("gpu_bench", columns=COLUMNS, device="cpu")
+    report.env.update(device=facts["device"], cuda=torch.version.cuda, driver=facts.get("driver"),
+                      python_executable=sys.executable)
+    report.note(f"{args.warmup} warm-up + {args.steps} timed steps (8B: at most 2 + 3; FSDP2 and DeepSpeed 2 + 4), "
+                f"lr {args.lr:g}, weight decay 0, one random batch reused, "
+                f"{'fp32 on CPU workers (dry)' if d else 'bf16 compute, fp32 masters and Adam state'}; "
+                f"cap {'per CPU worker (dry)' if d else 'via set_per_process_memory_fraction and device_memory='}")
+    report.note("recompute: ours per stage (kept graphs excepted); torch-ckpt and the peers HF gradient "
+                "checkpointing, which the published RoundPipe adds to its own recompute; overhead s (imports, "
+                "initialisation, set-up) is outside tokens/s; the prepare rows give the builds' seconds")
+    report.note(f"torch {torch.__version__}, CUDA {torch.version.cuda}, driver {facts.get('driver')}; logs in "
+                "logs.tar.gz")
+    if args.merge:   # the device calls' rows, with their own environment in the table's title
+        merged = [json.loads(line) for path in args.merge for line in path.read_text().splitlines() if line.strip()]
+        report.env.update({k: merged[0][k] for k in report.env if merged and k in merged[0]})
+        report.notes = merged[-1].get("notes") or report.notes if merged else report.notes
+        store = Store(out, report, [key(c) for c in cases], PEERS, args.mirror, archive=False)
+        for row in merged:
+            store.add(row)
+        print(store.finish())
+        return 0
+    store = Store(out, report, [key(c) for c in cases], PEERS, args.mirror)
     if args.only:
         keep = set(args.only.split(","))
         cases = [c for c in cases if c.provider in keep or c.workload.name in keep]
-    if d:   # the search in dry: a cap a few tiny layers exceed at a few hundred tokens
-        cases = [replace(c, cap=2 << 20) if c.provider in ("ours-maxseq", "ours-predicted") else c for c in cases]
-    deadline = time.perf_counter() + args.budget
-    results: dict[int, tuple[dict | None, str | None]] = {}
-
-    def one(i: int, case: Case) -> None:
-        reason = skip_reason(case, d, args.peers)
-        left = deadline - time.perf_counter()
-        if reason is None and left < 15:
-            reason = f"the run's {args.budget:.0f} s budget was spent"
-        if reason is not None:
-            results[i] = (None, reason)
-        else:
-            log = out / "logs" / f"{case.workload.name}_{case.provider}_{cap_label(case.cap)}.log"
-            results[i] = (run_case(case, args, min(case.timeout, left), log), None)
-        print(f"[{i + 1}/{len(cases)}] {case.workload.name} {case.provider} cap={case.cap}: "
-              f"{results[i][1] or results[i][0]}", file=sys.stderr, flush=True)
-
-    # The planner's prediction needs no GPU but minutes of one core on the full-size shape: it runs beside
-    # the others from the start (one thread; the GPU providers' host steps have the other cores).
-    background = [(i, c) for i, c in enumerate(cases) if c.provider == "ours-predicted"]
-    with ThreadPoolExecutor(max_workers=max(1, len(background))) as side, \
-            ThreadPoolExecutor(max_workers=jobs) as pool:
-        waiting = [side.submit(one, i, replace(c, timeout=args.budget)) for i, c in background]
-        list(pool.map(lambda ic: one(*ic), [(i, c) for i, c in enumerate(cases) if c.provider != "ours-predicted"]))
-        for f in waiting:
-            f.result()
-    rows = [row_of(c, *results[i]) for i, c in enumerate(cases)]
-    add_ratios(rows)
-
-    report = Report("gpu_bench", columns=["workload", "provider", "cap", "batch x seq", "tokens/s", "exposed step s", "kept layers",
-                                          "kept graphs", "vs torch",
-                                          "vs best peer", "first loss", "final loss", "max seq", "device peak GB",
-                                          "peak RSS GB", "s", "status"], device="cpu")
-    report.env.update(device=facts["device"], **versions)
-    for r in rows:
-        report.add(**r)
-    report.note(f"{args.warmup} warm-up + {args.steps} timed steps, lr {args.lr:g}, one random batch reused, "
-                f"{'fp32 on CPU workers (dry)' if d else 'bf16 compute, fp32 masters and Adam state'}; "
-                f"cap {'per CPU worker (dry)' if d else 'via set_per_process_memory_fraction and device_memory='}")
-    report.note(f"torch {versions['torch']}, CUDA {versions['cuda']}, driver {versions['driver']}; "
-                f"logs in {out / 'logs'}")
-    report.finish(str(out))
-    (out / "table.txt").write_text(report.table() + "\n")
+    args.budget = args.budget or (150.0 if d else 270.0)
+    for call in ((1, 2) if args.call == "all" else (int(args.call),)):
+        run_call(call, args, cases, store, cap)
+    print(store.finish())
+    print(f"rows in {out / JSONL}; table in {out / 'table.txt'}", flush=True)
+    if d and args.call == "all" and not args.only:
+        return estimate(out, plan(d, cap, timeout), args)
     return 0
 
 

@@ -6,17 +6,19 @@ The parent (bench/gpu_bench.py) starts one of these per (workload, provider, cap
 so a hang, a crash or an out-of-memory kill becomes a row with the reason and the run goes on.  This
 file imports neither our roundpipe nor any peer at module level: the published RoundPipe 0.1.1 is
 also called `roundpipe`, and its subprocess sees only its own --target folder (checked: the module's
-file must lie under it), never ours.
+file must lie under it), never ours.  The process dies with its parent (PR_SET_PDEATHSIG): a device
+call killed at its limit leaves no provider holding the GPU.
 
 Every provider trains the same thing, as the published benchmark does (its benchmark/train.py):
-random weights built from the config (on the meta device, then filled from one seed: the same
-weights in every process), one random batch of token ids [batch, seq] reused every step, labels =
+random weights built from the config (on the meta device, then each parameter drawn on the GPU
+from a generator seeded with the seed and its index: the same weights in every process), one random batch of token ids [batch, seq] reused every step, labels =
 the ids (HF's shifted causal-LM loss, mean over tokens), bf16 compute with fp32 masters and fp32
 Adam state on CUDA (fp32 throughout on CPU), `warmup` steps, then `steps` timed ones.  tokens/s is
 batch * seq * steps over the timed steps' wall time (an asynchronous run's last update included);
 the loss printed is the last step's (the first is kept beside it).  Our rows also measure the step's
-exposed seconds per iteration: 2 more iterations with the step and 2 with forward_backward alone (the
-gradients accumulate), each after one untimed call; exposed = the difference per iteration.
+exposed seconds per iteration (spec "exposed"; the parent asks it of ours-sync/async on 1.7B): 2 more
+iterations with the step and 2 with forward_backward alone (the gradients accumulate), each after one
+untimed call; exposed = the difference per iteration.
 
 Providers (the spec's "provider"):
 
@@ -25,6 +27,7 @@ Providers (the spec's "provider"):
     ours-device              ours-sync with device_step=True: the resident layers (as many as the cap
                              leaves room for; every layer in the dry run) updated on the worker
     torch                    the HF model on the device, autocast bf16, torch AdamW (fused on CUDA)
+    torch-ckpt               the same with HF gradient checkpointing (one recompute per layer, as ours)
     fsdp2-offload            torch.distributed.fsdp.fully_shard per decoder layer and the root, one rank
                              (gloo + nccl on localhost), CPUOffloadPolicy, MixedPrecisionPolicy(bf16)
     deepspeed-zero-offload   deepspeed.initialize, ZeRO stage 2, offload_optimizer to the CPU (its CPU
@@ -34,7 +37,13 @@ Providers (the spec's "provider"):
     ours-maxseq              the longest sequence (batch 1) ours trains under the cap: bisection, one
                              full step per probe, within a time budget
 
-Peers (fsdp2, deepspeed, 0.1.1) use HF gradient checkpointing, as ours recomputes the forward.
+    build-cpu_adam           DeepSpeed's cpu_adam JIT-built (the prepare phase: out of the timed rows)
+    build-published-adam     the published RoundPipe's Adam JIT-built, likewise (needs a GPU to import)
+
+Peers (fsdp2, deepspeed, 0.1.1) use HF gradient checkpointing, as ours recomputes the forward.  Every
+optimizer is AdamW-alike with weight decay 0 (the published Adam's default), lr from the spec.  The result
+carries the process's phases: import_s, init_s (the random weights), ready_s (start to the first step),
+process_s: what the run plan's time estimate takes as the row's overhead.
 """
 from __future__ import annotations
 
@@ -47,6 +56,11 @@ import traceback
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Run as a script, this file's folder is sys.path[0]; bench/ holds kernels.py, which transformers' hub_kernels
+# imports as the HF `kernels` package (and which imports roundpipe: the peer's, in the peer's process).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+START = time.perf_counter()
+PHASES: dict[str, float] = {}   # init_s (the model's initialisation), ready_s (process start to the first step)
 
 
 def _peak_rss() -> int:
@@ -63,21 +77,28 @@ def cap_device(spec: dict) -> None:
 
 
 def build_model(spec: dict, dtype):
-    """The workload's model with random weights from one seed; on the CPU, HF's sdpa attention."""
+    """The workload's model with random weights from one seed, on the host; HF's sdpa attention.
+
+    Each parameter is drawn from a generator seeded with (seed, its index) on the GPU where there is one
+    (single-threaded host initialisation took ~20 s for 1.7B in fp32 and ~235 s for 8B in bf16) and
+    copied into the host tensor: the same weights in every provider's process, whatever it does next."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    t0 = time.perf_counter()
     cfg = AutoConfig.for_model(**spec["hf_config"])
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):   # no initialisation pass; filled below
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.to_empty(device="cpu")
-    torch.manual_seed(spec["seed"])
+    where = "cuda" if spec["device"] == "cuda" else "cpu"
     with torch.no_grad():
-        for p in model.parameters():
+        for i, p in enumerate(model.parameters()):
             if p.dim() >= 2:
-                p.normal_(0.0, cfg.initializer_range)
+                gen = torch.Generator(where).manual_seed(spec["seed"] * 100003 + i)
+                p.copy_(torch.empty(p.shape, dtype=p.dtype, device=where).normal_(0.0, cfg.initializer_range,
+                                                                                   generator=gen))
             else:
                 p.fill_(1.0)   # the RMSNorm weights (these families have no biases)
     # non-persistent buffers (the rotary tables) were left empty: rebuild those modules from the config
@@ -91,6 +112,10 @@ def build_model(spec: dict, dtype):
         # the published benchmark/train_lora.py's adapter: r 32, alpha 16, every Linear but the head
         model = get_peft_model(model, LoraConfig(r=32, lora_alpha=16, target_modules="all-linear",
                                                  task_type="CAUSAL_LM"))
+    if where == "cuda":   # the initialisation's scratch is not the provider's peak
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(0)
+    PHASES["init_s"] = PHASES.get("init_s", 0.0) + time.perf_counter() - t0
     return model
 
 
@@ -103,6 +128,8 @@ def batch(spec: dict):
 
 def timed(spec: dict, step, finish) -> dict:
     """Warm-up steps, then timed ones; step(i) returns the loss (a tensor or float)."""
+    PHASES.setdefault("ready_s", time.perf_counter() - START)
+    PHASES.setdefault("ready_cpu_s", time.process_time())   # the same in CPU seconds: what load does not stretch
     losses = [step(i) for i in range(spec["warmup"])]
     finish()
     t0 = time.perf_counter()
@@ -135,7 +162,7 @@ def run_ours(spec: dict) -> dict:
             options["resident_layers"] = hf.config.num_hidden_layers + 2
     model = rp.hf.wrap(hf, **options)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = (rp.optim.AdamW8bit if spec.get("state") == "8bit" else rp.optim.AdamW)(params, lr=spec["lr"])
+    opt = (rp.optim.AdamW8bit if spec.get("state") == "8bit" else rp.optim.AdamW)(params, lr=spec["lr"], weight_decay=0.0)
     asynchronous = spec["provider"] == "ours-async"
     ids = batch(spec)
 
@@ -149,7 +176,8 @@ def run_ours(spec: dict) -> dict:
 
     try:
         out = timed(spec, step, model.synchronize)
-        out["exposed_step_s"] = exposed_step(spec, step, alone, model.synchronize)
+        if spec.get("exposed", True):
+            out["exposed_step_s"] = exposed_step(spec, step, alone, model.synchronize)
         worker = next(iter(model.memory_stats()["workers"].values()))   # resident weights (docs/planner.md)
         out["kept_layers"] = worker.get("device_step_layers", worker["resident_layers"])
         out["kept_graphs"] = sum(b - a + 1 for a, b in model.memory_stats()["kept_graphs"])   # layers not recomputed
@@ -181,7 +209,10 @@ def run_torch(spec: dict) -> dict:
     cuda = spec["device"] == "cuda"
     dev = torch.device("cuda:0" if cuda else "cpu")
     hf = build_model(spec, torch.float32).to(dev).train()
-    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=spec["lr"], fused=cuda)
+    if spec["provider"] == "torch-ckpt":   # HF's gradient checkpointing: one recompute per layer, as ours
+        hf.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=spec["lr"], weight_decay=0.0,
+                            fused=cuda)
     ids = batch(spec).to(dev)
 
     def step(_):
@@ -219,7 +250,7 @@ def run_fsdp2(spec: dict) -> dict:
     for layer in hf.model.layers:
         fully_shard(layer, **kw)
     fully_shard(hf, **kw)
-    opt = torch.optim.AdamW(hf.parameters(), lr=spec["lr"])   # CPU-resident state: the step runs on the host
+    opt = torch.optim.AdamW(hf.parameters(), lr=spec["lr"], weight_decay=0.0)   # CPU-resident state: the step runs on the host
     ids = batch(spec).cuda()
 
     def step(_):
@@ -247,7 +278,7 @@ def run_deepspeed(spec: dict) -> dict:
     config = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
               "bf16": {"enabled": True},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-              "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"]}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"], "weight_decay": 0.0}}}
     engine, _, _, _ = deepspeed.initialize(model=hf, model_parameters=[p for p in hf.parameters() if p.requires_grad],
                                            config=config)
     ids = batch(spec).to(engine.device)
@@ -262,13 +293,7 @@ def run_deepspeed(spec: dict) -> dict:
 
 
 def run_published(spec: dict) -> dict:
-    import importlib
-
-    peer = spec["peer_path"]
-    spec_found = importlib.util.find_spec("roundpipe")
-    origin = spec_found.origin if spec_found else None
-    if not origin or not Path(origin).resolve().is_relative_to(Path(peer).resolve()):
-        raise RuntimeError(f"isolation: 'roundpipe' resolves to {origin}, not under the peer folder {peer}")
+    published_isolated(spec["peer_path"])
     import torch
 
     import roundpipe as published  # the peer (checked above), never ours
@@ -278,7 +303,7 @@ def run_published(spec: dict) -> dict:
     m = spec.get("microbatches") or 2
     model = published.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, use_sequential_preset=True,
                                               model_run_config=published.RoundPipeRunConfig(num_microbatch=m))
-    opt = published.optim.Adam(model.optim_parameters(), lr=spec["lr"])
+    opt = published.optim.Adam(model.optim_parameters(), lr=spec["lr"], weight_decay=0.0)
     ids = batch(spec)
     mask = torch.ones_like(ids)
 
@@ -311,7 +336,7 @@ def run_maxseq(spec: dict) -> dict:
     if cuda:
         options["compute_dtype"] = torch.bfloat16
     vocab, grain = spec["hf_config"]["vocab_size"], spec["grain"]
-    deadline = time.perf_counter() + spec["budget_s"]
+    deadline = time.perf_counter() + min(spec["budget_s"], spec.get("search_s") or spec["budget_s"])
     tried: dict[int, str] = {}
 
     def fits(t: int) -> bool:
@@ -360,7 +385,36 @@ def run_prediction(spec: dict) -> dict:
     return {"seq_len": fit.seq_len, "search": f"predicted; binding: {fit.binding.name}"}
 
 
-RUNNERS = {"ours-sync": run_ours, "ours-async": run_ours, "ours-device": run_ours, "torch": run_torch,
+def published_isolated(peer: str) -> None:
+    """Raises unless `import roundpipe` in this process would load the peer from its own folder."""
+    import importlib.util
+
+    found = importlib.util.find_spec("roundpipe")
+    origin = found.origin if found else None
+    if not origin or not Path(origin).resolve().is_relative_to(Path(peer).resolve()):
+        raise RuntimeError(f"isolation: 'roundpipe' resolves to {origin}, not under the peer folder {peer}")
+
+
+def build_published_adam(spec: dict) -> dict:
+    """The published RoundPipe's CPU Adam, JIT-built here (-march=native, ninja) so its row does not pay it.
+    Its package opens a CUDA context per GPU at import: a GPU is needed even to build it."""
+    published_isolated(spec["peer_path"])
+    from roundpipe.optim.optim_builder import load_optim_function  # the peer (checked above)
+
+    load_optim_function("adam")
+    return {"built": "roundpipe_optim_adam"}
+
+
+def build_cpu_adam(spec: dict) -> dict:
+    """DeepSpeed's cpu_adam, JIT-built into TORCH_EXTENSIONS_DIR so its row finds it built."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/roundpipe-peers/torch-extensions")
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    CPUAdamBuilder().load()
+    return {"built": "cpu_adam"}
+
+
+RUNNERS = {"build-published-adam": build_published_adam, "build-cpu_adam": build_cpu_adam, "torch-ckpt": run_torch, "ours-sync": run_ours, "ours-async": run_ours, "ours-device": run_ours, "torch": run_torch,
            "fsdp2-offload": run_fsdp2, "deepspeed-zero-offload": run_deepspeed, "roundpipe-0.1.1": run_published, "ours-maxseq": run_maxseq,
            "ours-predicted": run_prediction}
 
@@ -368,17 +422,35 @@ RUNNERS = {"ours-sync": run_ours, "ours-async": run_ours, "ours-device": run_our
 def run(spec: dict) -> dict:
     import torch
 
+    PHASES["import_s"] = time.perf_counter() - START
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    cap_device(spec)
+    if spec["provider"] not in ("ours-predicted", "build-cpu_adam", "build-published-adam"):
+        cap_device(spec)   # the prediction and the builds open no CUDA context (the children need the card)
     out = RUNNERS[spec["provider"]](spec)
-    if spec["device"] == "cuda":
+    if spec["device"] == "cuda" and torch.cuda.is_initialized():
         out["device_peak"] = torch.cuda.max_memory_allocated(0)
-    return out
+    return {**out, **PHASES}
+
+
+def die_with_parent(parent: int | None) -> None:
+    """SIGKILL for this process when the benchmark that started it dies (Linux's PR_SET_PDEATHSIG).  The
+    process runs in a session of its own (so a time limit kills it with what it started), which a device
+    call's end does not kill: without this, a call killed at its limit would leave a provider on the GPU."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent and os.getppid() != parent:   # the parent died before the call above
+        os._exit(1)
 
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
+    die_with_parent(spec.get("parent"))
     try:
         out = run(spec)
     except Exception as exc:   # noqa: BLE001 -- any failure of a provider is its row's reason, never the run's end
@@ -387,6 +459,7 @@ def main(argv: list[str]) -> int:
         kind = "out of memory" if "OutOfMemory" in type(exc).__name__ else type(exc).__name__
         out = {"error": f"{kind}: {first}"}
     out["peak_rss"] = _peak_rss()
+    out["process_s"] = time.perf_counter() - START
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 

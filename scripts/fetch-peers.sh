@@ -8,7 +8,10 @@
 # ever importable beside our roundpipe, and none is a dependency of the project:
 #
 #   .whl/peers/roundpipe-0.1.1/   the published RoundPipe (pure Python) and beartype, the one dependency
-#                                 the GPU image lacks (ninja, py-cpuinfo, tqdm, typing-extensions are there)
+#                                 the GPU image lacks (ninja, py-cpuinfo, tqdm, typing-extensions are there),
+#                                 and the transformers it was written for (4.57.x, with its huggingface_hub
+#                                 and tokenizers): its Qwen3 preset calls create_causal_mask(input_embeds=,
+#                                 cache_position=), which the image's transformers 5.17 lacks (TypeError)
 #   .whl/peers/deepspeed/         DeepSpeed, built here from its sdist into a py3-none-any wheel with no ops
 #                                 prebuilt (DS_BUILD_OPS=0: CPU Adam is JIT-built there with ninja, and its
 #                                 row says why when that fails), plus hjson, pydantic 2 and typing-extensions (pydantic-core is
@@ -26,6 +29,9 @@ PEER_PYTHON=${PEER_PYTHON:-3.12}              # the GPU machine's Python (3.12.3
 ROUNDPIPE_PEER=${ROUNDPIPE_PEER:-0.1.1}
 DEEPSPEED=${DEEPSPEED:-0.19.8}
 LIGER=${LIGER:-0.8.5}
+PEER_TRANSFORMERS=${PEER_TRANSFORMERS:-4.57.6}   # the published RoundPipe's (with the two below, as it requires)
+PEER_HUB=${PEER_HUB:-0.36.2}
+PEER_TOKENIZERS=${PEER_TOKENIZERS:-0.22.2}
 OUT=.whl/peers
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
@@ -37,8 +43,9 @@ download() {   # download FOLDER SPEC...: wheels only, for the GPU machine's Pyt
 }
 
 mkdir -p "$OUT/roundpipe-$ROUNDPIPE_PEER" "$OUT/deepspeed" "$OUT/liger-kernel"
-echo "== roundpipe==$ROUNDPIPE_PEER and beartype"
-download "$OUT/roundpipe-$ROUNDPIPE_PEER" "roundpipe==$ROUNDPIPE_PEER" beartype
+echo "== roundpipe==$ROUNDPIPE_PEER, beartype and transformers==$PEER_TRANSFORMERS for it"
+download "$OUT/roundpipe-$ROUNDPIPE_PEER" "roundpipe==$ROUNDPIPE_PEER" beartype "transformers==$PEER_TRANSFORMERS" \
+    "huggingface_hub==$PEER_HUB" "tokenizers==$PEER_TOKENIZERS"
 
 echo "== deepspeed==$DEEPSPEED (sdist built into a wheel here, no ops prebuilt) and its missing pure deps"
 if ! ls "$OUT"/deepspeed/deepspeed-"$DEEPSPEED"-*.whl >/dev/null 2>&1; then

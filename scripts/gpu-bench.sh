@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # Ours against every peer on one GPU held to 24 GiB (bench/gpu_bench.py), packed for a GPU machine without network.
 #
-#   bash scripts/gpu-bench.sh                   # GPU machine: < 9 min; rows in bench/results/gpu-<date>/
-#   bash scripts/gpu-bench.sh --dry --out DIR   # anywhere: CPU workers, tiny configs, < 1 min (the test suite runs it)
+#   bash scripts/gpu-bench.sh --call 1 --out /tmp/gpu --mirror $OUT/gpu   # device call 1 (< 5 min), then --call 2
+#   bash scripts/gpu-bench.sh --dry --out DIR   # anywhere: both calls on CPU workers, tiny configs, and each
+#                                               # call's expected seconds on the device (exit 1 past 5 minutes)
 #
-# Any other argument goes to bench/gpu_bench.py (--budget, --timeout, --only, --cap-gib, ...; --help).
+# docs/gpu-bench.md gives the two device calls verbatim.  Any other argument goes to bench/gpu_bench.py
+# (--call, --prepare, --mirror, --budget, --timeout, --only, --cap-gib, ...; --help).
 # Prerequisites are checked first and every missing one is listed with its fix before anything runs
-# (exit 3): Python with torch, transformers and peft; for a GPU run also a CUDA GPU seen by torch and
-# our native core, built in place here when it does not import (a C++ compiler, setuptools and pybind11,
-# taken from .whl/ as scripts/gpu-check.sh does when missing).  Peers come from .whl/peers/<peer>/
+# (exit 3): Python with torch, transformers and peft; for a GPU run also a CUDA GPU seen by torch and,
+# when our native core does not import, what building it in place takes (a C++ compiler, setuptools and
+# pybind11, taken from .whl/ as scripts/gpu-check.sh does when missing): the build itself is the prepare
+# phase's (bench/gpu_prepare.py), beside the peers' JIT builds.  The interpreter: $PYTHON, else with --dry
+# the project's .venv/bin/python (where it exists), else python3 (the GPU image's, with CUDA torch).  Peers come from .whl/peers/<peer>/
 # (filled by scripts/fetch-peers.sh on a machine that reaches PyPI; .whl/ is git-ignored and travels
 # with the working tree): each folder is installed with --no-index --no-deps into its own --target
 # folder under $PEERS (default /tmp/roundpipe-peers), which only that peer's subprocess puts on its
 # PYTHONPATH.  A peer without wheels, or whose install fails, gets a row saying so; nothing stops the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 PEERS=${PEERS:-/tmp/roundpipe-peers}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 ROUNDPIPE_BENCH_T0=${ROUNDPIPE_BENCH_T0:-$(date +%s.%N)}
 dry=false
 for a in "$@"; do [ "$a" = --dry ] && dry=true; done
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif $dry && [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3
+fi
 
 # ---- prerequisites: every missing one is listed, with its fix, before anything runs
 missing=()
@@ -34,7 +41,6 @@ for module in $absent; do
     missing+=("$module is not importable by $PY: point PYTHON at the environment that has it
     (on the GPU machine: the image's python3; pip cannot download here)")
 done
-build=false
 if ! $dry && importable torch; then
     gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null \
            || echo 0)
@@ -42,7 +48,6 @@ if ! $dry && importable torch; then
         missing+=("no CUDA GPU visible to torch: run this on the GPU machine, or use --dry on CPU workers")
     fi
     if ! "$PY" -c 'import roundpipe._C' >/dev/null 2>&1; then
-        build=true
         CXX_BIN=${CXX:-c++}
         command -v "$CXX_BIN" >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 \
             || missing+=("no C++ compiler ($CXX_BIN or g++; set CXX): our native core roundpipe._C is built in place")
@@ -56,13 +61,6 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "gpu-bench: cannot start; missing:" >&2
     printf '  - %s\n' "${missing[@]}" >&2
     exit 3
-fi
-
-if $build; then   # in place, against this machine's torch; nothing is installed into the environment
-    echo "== building roundpipe._C in place (limit 240 s)"
-    timeout 240 "$PY" setup.py -q build_ext --inplace >/tmp/roundpipe-build.log 2>&1 \
-        || { echo "gpu-bench: the native core did not build (/tmp/roundpipe-build.log):" >&2
-             tail -n 20 /tmp/roundpipe-build.log >&2; exit 1; }
 fi
 
 # ---- peers: each wheel folder into its own --target folder (a failure leaves it out: its row says why)
