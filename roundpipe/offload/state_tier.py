@@ -44,6 +44,7 @@ Failure semantics (per layer all or nothing):
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from typing import Any, Callable
@@ -51,6 +52,7 @@ from typing import Any, Callable
 import torch
 
 from roundpipe.core.checks import is_int
+from roundpipe.core.file_values import no_duplicates, short
 from roundpipe.offload.masters import LazyMaster, MasterLayout, master_layout, movable_bytes, placeholder
 from roundpipe.offload.masters import view as master_view
 from roundpipe.offload.nvme import NVMeConfig, NVMeStore, check_free_space
@@ -350,30 +352,80 @@ BIN, META = "optimizer_offload.bin", "optimizer_offload.json"
 ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "state1", "state2")   # shaped like the parameter
 
 
+# the dtypes optimizer state is stored in, by the names optimizer_offload.json gives them
+STATE_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16,
+                                                             torch.float64, torch.uint8, torch.int8, torch.int32,
+                                                             torch.int64)}
+
+
 def read_meta(folder: str, optimizer: Any) -> dict:
-    """The checkpoint's offload layout, checked against the optimizer's parameters (ValueError naming the file)."""
+    """The checkpoint's offload layout, read as strictly as the checkpoint's own files (a damaged or hostile file
+    is a ValueError naming it, never another error or a read outside the data) and checked against the
+    optimizer's parameters and optimizer_offload.bin's size."""
     path = os.path.join(folder, META)
     try:
         with open(path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"load_checkpoint: {path} could not be read ({e})") from None
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    total = 0
-    for entry in meta["layers"]:
-        for i, slices in entry["params"]:
-            if not 0 <= i < len(params):
-                raise ValueError(f"load_checkpoint: {path} has state of optimizer parameter {i}; the optimizer has "
-                                 f"{len(params)}")
-            for key, _dtype, shape, _off in slices:
-                if key in ELEMENTWISE and tuple(shape) != tuple(params[i].shape):
-                    raise ValueError(f"load_checkpoint: {path}: state {key!r} of parameter {i} has shape {shape}; "
-                                     f"the parameter is {list(params[i].shape)}")
-        total += entry["nbytes"]
-    got = os.path.getsize(os.path.join(folder, BIN))
-    if got != total:
-        raise ValueError(f"load_checkpoint: {os.path.join(folder, BIN)} has {got} bytes; {path} describes {total}")
+            meta = json.load(f, object_pairs_hook=no_duplicates)
+        size = os.path.getsize(os.path.join(folder, BIN))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"load_checkpoint: {path} could not be read ({short(str(e))})") from None
+    problem = _meta_problem(meta, [p for g in optimizer.param_groups for p in g["params"]], size)
+    if problem is not None:
+        raise ValueError(f"load_checkpoint: {path}: {problem}")
     return meta
+
+
+def _meta_problem(meta: Any, params: list, size: int) -> str | None:
+    """What is wrong with an optimizer_offload.json (None: nothing): its shape as `StateTier.save` writes it,
+    every slice inside its layer's bytes and apart from the others, each parameter's state in one layer."""
+    if not isinstance(meta, dict) or set(meta) != {"layers", "initialized"}:
+        return "expected an object with exactly the keys 'layers' and 'initialized'"
+    init, entries = meta["initialized"], meta["layers"]
+    if not isinstance(init, list) or not all(is_int(i) and 0 <= i < len(params) for i in init) \
+            or len(set(init)) != len(init):
+        return f"'initialized' must list distinct optimizer parameter indices below {len(params)}"
+    if not isinstance(entries, list):
+        return "'layers' must be a list"
+    total, layers_seen, params_seen = 0, set(), set()
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) != {"layer", "nbytes", "params"}:
+            return f"a layer entry {short(entry)} must be an object with the keys 'layer', 'nbytes' and 'params'"
+        l, nbytes, plist = entry["layer"], entry["nbytes"], entry["params"]
+        if not is_int(l) or l < 0 or l in layers_seen:
+            return f"layer {short(l)} is not an index >= 0 or appears twice"
+        if not is_int(nbytes) or not 0 <= nbytes <= size:
+            return f"layer {l}: nbytes {short(nbytes)} is not an int within the data's {size} bytes"
+        layers_seen.add(l)
+        total += nbytes
+        if not isinstance(plist, list):
+            return f"layer {l}: 'params' must be a list"
+        spans = []
+        for item in plist:
+            if not (isinstance(item, list) and len(item) == 2 and is_int(item[0]) and isinstance(item[1], list)):
+                return f"layer {l}: {short(item)} is not [optimizer parameter index, slices]"
+            i, slices = item
+            if not 0 <= i < len(params) or i in params_seen:
+                return (f"layer {l} has state of optimizer parameter {i}; the optimizer has {len(params)}, "
+                        "each parameter's state in one layer")
+            params_seen.add(i)
+            for sl in slices:
+                if not (isinstance(sl, list) and len(sl) == 4 and isinstance(sl[0], str) and sl[1] in STATE_DTYPES
+                        and isinstance(sl[2], list) and all(is_int(d) and d >= 0 for d in sl[2]) and is_int(sl[3])):
+                    return (f"layer {l}, parameter {i}: {short(sl)} is not [key, dtype ({', '.join(STATE_DTYPES)}), "
+                            "shape, offset]")
+                key, dtype, shape, off = sl
+                if key in ELEMENTWISE and tuple(shape) != tuple(params[i].shape):
+                    return f"state {key!r} of parameter {i} has shape {shape}; the parameter is {list(params[i].shape)}"
+                n = math.prod(shape) * STATE_DTYPES[dtype].itemsize   # Python ints: a huge shape cannot overflow
+                if not 0 <= off <= nbytes - n:
+                    return f"layer {l}, parameter {i}: state {short(key)} ({n} bytes at {off}) is outside its {nbytes} bytes"
+                spans.append((off, off + n))
+        spans.sort()
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return f"layer {l}: two slices of its state overlap"
+    if total != size:
+        return f"{BIN} has {size} bytes; the layers describe {total}"
+    return None
 
 
 def load(folder: str, meta: dict, optimizer: Any, tier: StateTier | None) -> None:
@@ -400,6 +452,6 @@ def load(folder: str, meta: dict, optimizer: Any, tier: StateTier | None) -> Non
                     continue
                 state = optimizer.state[params[i]]
                 for key, dtype, shape, off in slices:
-                    dt = getattr(torch, dtype)
+                    dt = STATE_DTYPES[dtype]
                     n = torch.empty((), dtype=dt).element_size() * torch.Size(shape).numel()
                     state[key] = slice_view(buf, Slice(key, dt, tuple(shape), off, n)).clone()

@@ -30,6 +30,8 @@ from typing import Iterable
 
 import torch
 
+from roundpipe.core.file_values import no_duplicates, short  # noqa: F401 - tensor_file.short / .no_duplicates for its readers
+
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
@@ -75,23 +77,6 @@ def write(path: str, tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(raw) + offset
-
-
-def short(value: object) -> str:
-    """repr of a value from a file, cut short: a hostile string must not make a huge message."""
-    r = repr(value)
-    return r if len(r) <= 80 else r[:60] + f"... ({len(r)} characters)"
-
-
-def no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object's pairs as a dict (json's object_pairs_hook); a key given twice is a ValueError,
-    not silently the last one."""
-    seen: set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise ValueError(f"the key {short(key)} appears twice in one object")
-        seen.add(key)
-    return dict(pairs)
 
 
 def open_regular(path: str, what: str) -> int:
