@@ -82,7 +82,7 @@ def plan(dry: bool, cap: int, timeout: float) -> list[Case]:
 #
 # tokens/s per provider for the 1.7B model at 4 x 2048 tokens, estimated (none measured on this engine
 # yet; the first GPU run replaces these with its own numbers in the table): the published system's
-# 8,881 tokens/s on one RTX 4090 (DESIGN.md 4) and, for ours, a host step of ~28 B/param of memory
+# 8,881 tokens/s on one RTX 4090 (the design card, section 4) and, for ours, a host step of ~28 B/param of memory
 # traffic at ~40 GB/s (1.2 s for 1.7B, hidden by the asynchronous step) plus ~0.6 s of compute and PCIe.
 TOKENS_PER_S = {"ours-sync": 4000, "ours-async": 7000, "ours-device": 5000, "torch": 20000, "torch-ckpt": 15000,
                 "fsdp2-offload": 1500, "deepspeed-zero-offload": 3500, "roundpipe-0.1.1": 6000}

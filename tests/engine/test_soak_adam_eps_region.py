@@ -91,8 +91,11 @@ def test_allowance_still_tells_a_missed_update():
             assert chk.master_err(n, chk.ref.prev[n], q.detach()) > 20 * soak.TOL, n
 
 
-def test_only_an_adamw_reference_gets_an_allowance():
-    """An AdamW8bit reference (blockwise 8-bit states) keeps the plain TOL: no allowance."""
+def test_an_adamw8bit_reference_is_allowed_only_what_its_shadows_differ_by():
+    """An AdamW8bit reference (blockwise 8-bit states) gets no first-order allowance: only what its two shadow
+    optimizers' updates differ by (tests/soak.py, Checker._shadow), far below TOL where no moment code flips."""
     case = dataclasses.replace(minimised_case(), kind="adamw8bit", optimizer="8bit")
     chk = reference_through_op_6(case)
-    assert all(a.abs().max() == 0 for a in chk.allow.values())
+    weights = dict(chk.ref.cur.named_parameters())
+    for name, allow in chk.allow.items():
+        assert (allow / (soak.TOL * weights[name].detach().abs().max())).median() < 0.01, name

@@ -80,9 +80,12 @@ def test_a_blocked_layer_is_named_and_the_caller_is_not_blocked():
         assert "stall_timeout=0.5 s" in head, head
         assert "worker cpu:1 in stage F1[2-3] (forward of layers 2-3), at microbatch 1" in head, head
         assert "waits for its own forward (or recompute) to return" in head and "in forward" in head, head
-        # cpu:0 waits for cpu:1's output, or for the turn when the layer blocked inside it (a fast first forward)
+        # cpu:0 waits for cpu:1's output in its fused stage, or for the turn when the layer blocked inside it (a
+        # fast first forward): in the fused stage, or still in F0 after its last microbatch's output went out
+        # (on a loaded machine it gave the turn back while it waited for that download, and cpu:1 took it first)
         behind = msg.split("\n")[1]
-        assert behind.startswith("waiting behind it: worker cpu:0 in stage fused2[4-5]"), behind
+        assert behind.startswith(("waiting behind it: worker cpu:0 in stage fused2[4-5]",
+                                  "waiting behind it: worker cpu:0 in stage F0[0-1]")), behind
         assert "the input of layer 4, microbatch 1" in behind or "the CPU workers' turn" in behind, behind
         stacks = msg.split("Engine threads (the stalled model's workers first):\n", 1)[1]
         assert stacks.count("thread 'roundpipe-cpu:1'") >= 2   # this model's, the other one's (and earlier tests')
