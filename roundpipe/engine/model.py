@@ -7,7 +7,9 @@
     model.synchronize()                # masters, p.grad and buffers are now consistent
 
 The wrapped module (an nn.Sequential of the layers) holds the fp32 master
-weights; `parameters()`, `state_dict()` etc. are its.  `forward_backward`
+weights; `parameters()`, `state_dict()` etc. are its.  RoundPipe is itself an
+nn.Module whose tree is that module's (model_state.py, `_adopt_owner`), so a
+parent module (Lightning, Accelerate) sees and saves the real masters.  `forward_backward`
 splits the batch into microbatches, runs the round-robin schedule over the
 worker pool (roundpipe/engine/calls/dispatcher.py) and returns the batch loss: the
 microbatch losses weighted by microbatch size, so with a `loss_fn` that is a
