@@ -396,6 +396,10 @@ class Checker:
             first_order = lr * d * (1 + u.abs()) / (root + eps)
             self.allow[n] += torch.maximum(first_order, moved[n]) if n in moved else first_order
 
+    def _ref_steps(self) -> list[float]:
+        """The reference optimizer's step counts: the shadows' moments are the reference's while these match."""
+        return [float(st["step"]) for st in self.ref.opt.state.values() if "step" in st]
+
     def _shadow(self, delta: dict, max_grad_norm: float | None) -> list:
         """Before a reference step: the same step by two shadow optimizers from the reference's
         weights, every gradient element moved by delta away from zero or towards it (the fp32 noise a
@@ -407,7 +411,7 @@ class Checker:
         linearisation misses: a gradient element that cancels to within the noise of zero (Adam's eps region)
         over several steps (seed 730039: 6.2e-3 raw, 1.4e-4 past the first-order allowance)."""
         named = [(n, p) for n, p in self.ref.cur.named_parameters() if p.requires_grad]   # make_optimizer's order
-        steps = [float(st["step"]) for st in self.ref.opt.state.values() if "step" in st]
+        steps = self._ref_steps()
         shadows = getattr(self, "_shadows", None)
         if shadows is None or shadows[0][2] != steps:
             shadows = []
@@ -433,7 +437,7 @@ class Checker:
         params = dict(self.ref.cur.named_parameters())
         moved = {n: torch.stack([(q.detach() - params[n].detach()).abs() for q in copies]).amax(0)
                  for n, copies in shadows}
-        steps = [float(st["step"]) for st in self.ref.opt.state.values() if "step" in st]
+        steps = self._ref_steps()
         for shadow in self._shadows:
             shadow[2] = steps
         return moved
