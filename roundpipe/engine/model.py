@@ -56,6 +56,7 @@ from roundpipe.engine.step.device_step import DeviceStep
 from roundpipe.engine.step.host_state import HostState
 from roundpipe.engine.step.optimizer_step import total_norm
 from roundpipe.engine.step.staleness import StalenessCompensation
+from roundpipe.offload.arena import fix_mmap_threshold
 from roundpipe.planner.autosplit import SplitModule, split_module
 from roundpipe.planner.plan import Plan
 from roundpipe.trace import Trace
@@ -203,6 +204,8 @@ class RoundPipe(ModelState, ModelSteps, nn.Module):
         self._device_layers: frozenset[int] = frozenset()   # those of the latest call
         for w in self.workers:   # a capped CPU worker also counts compute workspace (ledger.py; ~12% slower)
             w.records_workspace = self.device_memory[w.name] is not None
+        if caps and not self._cuda:   # and its freed buffers go back to the system at once (fix_mmap_threshold)
+            fix_mmap_threshold()
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
                                   for layer, st in zip(layers, self.host.layers)] for w in self.workers}
         # Whole-batch BatchNorm statistics (roundpipe/engine/calls/batchnorm.py): masters updated at call ends.

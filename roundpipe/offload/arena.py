@@ -257,7 +257,11 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
     run: the two workers' heaps kept 50-90 MiB of freed memory each, growing with depth, 1.5 bytes per
     added parameter of peak RSS above the accounted bytes in the runs of PLAIN_CHUNK_BYTES (AdamW8bit,
     fp32 masters), 0.1 with the threshold fixed at 1 MiB.  The cost: a buffer of 1 MiB or more is mapped
-    and its pages faulted in at each allocation instead of being reused from the heap."""
+    and its pages faulted in at each allocation instead of being reused from the heap: `roundpipe train
+    --devices cpu` (1 MiB-6 MiB activations, ~140 mappings a step) ran at 0.65-0.84x plain PyTorch with it
+    and 0.86-0.97x without (2026-12-07, bench/cli.py), so only a RoundPipe whose CPU workers are capped
+    (a GPU's memory modelled) sets it (roundpipe/engine/model.py).  Thresholds of 4 and 8 MiB left
+    1.5-5 bytes per added parameter above the accounting in some of bench/memory.py --peak's rows."""
     if not is_int(nbytes) or not 0 < nbytes <= 32 << 20:
         raise ValueError(f"nbytes={nbytes!r} must be an int in (0, 32 MiB] (glibc's largest mmap threshold)")
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:

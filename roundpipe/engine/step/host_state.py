@@ -83,14 +83,16 @@ gone.  `HostState.copy(dst, src)` does every host-side conversion.
 
 Peak RSS with CPU workers.  Plain memory is resident where it was touched, so the
 arena's plain chunks are 4 MiB (page-locked ones 64 MiB): the unused rest of the
-last chunk, paged in or not from run to run, is then too small to matter.  And a CPU
-worker's "device" buffers are this process's heap memory: a HostState for CPU workers
-fixes glibc's mmap threshold at 1 MiB for the process (`fix_mmap_threshold`, unless
-MALLOC_MMAP_THRESHOLD_ is set), so that a freed stage buffer goes back to the system
-as a freed GPU buffer goes back to the device instead of staying in the worker
-thread's heap.  With both the raw peak RSS grows by the accounted bytes
+last chunk, paged in or not from run to run, is then too small to matter.  A CPU
+worker's "device" buffers are this process's heap memory; a RoundPipe whose CPU
+workers have a device_memory cap (they model a GPU's memory) fixes glibc's mmap
+threshold at 1 MiB for the process (roundpipe/engine/model.py, `fix_mmap_threshold`),
+so that a freed stage buffer goes back to the system as a freed GPU buffer goes back
+to the device.  With both the raw peak RSS grows by the accounted bytes
 (`RoundPipe.memory_stats`) per added parameter within 0.2 (bench/memory.py --peak,
-tests/engine/test_peak_rss.py).
+tests/engine/test_peak_rss.py).  Uncapped CPU workers (`roundpipe train --devices cpu`)
+keep glibc's default: freed buffers are reused from the threads' heaps, as a GPU's
+caching allocator reuses its blocks.
 
 Masters in the compute dtype (fp32 masters with fp32 compute, CPU workers' default;
 bf16 masters with bf16 compute) are their own upload copy: `p.data` is moved into an
@@ -125,7 +127,6 @@ from torch.autograd.graph import increment_version
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from roundpipe import _native, hostops
-from roundpipe.offload.arena import fix_mmap_threshold
 from roundpipe.optim.rounding import MASTER_DTYPES, ROUNDINGS
 from roundpipe.testing import delay_point
 
@@ -262,8 +263,6 @@ class HostState:
         self.master_rounding = master_rounding
         self._grad_bytes = 0   # gradient bytes reserved in the arena (reserve_gradients)
         self.pinned = pinned
-        if not pinned:   # CPU workers: their freed "device" buffers go back to the system (module docstring)
-            fix_mmap_threshold()
         # data_ptrs of the placeholders of masters on disk (roundpipe/offload/masters.py): no P-copy from them
         self.placeholders: set[int] = set()
         self.arena = make_arena(pinned, device)   # device: the GPU whose context page-locks the arena
