@@ -10,7 +10,7 @@ DEMO_STAMP := $(VENV)/.roundpipe-demo
 TEST_STAMP := $(VENV)/.roundpipe-installed
 SETUP_INPUTS := pyproject.toml setup.py scripts/setup-venv.sh requirements/test-constraints.txt $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: demo test test-fast lint setup lock versions clean
+.PHONY: demo test test-fast lint setup lock versions bench-check clean
 
 demo: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(DEMO_STAMP))
 	$(BIN)/roundpipe train
@@ -29,6 +29,11 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 
 setup: $(TEST_STAMP)
+
+# The main job's speed guard (about 2 minutes, quiet machine): `roundpipe train --devices cpu` against
+# `--engine torch`, 3 alternated pairs, the ratio beside the last committed row (bench/cli.py).
+bench-check: $(TEST_STAMP)
+	$(BIN)/python bench/cli.py --no-save
 
 # The test environment's exact versions, re-resolved on purpose (then run the suite, commit the file).
 lock:
