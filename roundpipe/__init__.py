@@ -31,6 +31,7 @@ _LAZY = {
     "LossScale": "roundpipe.engine.step.loss_scale",
     "StalenessCompensation": "roundpipe.engine.step.staleness",
     "hf": "roundpipe.hf",
+    "diffusers": "roundpipe.diffusers",
     "RoundPipeStalled": "roundpipe.core.errors",
     "save_for_recompute": "roundpipe.engine.calls.recompute_data",
     "get_recompute_data": "roundpipe.engine.calls.recompute_data",

@@ -18,10 +18,10 @@ FLOORS = {
     "roundpipe.quant": 1, "roundpipe.kernels": 1, "roundpipe.models": 1, "roundpipe.shapes": 1,
     "roundpipe.workers": 2, "roundpipe.planner": 2, "roundpipe.sim": 2,
     "roundpipe.engine": 3,
-    "roundpipe.hf": 4, "roundpipe.commands": 4, "roundpipe.bench": 4, "roundpipe": 4,
+    "roundpipe.hf": 4, "roundpipe.diffusers": 4, "roundpipe.commands": 4, "roundpipe.bench": 4, "roundpipe": 4,
 }
 FLOOR_NAMES = ["primitives", "native, offload, optim, quant", "workers, planner, sim", "engine",
-               "hf, commands, bench"]
+               "hf, diffusers, commands, bench"]
 
 
 def modules() -> dict[str, pathlib.Path]:

@@ -1,0 +1,35 @@
+"""Diffusion transformers in one call: `rp.diffusers.wrap(transformer)` (Flux, SD3, Wan).
+
+Names load lazily (this package imports diffusers only when a function that needs it runs):
+roundpipe/diffusers/model.py (wrap, DiffusersRoundPipe), presets.py (each family's arguments, what is split and
+what is passed whole; example_inputs), layers.py (the layers a transformer is cut into), train.py (the
+flow-matching inputs and loss).
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "wrap": "roundpipe.diffusers.model",
+    "DiffusersRoundPipe": "roundpipe.diffusers.model",
+    "cut_layers": "roundpipe.diffusers.layers",
+    "example_inputs": "roundpipe.diffusers.presets",
+    "FAMILIES": "roundpipe.diffusers.presets",
+    "flow_matching_inputs": "roundpipe.diffusers.train",
+    "diffusion_loss": "roundpipe.diffusers.train",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'roundpipe.diffusers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
