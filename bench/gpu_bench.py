@@ -66,6 +66,7 @@ from roundpipe.shapes import DecoderShape  # noqa: E402
 CHILD = Path(__file__).with_name("gpu_providers.py")
 PEER_FOLDERS = {"deepspeed-zero-offload": ("deepspeed", "deepspeed"), "roundpipe-0.1.1": ("roundpipe-0.1.1", "roundpipe"),
                 "build-cpu_adam": ("deepspeed", "deepspeed"), "build-published-adam": ("roundpipe-0.1.1", "roundpipe")}
+DIFFUSERS_FOLDER = "diffusers"   # scripts/fetch-peers.sh's wheel folder for the Flux rows (ours and the peer)
 
 
 def host_available() -> int:
@@ -127,10 +128,12 @@ def child_env(case: Case, peers: Path) -> tuple[dict, str]:
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)))
     path = [e for e in env.get("PYTHONPATH", "").split(os.pathsep)
             if e and Path(e).resolve() != REPO_ROOT and not Path(e).resolve().is_relative_to(peers.resolve())]
+    # the Flux rows' diffusers (absent from the GPU image), after everything else on the path
+    extra = [str(peers / DIFFUSERS_FOLDER)] if gpu_plan.is_dit(case) and (peers / DIFFUSERS_FOLDER).is_dir() else []
     if case.provider in PEER_FOLDERS:
-        env["PYTHONPATH"] = os.pathsep.join([str(peers / PEER_FOLDERS[case.provider][0])] + path)
+        env["PYTHONPATH"] = os.pathsep.join([str(peers / PEER_FOLDERS[case.provider][0])] + path + extra)
         return env, tempfile.gettempdir()
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + path)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + path + extra)
     return env, str(REPO_ROOT)
 
 
@@ -296,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                         "get no row)")
     args = parser.parse_args(argv)
     d = args.dry
+    if (args.peers / DIFFUSERS_FOLDER).is_dir():   # so gpu_plan.static_skip finds it (found, never imported here)
+        sys.path.append(str(args.peers / DIFFUSERS_FOLDER))
     timeout = args.timeout or (60.0 if d else 100.0)
     args.warmup = args.warmup if args.warmup is not None else 2
     args.steps = args.steps or (2 if d else 6)

@@ -37,6 +37,13 @@ Providers (the spec's "provider"):
     ours-maxseq              the longest sequence (batch 1) ours trains under the cap: bisection, one
                              full step per probe, within a time budget
 
+    Flux-shaped LoRA rows (the spec's hf_config is a diffusers config.json, `_class_name` included):
+    ours-async               rp.diffusers.wrap(transformer with a LoRA adapter), rp.optim.AdamW on the
+                             adapters, asynchronous step; device_memory= the cap
+    diffusers-offload        the same transformer and adapter in plain diffusers + PEFT, the frozen base
+                             offloaded per module with accelerate's cpu_offload, diffusers' gradient
+                             checkpointing, torch AdamW on the adapters on the GPU (`run_diffusers_offload`)
+
     build-cpu_adam           DeepSpeed's cpu_adam JIT-built (the prepare phase: out of the timed rows)
     build-published-adam     the published RoundPipe's Adam JIT-built, likewise (needs a GPU to import)
 
@@ -385,6 +392,143 @@ def run_prediction(spec: dict) -> dict:
     return {"seq_len": fit.seq_len, "search": f"predicted; binding: {fit.binding.name}"}
 
 
+# ---- the Flux LoRA rows: one diffusion transformer, one adapter, one batch for both providers
+
+# rank 16 on every attention projection (roundpipe/diffusers/context.py LORA_TARGETS, repeated here so that the
+# peer's process reads nothing of ours): diffusers' DreamBooth LoRA scripts for Flux target these
+DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+DIT_TEXT = {"cuda": 512, "cpu": 8}   # text tokens: Flux's T5 length; a few in the dry run
+
+
+def build_transformer(spec: dict, dtype):
+    """The spec's diffusers transformer with random weights from one seed (drawn as build_model draws them) in
+    `dtype` on the host, and a LoRA adapter (fp32, the base frozen): what both providers train."""
+    import diffusers
+    import torch
+    from peft import LoraConfig
+
+    t0 = time.perf_counter()
+    cfg = dict(spec["hf_config"])
+    cls = getattr(diffusers, cfg.pop("_class_name"))
+    with torch.device("meta"):
+        model = cls.from_config(cfg)
+    model.to_empty(device="cpu")
+    model.to(dtype)
+    where = "cuda" if spec["device"] == "cuda" else "cpu"
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            gen = torch.Generator(where).manual_seed(spec["seed"] * 100003 + i)
+            p.copy_(torch.empty(p.shape, dtype=p.dtype, device=where).normal_(0.0, 0.02, generator=gen))
+    model.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights="gaussian", target_modules=DIT_LORA_TARGETS))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()   # diffusers' cast_training_params: fp32 adapters over a low-precision base
+    if where == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(0)
+    PHASES["init_s"] = PHASES.get("init_s", 0.0) + time.perf_counter() - t0
+    return model
+
+
+def dit_batch(spec: dict, model, dtype) -> tuple[dict, object]:
+    """Flux's inputs for `batch` samples of seq latent tokens (a square image of 16 sqrt(seq) px) at noisy
+    latents, and the flow-matching target (noise - x0), seeded: diffusers' train_dreambooth_lora_flux.py's."""
+    import torch
+
+    cfg, b, side = model.config, spec["batch"], int(round(spec["seq"] ** 0.5))
+    if type(model).__name__ != "FluxTransformer2DModel" or side * side != spec["seq"]:
+        raise ValueError(f"the DiT rows train a Flux transformer on a square latent, got {type(model).__name__}, "
+                         f"seq={spec['seq']}")
+    text = DIT_TEXT[spec["device"]]
+    gen = torch.Generator().manual_seed(spec["seed"] + 1)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
+    x0, noise, sigma = rand(b, side * side, cfg.in_channels), rand(b, side * side, cfg.in_channels), torch.rand(b, generator=gen)
+    ids = torch.zeros(side, side, 3)
+    ids[..., 1] += torch.arange(side)[:, None]
+    ids[..., 2] += torch.arange(side)[None, :]
+    s = sigma[:, None, None]
+    inputs = {"hidden_states": ((1 - s) * x0 + s * noise).to(dtype), "encoder_hidden_states": rand(b, text, cfg.joint_attention_dim).to(dtype),
+              "pooled_projections": rand(b, cfg.pooled_projection_dim).to(dtype), "timestep": sigma.to(dtype),
+              "img_ids": ids.reshape(-1, 3).to(dtype), "txt_ids": torch.zeros(text, 3, dtype=dtype)}
+    if cfg.guidance_embeds:
+        inputs["guidance"] = torch.full((b,), 3.5, dtype=dtype)
+    return inputs, noise - x0
+
+
+def run_ours_dit(spec: dict) -> dict:
+    import torch
+
+    sys.path.insert(0, str(REPO_ROOT))
+    import roundpipe as rp
+    import roundpipe.diffusers as rpd
+
+    cuda = spec["device"] == "cuda"
+    transformer = build_transformer(spec, torch.bfloat16 if cuda else torch.float32)
+    options = {"devices": ["cuda:0"] if cuda else ["cpu"], "device_memory": spec.get("cap")}
+    if cuda:
+        options["compute_dtype"] = torch.bfloat16
+    model = rpd.wrap(transformer, **options)
+    opt = rp.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"], weight_decay=0.0)
+    inputs, target = dit_batch(spec, transformer, torch.float32)
+
+    def step(_):
+        loss = model.forward_backward(target=target, **inputs)
+        model.step(opt, asynchronous=spec["provider"] == "ours-async")
+        return loss
+
+    try:
+        return timed(spec, step, model.synchronize)
+    finally:
+        model.close()
+
+
+def run_diffusers_offload(spec: dict) -> dict:
+    """Plain diffusers + PEFT with the frozen base in host memory, uploaded per module as it runs.
+
+    Why this peer and not a pipeline's offload switch: `enable_model_cpu_offload` moves a whole model to the GPU
+    for its forward, and FLUX.1-dev's 12B transformer is 24 GB in bf16, past the 24 GiB cap by itself;
+    `enable_sequential_cpu_offload` is accelerate's `cpu_offload` on every module, whose hooks re-materialise a
+    module's parameters from their host copy at each call, so the adapters' gradients would land on
+    throw-away device copies and never train.  So: accelerate's `cpu_offload` on each module whose own
+    parameters are all frozen (the base Linears under the LoRA wrappers, norms, embedders), the adapters
+    resident on the GPU with torch AdamW, and diffusers' gradient checkpointing per block (without it
+    autograd keeps every block's uploaded weights alive until backward: the whole base on the device)."""
+    import torch
+    from accelerate import cpu_offload
+
+    cuda = spec["device"] == "cuda"
+    dev = torch.device("cuda:0" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    transformer = build_transformer(spec, dtype).train()
+    transformer.enable_gradient_checkpointing()
+    adapters = []
+    for module in transformer.modules():
+        own = list(module.parameters(recurse=False))
+        if own and any(p.requires_grad for p in own):
+            module.to(dev)   # an adapter's lora_A / lora_B: resident
+            adapters += [p for p in own if p.requires_grad]
+        elif own and not list(module.children()):
+            cpu_offload(module, execution_device=dev)
+    opt = torch.optim.AdamW(adapters, lr=spec["lr"], weight_decay=0.0, fused=cuda)
+    inputs, target = dit_batch(spec, transformer, dtype)
+    inputs = {k: v.to(dev) for k, v in inputs.items()}
+    target = target.to(dev)
+
+    def step(_):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            pred = transformer(**inputs, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return timed(spec, step, torch.cuda.synchronize if cuda else lambda: None)
+
+
+DIT_RUNNERS = {"ours-async": run_ours_dit, "ours-sync": run_ours_dit, "diffusers-offload": run_diffusers_offload}
+
+
 def published_isolated(peer: str) -> None:
     """Raises unless `import roundpipe` in this process would load the peer from its own folder."""
     import importlib.util
@@ -427,7 +571,8 @@ def run(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     if spec["provider"] not in ("ours-predicted", "build-cpu_adam", "build-published-adam"):
         cap_device(spec)   # the prediction and the builds open no CUDA context (the children need the card)
-    out = RUNNERS[spec["provider"]](spec)
+    dit = "_class_name" in spec["hf_config"]   # a diffusers config.json: the Flux LoRA rows
+    out = (DIT_RUNNERS if dit else RUNNERS)[spec["provider"]](spec)
     if spec["device"] == "cuda" and torch.cuda.is_initialized():
         out["device_peak"] = torch.cuda.max_memory_allocated(0)
     return {**out, **PHASES}

@@ -17,6 +17,9 @@
 #                                 row says why when that fails), plus hjson, pydantic 2 and typing-extensions (pydantic-core is
 #                                 a compiled wheel: fetched for the GPU machine's Python, $PEER_PYTHON)
 #   .whl/peers/liger-kernel/      liger-kernel (pure Python over Triton), for kernel comparisons
+#   .whl/peers/diffusers/         diffusers (pure Python; its requirements are on the image), for the Flux LoRA
+#                                 rows: appended to the PYTHONPATH of both of them (ours through rp.diffusers,
+#                                 and the plain diffusers peer), since the image lacks it
 #
 # What the GPU image already holds (the lent GPU machine's image: torch, transformers, peft, numpy,
 # msgpack, psutil, ninja, nvidia-ml-py, einops, ...) is not fetched: a second copy would shadow it.
@@ -29,6 +32,7 @@ PEER_PYTHON=${PEER_PYTHON:-3.12}              # the GPU machine's Python (3.12.3
 ROUNDPIPE_PEER=${ROUNDPIPE_PEER:-0.1.1}
 DEEPSPEED=${DEEPSPEED:-0.19.8}
 LIGER=${LIGER:-0.8.5}
+DIFFUSERS=${DIFFUSERS:-0.42.1}                 # requirements/test-constraints.txt's
 PEER_TRANSFORMERS=${PEER_TRANSFORMERS:-4.57.6}   # the published RoundPipe's (with the two below, as it requires)
 PEER_HUB=${PEER_HUB:-0.36.2}
 PEER_TOKENIZERS=${PEER_TOKENIZERS:-0.22.2}
@@ -42,7 +46,7 @@ download() {   # download FOLDER SPEC...: wheels only, for the GPU machine's Pyt
         "${PLATFORMS[@]}" -d "$dir" "$@"
 }
 
-mkdir -p "$OUT/roundpipe-$ROUNDPIPE_PEER" "$OUT/deepspeed" "$OUT/liger-kernel"
+mkdir -p "$OUT/roundpipe-$ROUNDPIPE_PEER" "$OUT/deepspeed" "$OUT/liger-kernel" "$OUT/diffusers"
 echo "== roundpipe==$ROUNDPIPE_PEER, beartype and transformers==$PEER_TRANSFORMERS for it"
 download "$OUT/roundpipe-$ROUNDPIPE_PEER" "roundpipe==$ROUNDPIPE_PEER" beartype "transformers==$PEER_TRANSFORMERS" \
     "huggingface_hub==$PEER_HUB" "tokenizers==$PEER_TOKENIZERS"
@@ -67,6 +71,9 @@ fi
 
 echo "== liger-kernel==$LIGER"
 download "$OUT/liger-kernel" "liger-kernel==$LIGER"
+
+echo "== diffusers==$DIFFUSERS"
+download "$OUT/diffusers" "diffusers==$DIFFUSERS"
 
 echo "== in $OUT:"
 find "$OUT" -name '*.whl' -printf '%8k KiB  %p\n' | sort -k3

@@ -13,7 +13,8 @@ COMMANDS = {
     "doctor": ("roundpipe.commands.doctor", "check the installation: versions, native core, SIMD, GPUs, Triton"),
     "train": ("roundpipe.commands.train", "train the built-in default model (no downloads)"),
     "bench": ("roundpipe.bench", "microbenchmarks: `roundpipe bench --list`"),
-    "plan": ("roundpipe.commands.plan", "ask the planner: `roundpipe plan max-seq-len` (longest context under a cap)"),
+    "plan": ("roundpipe.commands.plan", "ask the planner: `roundpipe plan max-seq-len` (longest context under a cap), "
+                                        "`roundpipe plan max-resolution` (largest image / clip of a diffusion transformer)"),
     "simulate": ("roundpipe.sim.cli", "simulate pipeline schedules and report bubbles"),
     "timeline": ("roundpipe.sim.timeline", "draw a simulated or recorded trace as a PNG"),
 }

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from roundpipe.core.checks import check_int
+from roundpipe.core.units import byte_unit, dtype_name
 from roundpipe.planner.plan import Plan
 from roundpipe.shapes import LLAMA_3_1_8B, QWEN3_1_7B, QWEN3_32B
 
@@ -94,14 +95,14 @@ class ContextFit:
 
     def table(self) -> str:
         """Bytes per part at seq_len for the binding layer, the largest decoder layer, the head and the embedding."""
-        unit, scale = _unit(self.device_memory)
+        unit, scale = byte_unit(self.device_memory)
         rows = [("layer", "weights", "gradients", "activations", "(attention)", "total")]
         for lb in dict.fromkeys([self.binding, self.decoder, self.head, self.embedding]):
             rows.append((lb.name, *(f"{v / scale:.2f}" for v in (lb.weights, lb.gradients, lb.activations,
                                                                   lb.attention, lb.total))))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"{self.model}: {self.seq_len:,} tokens{' or more' if self.at_search_limit else ''} (batch 1) "
-                 f"under a {self.device_memory / scale:.2f} {unit} cap, {self.workers} worker(s), {_dtype_name(self.dtype)}, "
+                 f"under a {self.device_memory / scale:.2f} {unit} cap, {self.workers} worker(s), {dtype_name(self.dtype)}, "
                  f"recompute={self.recompute!r} ({len(self.plan.backward)} backward stages); {unit} per part:"]
         lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in rows]
@@ -109,17 +110,6 @@ class ContextFit:
                      f"{self.head_workspace / scale:.2f} {unit}, not counted (fp32 [T, V] logits: "
                      f"{self.full_logits / scale:.2f} {unit})")
         return "\n".join(lines)
-
-
-def _unit(n: int) -> tuple[str, int]:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return unit, scale
-    return "B", 1
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
 
 
 def load_config(config: Any):

@@ -156,3 +156,21 @@ def test_a_call_killed_mid_row_leaves_a_valid_jsonl_and_table(tmp_path):
         assert [r[:3] for r in table_rows((folder / TABLE).read_text())] == [["tiny-qwen3", "ours-sync", "24GiB"]]
         with tarfile.open(folder / ARCHIVE) as tar:
             assert "logs/tiny-qwen3_ours-sync_24GiB.log" in tar.getnames()
+
+
+def test_the_flux_lora_rows_run_in_call_two_without_diffusers_in_the_plan(monkeypatch):
+    """A Flux-shaped LoRA pair at 24 GiB: diffusers with per-module CPU offload ends call 1, ours runs in call 2
+    before ours' full-card row; their parameter counts (kept in the plan, which never imports diffusers) are what
+    diffusers builds; where diffusers is not installed (the GPU image) the rows say so instead of failing."""
+    full = gpu_plan.plan(False, 24 * gpu_plan.GiB, 100.0)
+    flux = [c for c in full if gpu_plan.is_dit(c)]
+    assert [(c.provider, c.call, gpu_plan.cap_label(c.cap)) for c in flux] == [
+        ("diffusers-offload", 1, "24GiB"), ("ours-async", 2, "24GiB")]
+    assert [c for c in full if c.call == 1][-1] == flux[0] and full[-2] == flux[1]
+    assert full[-1].provider == "ours-async" and full[-1].cap is None
+    pytest.importorskip("diffusers")
+    for shape in (gpu_plan.FLUX_SMALL, gpu_plan.FLUX_TINY):
+        assert gpu_plan.DIT_PARAMETERS[shape.key] == shape.parameters()
+    monkeypatch.setattr(gpu_plan.importlib.util, "find_spec", lambda name: None)
+    assert "diffusers is absent" in gpu_plan.static_skip(flux[1], False, 128 * gpu_plan.GiB)
+    assert gpu_plan.static_skip(flux[1], True, 128 * gpu_plan.GiB) is None   # dry: this machine's diffusers
