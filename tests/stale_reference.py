@@ -23,6 +23,7 @@ class StaleReference:
         self.prev = None          # state dict before the latest step
         self.window = 0           # training calls still reading self.prev
         self.calls_since = 0
+        self.calls = []           # (x, y, the weights it read) of each training call since the last step
 
     def forward_backward(self, x, y, return_outputs=False):
         model = self.cur
@@ -32,6 +33,7 @@ class StaleReference:
             model = self.stale
         self.calls_since += 1
         params = [p for p in model.parameters() if p.requires_grad]
+        self.calls.append((x.detach().clone(), y.detach().clone(), copy.deepcopy(model.state_dict())))
         out = model(x)
         loss = self.loss_fn(out, y)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -59,6 +61,7 @@ class StaleReference:
         self.opt.zero_grad(set_to_none=True)
         self.window = max(1, self.calls_since) if asynchronous else 0
         self.calls_since = 0
+        self.calls = []
 
     def flush(self):
         self.window = 0
