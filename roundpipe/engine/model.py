@@ -177,6 +177,8 @@ class RoundPipe(ModelState, ModelSteps, nn.Module):
                                     round_size=self.round_size)
         self._cuda = self.devices[0].type == "cuda"
         layers = list(self.module)
+        if caps and not self._cuda:   # capped CPU workers model a GPU's memory: their freed buffers go back to
+            fix_mmap_threshold()      # the system at once (arena.py), from the host state's first buffers on
         # masters in master_dtype (fp32, or bf16 rounded as master_rounding says: roundpipe/optim/rounding.py)
         self.host = HostState(layers, self.compute_dtype, pinned=self._cuda,
                               device=self.devices[0].index if self._cuda else None,   # the arena's home GPU
@@ -204,8 +206,6 @@ class RoundPipe(ModelState, ModelSteps, nn.Module):
         self._device_layers: frozenset[int] = frozenset()   # those of the latest call
         for w in self.workers:   # a capped CPU worker also counts compute workspace (ledger.py; ~12% slower)
             w.records_workspace = self.device_memory[w.name] is not None
-        if caps and not self._cuda:   # and its freed buffers go back to the system at once (fix_mmap_threshold)
-            fix_mmap_threshold()
         self.replicas = {w.name: [Replica(layer, st.param_names, st.buffer_names)
                                   for layer, st in zip(layers, self.host.layers)] for w in self.workers}
         # Whole-batch BatchNorm statistics (roundpipe/engine/calls/batchnorm.py): masters updated at call ends.
