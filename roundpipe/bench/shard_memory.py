@@ -4,7 +4,7 @@
 
 Each rank trains the tiny decoder (config: hidden, layers, steps, asynchronous, shard, and seq: tokens
 in each of the batch's 2 sequences, default 32) with bf16 compute and roundpipe.optim.AdamW over 2 CPU
-workers on gloo, and saves with torch.save at
+workers (capped at WORKER_CAP: a GPU's memory modelled) on gloo, and saves with torch.save at
 config["out"] + f".{rank}": the parameter count, the optimizer state's bytes, the host bytes
 memory_stats accounts when the last call's gradients have landed (masters, optimizer state, the
 host arena's reserve; roundpipe.bench.rss.accounted_host_bytes), the arena's peak reserve, and
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import sys
+
+WORKER_CAP = 4 << 30   # each CPU worker's device_memory: room for any stage of the measured sizes
 
 
 def run(cfg: dict) -> dict:
@@ -35,10 +37,11 @@ def run(cfg: dict) -> dict:
     with HostPeak(lambda: sum(w.ledger.live_bytes() for w in workers)) as sampler:
         layers = build_layers(DecoderConfig(hidden=cfg["hidden"], layers=cfg["layers"], heads=cfg.get("heads", 12)),
                               seed=0)
+        # capped workers model a GPU's memory: the layer compute's own tensors are worker ("device") memory too
+        # (their ledgers count them), and freed worker buffers go back to the system at once instead of staying
+        # in the threads' heaps, where the host peak would count them (roundpipe/offload/arena.py)
         with rp.RoundPipe(layers, devices=["cpu"] * 2, compute_dtype=torch.bfloat16, process_group=dist.group.WORLD,
-                          shard_optimizer=cfg["shard"]) as model:
-            for w in model.workers:   # the layer compute's own tensors are worker ("device") memory too
-                w.records_workspace = True
+                          shard_optimizer=cfg["shard"], device_memory=WORKER_CAP) as model:
             workers.extend(model.workers)
             opt = rp.optim.AdamW(model.parameters(), lr=1e-4)
             for i in range(cfg["steps"]):

@@ -1,7 +1,9 @@
 """shard_optimizer=True lowers each rank's host memory by the optimizer share it removes (issue 29), with the
 synchronous and the asynchronous step: 2 gloo ranks, the tiny decoder at hidden 768 x 4 layers (28.7M
 parameters), bf16 compute, rp AdamW (8 bytes of state per parameter unsharded, 4 per rank sharded), 2 CPU
-workers per rank (roundpipe/bench/shard_memory.py runs a rank).  A batch of 2 x 2 tokens: every byte compared
+workers per rank, capped (a GPU's memory modelled: since 2026-12-07 only capped CPU workers hand freed buffers
+back to the system at once, and uncapped ones left 1.6-3 bytes per parameter of heap noise in the peak compared
+here) (roundpipe/bench/shard_memory.py runs a rank).  A batch of 2 x 2 tokens: every byte compared
 here is per parameter, and on a CPU without bf16 instructions (AVX2) torch's bf16 backward matmuls take time
 in proportion to the tokens (2 x 32, bench/ddp.py's size: 163 s sync, 181 s async on a loaded 2-core EPYC)."""
 import sys
