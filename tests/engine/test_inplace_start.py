@@ -248,5 +248,8 @@ def test_lagging_layer_downloads_do_not_pile_up_on_the_device():
         model.forward_backward(x, labels=y, loss_fn=F.mse_loss)
         model.synchronize()
         peak = max(w.ledger.stats()["peak"]["activations"] for w in model.workers)
-        assert peak <= 3 * 4 * 8 * 8 * 8 * 4, peak   # the input, one output downloading, one being made
+        # the input, one output downloading, one being made, and on a loaded machine a smaller output still
+        # leaving (27,648 B seen in a loaded CI run: 3 x 8,192 + 3,072); before the bound all six outputs of
+        # F0[0-6] were alive and passed the cap
+        assert peak <= 4 * 4 * 8 * 8 * 8 * 4, peak
         assert_grads_match(model, ref)
