@@ -8,7 +8,8 @@ docs/planner.md) and follows the measured costs:
                       microbatch (roundpipe/engine/dry_run.py; on the CPU for CPU
                       workers, else on the meta device)
                       gives per-layer FLOPs, parameter bytes and saved-activation bytes
-                      (fallback: parameter counts x tokens)
+                      (fallback: parameter counts x tokens; one worker without a
+                      budget takes that estimate at once, see whole_batch)
     training calls    after `warmup` calls, the next `profile` calls are timed through
                       the stage_timing seam and folded into the Profiler; after each
                       one the Replanner re-solves only if some layer's cost moved by
@@ -106,7 +107,7 @@ def _on_meta(layers: Sequence[nn.Module], sample: tuple[tuple, dict]) -> bool:
 
 
 def size_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict] | None, dtype: torch.dtype,
-               device_type: str, loss: tuple[Callable, Any] | None = None) -> list[LayerCost]:
+               device_type: str, loss: tuple[Callable, Any] | None = None, dry_run: bool = True) -> list[LayerCost]:
     """Per-layer costs before anything is measured (see the module docstring).
 
     The dry run that gives FLOPs and activation bytes runs on the meta device for GPU workers
@@ -120,9 +121,10 @@ def size_costs(layers: Sequence[nn.Module], sample: tuple[tuple, dict] | None, d
     that layer norms in bf16 keep fp32 statistics on the CPU); the CPU generator's state is
     restored after it (dropout).  Meta tensors in the layers or the sample take the meta path.
     `loss`: (loss_fn, the first microbatch's labels) of a training call, whose workspace the fused
-    stage's memory includes (roundpipe/engine/memory_probe.py).
+    stage's memory includes (roundpipe/engine/memory_probe.py).  dry_run=False skips the dry run: parameter
+    counts x the sample's tokens, no activation bytes (whole_batch, for one worker without a budget).
     """
-    if sample is not None:
+    if sample is not None and dry_run:
         rates = RATES.get(device_type, RATES["cpu"])
         try:
             if device_type == "cpu" and not _on_meta(layers, sample):
@@ -292,7 +294,7 @@ class AutoPlanner:
         loss's workspace; no budget: always), so the call runs as those microbatches, each in one fused
         stage on a worker of its own, keeping its activations instead of recomputing them: plain PyTorch's
         work.  Decided at the first training call from a dry run of that microbatch (which its plan then
-        reuses); a later, larger batch is split as before.
+        reuses; one worker without a budget needs none); a later, larger batch is split as before.
 
         Host memory: with several workers each lands its own gradient sums, so a layer's gradients land
         once per worker and are summed in fp32 on the host (`HostState.land_grads`): per trained parameter
@@ -305,9 +307,14 @@ class AutoPlanner:
             fits = False
             if self.replanner is None:   # a forward-only first call planned already: keep its plan
                 mb = each()
+                # One worker without a budget: the whole batch fits whatever it holds, and one worker runs
+                # every layer, so the costs only seed the profiler's split of the timed stage: parameter
+                # counts do, without a dry run's second forward and backward (0.18 s of the default
+                # `roundpipe train`'s first call on 2 cores, issue 54).
+                alone = self.memory_budget is None and self.workers == 1
                 costs = size_costs(self.layers, (mb.args[0], mb.kwargs[0]), self.compute_dtype, self.device_type,
-                                   None if loss_fn is None else (loss_fn, mb.labels[0]))
-                fits = (self.memory_budget is None or one_stage_bytes(costs) <= self.memory_budget) and (
+                                   None if loss_fn is None else (loss_fn, mb.labels[0]), dry_run=not alone)
+                fits = alone or (self.memory_budget is None or one_stage_bytes(costs) <= self.memory_budget) and (
                     len(mb) == 1 or host_room(self.layers, len(mb), self.compute_dtype))
                 self._first_costs = costs if fits else None
             self._whole = (fits, batch)

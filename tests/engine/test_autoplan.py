@@ -392,6 +392,37 @@ def test_a_model_that_fits_one_worker_trains_unsplit_without_recompute():
             assert _microbatches_run(model, x, y, loss_fn) > 1, kwargs
 
 
+def test_one_worker_without_a_budget_plans_its_first_call_without_a_dry_run(monkeypatch):
+    """One worker and no budget fit the whole batch whatever it holds, and the costs only seed the profiler:
+    the first call makes no dry run (issue 54: 0.18 s of the default `roundpipe train`'s first call), its
+    prior is the parameter-count estimate for the sample's tokens, and the gradients are PyTorch's.  Two
+    workers or a cap still dry-run."""
+    from roundpipe.engine import autoplan
+    from roundpipe.models.tiny_decoder import loss_fn
+    runs = []
+    real = autoplan.dry_run_costs
+    monkeypatch.setattr(autoplan, "dry_run_costs", lambda *a, **k: runs.append(1) or real(*a, **k))
+    cfg = DecoderConfig(hidden=32, layers=2, heads=2)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (4, 16), generator=gen) for _ in range(2))
+    with rp.RoundPipe(build_layers(cfg, seed=0), devices=["cpu"]) as model:
+        model.forward_backward(x, labels=y, loss_fn=loss_fn)
+        model.synchronize()
+        assert runs == []
+        prior = size_costs(build_layers(cfg, seed=0), ((x,), {}), torch.float32, "cpu", dry_run=False)
+        assert model.autoplan.profiler.costs() == prior   # nothing timed yet: the warm-up calls come first
+        ref = torch.nn.Sequential(*build_layers(cfg, seed=0))
+        loss_fn(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    for kwargs in (dict(devices=["cpu"] * 2), dict(devices=["cpu"], device_memory=64 << 20)):
+        runs.clear()
+        with rp.RoundPipe(build_layers(cfg, seed=0), **kwargs) as model:
+            model.forward_backward(x, labels=y, loss_fn=loss_fn)
+            model.synchronize()
+        assert runs, kwargs
+
+
 def _stages_run(model, x, y, loss_fn) -> dict[str, list[str]]:
     """Per worker, the kind of stage ("fused", "F", "B") of each (stage, microbatch) it ran in one training
     call, from the trace's compute spans ("fused0[0-4] mb1": forward, loss and backward spans each)."""
