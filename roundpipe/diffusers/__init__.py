@@ -8,7 +8,7 @@ trains under a device-memory cap, by the planner's memory model) and shapes.py (
 """
 from __future__ import annotations
 
-import importlib
+from roundpipe.core.lazy import lazy_module
 
 _LAZY = {
     "wrap": "roundpipe.diffusers.model",
@@ -26,15 +26,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'roundpipe.diffusers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_module(__name__, _LAZY, globals())

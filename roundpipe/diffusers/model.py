@@ -30,11 +30,14 @@ from roundpipe.diffusers.layers import VERIFIED_DIFFUSERS, check_forward, cut_la
 from roundpipe.diffusers.presets import FAMILIES, Family, family
 from roundpipe.diffusers.train import diffusion_loss
 from roundpipe.engine.calls.microbatch import even_sizes
-from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig
+from roundpipe.engine.config import EngineConfig, check_wrap_options
+from roundpipe.engine.data_parallel import launched_group
 from roundpipe.engine.model import RoundPipe
 from roundpipe.hf.layers import adapter_state, is_tuner
 
-_FIXED = ("split_fn", "loss_reduction")   # engine options wrap sets itself
+# engine options wrap sets itself, and why
+_FIXED = {"split_fn": "microbatches are split by argument name",
+          "loss_reduction": "the loss is the mean over samples"}
 
 
 class SampleSplit:
@@ -80,26 +83,17 @@ class DiffusersRoundPipe(RoundPipe):
     def __init__(self, transformer: nn.Module, devices=None, num_microbatches: int | None = None,
                  compute_dtype: torch.dtype | None = None, plan=None, *, check: bool | None = None,
                  **roundpipe_kwargs):
-        if not isinstance(transformer, nn.Module):
-            raise TypeError(f"transformer must be a diffusers transformer (an nn.Module), got {type(transformer).__name__}")
+        check_wrap_options("rp.diffusers.wrap", "transformer", "a diffusers transformer", transformer,
+                           roundpipe_kwargs, _FIXED, ("check",))
         kind = family(transformer)   # TypeError for another class
-        fixed = sorted(set(roundpipe_kwargs) & set(_FIXED))
-        if fixed:
-            raise TypeError(f"{fixed} are set by rp.diffusers.wrap (microbatches are split by argument name, the loss "
-                            "is the mean over samples); do not pass them")
-        unknown = sorted(set(roundpipe_kwargs) - set(ENGINE_OPTIONS))
-        if unknown:
-            raise TypeError(f"rp.diffusers.wrap got unexpected keyword argument(s) {unknown}; it takes RoundPipe's "
-                            f"options ({', '.join(o for o in ENGINE_OPTIONS if o not in _FIXED)})")
-        if any(p.device.type != "cpu" for p in transformer.parameters()):
-            raise ValueError("transformer must be on the CPU (roundpipe keeps every weight in host memory); build or "
-                             "load it without device_map / .to('cuda')")
+        if check is not None and not isinstance(check, bool):
+            raise TypeError(f"check must be True, False or None, got {check!r}")
+        if "process_group" not in roundpipe_kwargs:   # launched by torchrun: the ranks train together
+            roundpipe_kwargs["process_group"] = launched_group("rp.diffusers.wrap")
         self.family = kind
         self._fam = FAMILIES[kind]
         config = EngineConfig(devices=devices, num_microbatches=num_microbatches, compute_dtype=compute_dtype,
                               plan=plan, split_fn=SampleSplit(self._fam), loss_reduction="mean", **roundpipe_kwargs)
-        if check is not None and not isinstance(check, bool):
-            raise TypeError(f"check must be True, False or None, got {check!r}")
         layers = cut_layers(transformer)
         if check or (check is None and _diffusers_version() != VERIFIED_DIFFUSERS):
             check_forward(transformer, layers)
@@ -240,7 +234,10 @@ def wrap(transformer: nn.Module, devices=None, num_microbatches: int | None = No
 
     The transformer must be on the CPU; it becomes the host master (trainable parameters fp32 in place).
     roundpipe_kwargs are RoundPipe's other options (EngineConfig's fields: compute_dtype=torch.bfloat16,
-    device_memory, master_dtype, offload_dir, ...), but split_fn and loss_reduction, which wrap sets.
+    device_memory, master_dtype, offload_dir, ...), but split_fn and loss_reduction, which wrap sets.  Under
+    torchrun (more than one rank) the ranks train data-parallel on the world group unless process_group= says
+    otherwise (None: this process alone), joining it first if torch.distributed is not initialized
+    (roundpipe.engine.data_parallel.launched_group).
 
     check: run one tiny forward through the layers and the transformer and refuse (ValueError) a difference;
     None (default): only under a diffusers other than the one the layers reproduce (layers.VERIFIED_DIFFUSERS),

@@ -7,7 +7,8 @@
 This dataclass is the one list of what `RoundPipe` takes besides its layers.  Every entry
 point that builds an engine derives its options from it rather than listing them again:
 `RoundPipe.__init__` (its keywords are these fields, checked by tests/engine/test_config.py),
-`rp.hf.wrap` and `rp.hf.Trainer` (`ENGINE_OPTIONS` plus the hf-only ones, roundpipe/hf/model.py)
+`rp.hf.wrap` and `rp.hf.Trainer` (`ENGINE_OPTIONS` plus the hf-only ones, roundpipe/hf/model.py),
+`rp.diffusers.wrap` (both wrappers check what they are passed with `check_wrap_options`)
 and `roundpipe train` (roundpipe/commands/train_loops.py builds an EngineConfig from its flags).
 
 What is checked here: everything that can be checked without the layers, the process group's
@@ -203,6 +204,31 @@ class EngineConfig:
 
 
 ENGINE_OPTIONS: tuple[str, ...] = EngineConfig.field_names()
+
+
+def check_wrap_options(caller: str, arg_name: str, what: str, module: Any, options: dict[str, Any],
+                       fixed: dict[str, str], extra_options: Sequence[str] = ()) -> None:
+    """The checks every wrapper of a whole model (rp.hf.wrap, rp.diffusers.wrap) makes of its arguments before
+    it cuts anything: `module` (argument `arg_name`) an nn.Module, `what` (e.g. "a diffusers transformer"), with
+    every parameter on the CPU (ValueError); `options` (the engine options passed through) none of the `fixed`
+    ones (option -> why the wrapper sets it: TypeError) and none that is no EngineConfig field (TypeError
+    listing what `caller` takes: the engine's options but the fixed ones, then `extra_options`, its own)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{arg_name} must be {what} (an nn.Module), got {type(module).__name__}")
+    given = [name for name in fixed if name in options]
+    if given:
+        one = len(given) == 1
+        raise TypeError(f"{', '.join(given)} {'is' if one else 'are'} fixed by {caller} "
+                        f"({'; '.join(fixed[name] for name in given)}); do not pass {'it' if one else 'them'}")
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    if unknown:
+        takes = ", ".join(o for o in ENGINE_OPTIONS if o not in fixed)
+        own = f" and {', '.join(extra_options)}" if extra_options else ""
+        raise TypeError(f"{caller} got unexpected keyword argument(s) {unknown}; it takes RoundPipe's options "
+                        f"({takes}){own}")
+    if any(p.device.type != "cpu" for p in module.parameters()):
+        raise ValueError(f"{arg_name} must be on the CPU (roundpipe keeps every weight in host memory); build or "
+                         "load it without device_map / .to('cuda')")
 
 
 def check_device_step(cfg: EngineConfig, devices: list[torch.device], precision: Precision) -> None:

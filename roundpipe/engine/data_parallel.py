@@ -3,6 +3,9 @@
     dist.init_process_group()                      # torchrun sets the environment
     model = rp.RoundPipe(layers, devices=..., process_group=dist.group.WORLD)
 
+rp.hf.wrap and rp.diffusers.wrap take the group themselves when process_group= is not given
+(`launched_group`: torchrun's world group, joined first if this process has not).
+
 Each rank runs its own RoundPipe over its local workers on its share of the
 batch.  What the ranks share, and when:
 
@@ -216,6 +219,39 @@ class DataParallel:
         for st in host.layers:
             for j in st.trainable:
                 st.gbuf[j], st.ghas[j] = None, False
+
+
+def launched_group(caller: str = "building the model"):
+    """torch.distributed's world group when this process is one of several ranks (torchrun), else None.
+
+    Under torchrun (WORLD_SIZE > 1 in the environment) a process that has not called
+    init_process_group yet joins the world group here (env:// rendezvous: RANK, MASTER_ADDR and
+    MASTER_PORT from the environment; gloo, which reduces on the CPU whatever the workers are;
+    for NCCL call init_process_group("nccl") before wrapping), so that wrapping first and building
+    TrainingArguments after, or a hand loop without init_process_group, never trains the ranks apart.
+    rp.hf.wrap and rp.diffusers.wrap call it when process_group= is not given; `caller` names the call
+    in the errors."""
+    dist = _dist()
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD if dist.get_world_size() > 1 else None
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if not world:
+        return None
+    if not world.isdigit():
+        raise ValueError(f"WORLD_SIZE={world!r} in the environment must be a positive integer (torchrun sets it)")
+    if int(world) <= 1:
+        return None
+    how = (f"launch every rank with torchrun, or call torch.distributed.init_process_group() before {caller}, "
+           "or pass process_group=None to train this process alone")
+    if not dist.is_available():
+        raise ValueError(f"WORLD_SIZE={world}: this process is one of {world} ranks, but torch.distributed is not "
+                         f"built into this torch; unset WORLD_SIZE or pass process_group=None to train alone")
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={world}: this process is one of {world} ranks, but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set in the environment; {how}")
+    dist.init_process_group(backend="gloo", init_method="env://")
+    return dist.group.WORLD
 
 
 def reduce_device(backend: str, devices: Sequence[torch.device], local_rank: str | None) -> torch.device:

@@ -9,7 +9,7 @@ under a device-memory cap, by the planner's memory model).
 """
 from __future__ import annotations
 
-import importlib
+from roundpipe.core.lazy import lazy_module
 
 _LAZY = {
     "wrap": "roundpipe.hf.model",
@@ -24,15 +24,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'roundpipe.hf' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_module(__name__, _LAZY, globals())

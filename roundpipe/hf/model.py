@@ -28,7 +28,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig
+from roundpipe.engine.config import ENGINE_OPTIONS, EngineConfig, check_wrap_options
+from roundpipe.engine.data_parallel import launched_group
 from roundpipe.engine.model import RoundPipe
 from roundpipe.engine.step.host_state import FILE_BACKED
 from roundpipe.hf.layers import LOGITS, LOSS, LOSS_LOGITS, Decoder, Embed, Head, adapter_state, is_tuner
@@ -139,17 +140,8 @@ class HFRoundPipe(RoundPipe):
     def __init__(self, hf_model: nn.Module, devices=None, num_microbatches: int | None = None,
                  compute_dtype: torch.dtype | None = None, plan=None, *, quantize: str | QuantizeConfig | None = None,
                  double_quant: bool = True, **roundpipe_kwargs):
-        if not isinstance(hf_model, nn.Module):
-            raise TypeError(f"hf_model must be a transformers causal LM (an nn.Module), got {type(hf_model).__name__}")
-        if "loss_reduction" in roundpipe_kwargs:
-            raise TypeError("loss_reduction is fixed by rp.hf.wrap (HF's token-weighted loss); do not pass it")
-        unknown = sorted(set(roundpipe_kwargs) - set(ENGINE_OPTIONS))
-        if unknown:
-            raise TypeError(f"rp.hf.wrap got unexpected keyword argument(s) {unknown}; it takes RoundPipe's options "
-                            f"({', '.join(ENGINE_OPTIONS)}) and {', '.join(HF_OPTIONS)}")
-        if any(p.device.type != "cpu" for p in hf_model.parameters()):
-            raise ValueError("hf_model must be on the CPU (roundpipe keeps every weight in host memory); "
-                             "build or load it without device_map / .to('cuda')")
+        check_wrap_options("rp.hf.wrap", "hf_model", "a transformers causal LM", hf_model, roundpipe_kwargs,
+                           {"loss_reduction": "HF's token-weighted loss"}, HF_OPTIONS)
         if isinstance(quantize, QuantizeConfig):   # checked already (from_pretrained)
             if double_quant is not True:
                 raise ValueError("quantize= is a QuantizeConfig, which holds double_quant; do not pass double_quant too")
@@ -157,7 +149,7 @@ class HFRoundPipe(RoundPipe):
         else:
             quant = QuantizeConfig(quantize, double_quant)
         if "process_group" not in roundpipe_kwargs:   # launched by torchrun: the ranks train together
-            roundpipe_kwargs["process_group"] = launched_group()
+            roundpipe_kwargs["process_group"] = launched_group("rp.hf.wrap")
         # every engine option checked before the model is cut, quantized or patched
         config = EngineConfig(devices=devices, num_microbatches=num_microbatches, compute_dtype=compute_dtype,
                               plan=plan, loss_reduction="sum", **roundpipe_kwargs)
@@ -292,37 +284,6 @@ class HFRoundPipe(RoundPipe):
                 config.quantization_config = before
             else:
                 del config.quantization_config
-
-
-def launched_group():
-    """torch.distributed's world group when this process is one of several ranks (torchrun), else None.
-
-    Under torchrun (WORLD_SIZE > 1 in the environment) a process that has not called
-    init_process_group yet joins the world group here (env:// rendezvous: RANK, MASTER_ADDR and
-    MASTER_PORT from the environment; gloo, which reduces on the CPU whatever the workers are;
-    for NCCL call init_process_group("nccl") before wrapping), so that wrapping first and building
-    TrainingArguments after, or a hand loop without init_process_group, never trains the ranks apart."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD if dist.get_world_size() > 1 else None
-    world = os.environ.get("WORLD_SIZE", "").strip()
-    if not world:
-        return None
-    if not world.isdigit():
-        raise ValueError(f"WORLD_SIZE={world!r} in the environment must be a positive integer (torchrun sets it)")
-    if int(world) <= 1:
-        return None
-    how = ("launch every rank with torchrun, or call torch.distributed.init_process_group() before rp.hf.wrap, "
-           "or pass process_group=None to train this process alone")
-    if not dist.is_available():
-        raise ValueError(f"WORLD_SIZE={world}: this process is one of {world} ranks, but torch.distributed is not "
-                         f"built into this torch; unset WORLD_SIZE or pass process_group=None to train alone")
-    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
-    if missing:
-        raise ValueError(f"WORLD_SIZE={world}: this process is one of {world} ranks, but {', '.join(missing)} "
-                         f"{'is' if len(missing) == 1 else 'are'} not set in the environment; {how}")
-    dist.init_process_group(backend="gloo", init_method="env://")
-    return dist.group.WORLD
 
 
 def wrap(hf_model: nn.Module, devices=None, num_microbatches: int | None = None,

@@ -258,3 +258,39 @@ def test_importing_roundpipe_does_not_import_diffusers():
             "d.wrap; assert 'diffusers' not in sys.modules; d.example_inputs; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_wrap_refuses_what_it_fixes_and_what_it_does_not_take():
+    """split_fn / loss_reduction, an unknown keyword and a transformer off the CPU: errors naming the argument."""
+    with pytest.raises(TypeError, match=r"loss_reduction is fixed by rp.diffusers.wrap \(the loss is the mean"):
+        rpd.wrap(build("flux"), devices=["cpu"], loss_reduction="sum")
+    with pytest.raises(TypeError, match="split_fn, loss_reduction are fixed by rp.diffusers.wrap .*do not pass them"):
+        rpd.wrap(build("flux"), devices=["cpu"], split_fn=lambda *a: None, loss_reduction="mean")
+    with pytest.raises(TypeError, match=r"rp.diffusers.wrap got unexpected keyword argument\(s\) \['bogus'\]") as info:
+        rpd.wrap(build("flux"), devices=["cpu"], bogus=1)
+    said = str(info.value)
+    assert "device_memory" in said and said.endswith("and check") and "split_fn" not in said
+    with pytest.raises(TypeError, match="transformer must be a diffusers transformer .an nn.Module., got str"):
+        rpd.wrap("flux", devices=["cpu"])
+    with pytest.raises(ValueError, match="transformer must be on the CPU"):
+        rpd.wrap(build("flux", device="meta"), devices=["cpu"])
+
+
+@pytest.mark.skipif(torch.distributed.is_available() and torch.distributed.is_initialized(),
+                    reason="this process is in a process group already")
+def test_wrap_under_world_size_joins_torchrun_group_or_says_how(monkeypatch):
+    """As rp.hf.wrap: under WORLD_SIZE=2 wrap takes torchrun's group (launched_group), and without the
+    rendezvous that is a ValueError naming what is missing and how to launch; process_group=None trains alone."""
+    import roundpipe.diffusers.model as dmodel
+    for k in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="MASTER_ADDR, MASTER_PORT are not set.*torchrun.*before rp.diffusers.wrap"):
+        rpd.wrap(build("flux"), devices=["cpu"])
+    with rpd.wrap(build("flux"), devices=["cpu"], process_group=None) as model:
+        assert model.dp is None
+    asked = []
+    monkeypatch.setattr(dmodel, "launched_group", lambda caller: asked.append(caller))
+    with rpd.wrap(build("flux"), devices=["cpu"]) as model:
+        assert asked == ["rp.diffusers.wrap"] and model.dp is None
