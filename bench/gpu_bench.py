@@ -21,15 +21,18 @@ benchmark/train.py does, bf16 compute, fp32 masters and fp32 Adam state, weight 
 
     qwen3-1.7b        full fine-tuning, 4 x 2048 tokens: every provider at 24 GiB; plain PyTorch (with
                       and without gradient checkpointing) and ours also on the full card
-    qwen3-1.7b        the longest sequence ours trains at 24 GiB (bisection from 4k, one full step a
-                      probe, bounded time), beside the planner's prediction (rp.hf.max_seq_len)
+    qwen3-1.7b        the longest sequence ours trains at 24 GiB (bisection from 4k up to 1.25 x the
+                      planner's prediction, first at the prediction, one full step a probe, bounded time),
+                      beside that prediction (rp.hf.max_seq_len, in a process that sees no GPU)
     llama-3.1-8b-lora LoRA (r 32, alpha 16, all linear layers) over a frozen NF4 base, 4 x 2048: ours
                       (rp.hf.wrap(..., quantize="nf4")); a provider without a 4-bit base says so
     llama-3.1-8b      full fine-tuning at 24 GiB: ours with 8-bit Adam state and bf16 masters (~7 host
                       bytes/param); 16-18 bytes/param do not fit a 128 GiB host, and those rows say so
 
 Columns: tokens/s (timed steps' tokens over their wall time), exposed step s (ours-sync/async on 1.7B:
-seconds per iteration the optimizer step adds), kept layers, kept graphs (ours), vs torch (plain PyTorch
+seconds per iteration the optimizer step adds, from >= 5 iterations each way, with its spread, or "within
+noise"; bench/gpu_measure.py), kernels (ours: Triton, or the PyTorch reference path, read after the steps),
+kept layers, kept graphs (ours), vs torch (plain PyTorch
 on the same workload at the same cap, else at the full card), vs best peer, the first and the final
 step's loss, device peak (torch.cuda.max_memory_allocated after the initialisation), peak host RSS,
 overhead s (process start to the first step: imports, initialisation, set-up; not in tokens/s), the
@@ -55,7 +58,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_measure  # noqa: E402
 import gpu_plan  # noqa: E402
+import gpu_search  # noqa: E402
 from gpu_plan import CALL_LIMIT_S, PEERS, PROVIDERS, TINY, Case, GiB, Workload, cap_label, key, plan  # noqa: E402
 from gpu_prepare import EXTENSIONS, prepare  # noqa: E402
 from gpu_store import COLUMNS, JSONL, Store  # noqa: E402
@@ -123,9 +128,13 @@ def isolation(case: Case, peers: Path) -> str:
 
 def child_env(case: Case, peers: Path) -> tuple[dict, str]:
     """(environment, cwd) of the case's process: a peer's folder first on its PYTHONPATH and our tree
-    nowhere on it; ours and torch with the repository first.  Both peers JIT-build into one folder."""
+    nowhere on it; ours and torch with the repository first.  Both peers JIT-build into one folder.  The
+    prediction sees no GPU (CUDA_VISIBLE_DEVICES=""): it runs beside the GPU rows on the meta device, and a
+    CUDA context of its own would take the card's memory from the row beside it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)))
+    if case.provider == "ours-predicted":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     path = [e for e in env.get("PYTHONPATH", "").split(os.pathsep)
             if e and Path(e).resolve() != REPO_ROOT and not Path(e).resolve().is_relative_to(peers.resolve())]
     # the Flux rows' diffusers (absent from the GPU image), after everything else on the path
@@ -157,8 +166,13 @@ def run_case(case: Case, args, limit: float, log: Path, overrides: dict) -> dict
             stdout, _ = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)   # the provider and whatever it started (compilers, workers)
-            proc.communicate()
-            return {"error": f"timed out after {limit:.0f} s (log: {log.name})", "seconds": limit}
+            stdout, _ = proc.communicate()
+            f.write(stdout)
+            probes = gpu_search.probes_in(stdout)
+            fit, fail = gpu_search.bracket(probes)
+            reached = f"; probes done: fits {fit}, not {fail}" if probes else ""   # the search's bracket so far
+            return {"error": f"timed out after {limit:.0f} s (log: {log.name}){reached}", "seconds": limit,
+                    **({"seq_len": fit, "probes": probes} if probes else {})}
         f.write(stdout)
     seconds = time.perf_counter() - start
     for line in stdout.splitlines():
@@ -187,7 +201,8 @@ def row_of(case: Case, result: dict | None, reason: str | None) -> dict:
     overhead = r.get("ready_s")
     row = {"workload": w.name, "provider": case.provider, "cap": cap_label(case.cap), "call": case.call,
            "batch x seq": f"{w.batch}x{w.seq}", "tokens/s": r.get("tokens_per_s"),
-           "exposed step s": r.get("exposed_step_s"), "kept layers": r.get("kept_layers"),
+           "exposed step s": gpu_measure.exposed_label(r.get("exposed_step")), "kernels": r.get("kernels"),
+           "kept layers": r.get("kept_layers"),
            "kept graphs": r.get("kept_graphs"), "vs torch": None, "vs best peer": None,
            "first loss": r.get("first_loss"), "final loss": r.get("final_loss"), "max seq": r.get("seq_len"),
            "device peak GB": r["device_peak"] / 1e9 if r.get("device_peak") else None,
@@ -197,6 +212,12 @@ def row_of(case: Case, result: dict | None, reason: str | None) -> dict:
            "status": status if not r.get("search") or "error" in r else f"ok: {r['search']}"}
     row["tokens_per_s"], row["final_loss"] = row["tokens/s"], row["final loss"]   # JSON names the test reads
     row["reason"] = None if status == "ok" else status
+    # JSON only: the exposed step's numbers (seconds >= 0, spread, per-iteration seconds each way), which
+    # kernels ran and why, the search's probes and top, the published planner's GiB, the prediction's GPU
+    for name in ("exposed_step", "kernels_detail", "kernels_patched", "probes", "seq_bound", "planned_gib",
+                 "cuda_visible_devices", "cuda_context"):
+        if name in r:
+            row[name] = r[name]
     return row
 
 
@@ -216,7 +237,9 @@ def run_call(call: int, args, cases: list[Case], store: Store, cap: int) -> None
                 lambda c: skip_reason(c, d, args.peers), smoke_cases(cap, 120.0), host_available())
     mine = [c for c in cases if c.call == call]
 
-    def one(case: Case) -> None:
+    predicted: dict[tuple, dict] = {}   # workload name, cap -> the prediction row's result
+
+    def one(case: Case) -> dict | None:
         reason = skip_reason(case, d, args.peers)
         left = deadline - time.perf_counter()
         if reason is None and left < 15:
@@ -224,20 +247,50 @@ def run_call(call: int, args, cases: list[Case], store: Store, cap: int) -> None
         result = None
         if reason is None:
             log = store.out / "logs" / f"{case.workload.name}_{case.provider}_{cap_label(case.cap)}.log"
-            result = run_case(case, args, min(case.timeout, left), log, {})
+            overrides = search_overrides(case, waiting, predicted, args) if case.provider == "ours-maxseq" else {}
+            result = run_case(case, args, min(case.timeout, deadline - time.perf_counter()), log, overrides)
         print(f"[call {call}] {case.workload.name} {case.provider} cap={cap_label(case.cap)}: {reason or result}",
               file=sys.stderr, flush=True)
         store.add(row_of(case, result, reason))
+        return result
 
-    # The planner's prediction needs no GPU but minutes of one core on the full-size shape: it runs beside
-    # the others from the start (one thread; the GPU providers' host steps have the other cores).
+    def predict(case: Case) -> None:
+        predicted[(case.workload.name, case.cap)] = one(case) or {}
+
+    # The planner's prediction needs no GPU and ~6 s of one core on the full-size shape (Qwen3-1.7B at 24 GiB,
+    # 2026-12-08, 2 shared cores; 2 s more to import): it runs beside the others from the start (one thread; the
+    # GPU providers' host steps have the other cores), and the search below waits for it (its top follows it).
     background = [c for c in mine if c.provider == "ours-predicted"]
     with ThreadPoolExecutor(max_workers=max(1, len(background))) as side, \
             ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        waiting = [side.submit(one, replace(c, timeout=args.budget)) for c in background]
+        waiting = {(c.workload.name, c.cap): side.submit(predict, replace(c, timeout=args.budget)) for c in background}
         list(pool.map(one, [c for c in mine if c.provider != "ours-predicted"]))
-        for f in waiting:
+        for f in waiting.values():
             f.result()
+
+
+PREDICTION_WAIT_S = 60.0   # the most the search waits for its prediction (it takes ~8 s; started with the call)
+
+
+def search_overrides(case: Case, waiting: dict, predicted: dict, args) -> dict:
+    """The search's top and first probe from the planner's prediction for the same workload and cap
+    (bench/gpu_search.py search_bound), waiting for that row up to PREDICTION_WAIT_S; --seq-max without one."""
+    k = (case.workload.name, case.cap)
+    if k in waiting:
+        try:
+            waiting[k].result(timeout=PREDICTION_WAIT_S)
+        except TimeoutError:
+            pass
+    result = predicted.get(k) or {}
+    seq = result.get("seq_len") if "error" not in result else None
+    top, first, source = gpu_search.search_bound(seq, args.seq_min, args.grain, args.seq_max)
+    if k not in waiting:
+        source += ": no prediction row in this run"
+    elif k not in predicted:
+        source += f": the prediction was not done after {PREDICTION_WAIT_S:.0f} s"
+    elif seq is None:
+        source += f": the prediction failed ({str(result.get('error'))[:80]})"
+    return {"seq_max": top, "seq_first": first, "bound_from": source}
 
 
 def estimate(out: Path, cases: list[Case], args) -> int:
@@ -288,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 6; dry 2)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seq-min", type=int, default=None, help="search's shortest length (default 4096; dry 32)")
-    parser.add_argument("--seq-max", type=int, default=None, help="search's longest length (default 65536; dry 512)")
+    parser.add_argument("--seq-max", type=int, default=None, help="search's longest length where the planner's "
+                        "prediction is missing (default 65536; dry 512); with one, 1.25 x the prediction")
     parser.add_argument("--grain", type=int, default=None, help="search's step (default 2048; dry 32)")
     parser.add_argument("--search-s", type=float, default=None, help="the search's time (default 20)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (dry default 1)")
@@ -330,9 +384,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"lr {args.lr:g}, weight decay 0, one random batch reused, "
                 f"{'fp32 on CPU workers (dry)' if d else 'bf16 compute, fp32 masters and Adam state'}; "
                 f"cap {'per CPU worker (dry)' if d else 'via set_per_process_memory_fraction and device_memory='}")
-    report.note("recompute: ours per stage (kept graphs excepted); torch-ckpt and the peers HF gradient "
-                "checkpointing, which the published RoundPipe adds to its own recompute; overhead s (imports, "
-                "initialisation, set-up) is outside tokens/s; the prepare rows give the builds' seconds")
+    report.note("recompute: ours per stage (kept graphs excepted) and the published RoundPipe per stage (its own, "
+                "no HF checkpointing); torch-ckpt, FSDP2 and DeepSpeed HF gradient checkpointing per layer; the "
+                f"published planner plans against 0.6 x the cap ({0.6 * cap / GiB:.1f} GiB), not the card's free "
+                "memory; overhead s (imports, initialisation, set-up) is outside tokens/s; the prepare rows give the "
+                "builds' seconds")
+    report.note("exposed step s: median of the pairwise differences of >= 5 iterations with the step and >= 5 "
+                "without, +- half their interquartile range, 'within noise' where the lower quartile is <= 0; "
+                "kernels: ours' Triton kernels launched, or the PyTorch reference path (kernels_detail says why); "
+                "max seq: the bracket the search reached, its top 1.25 x the planner's prediction")
     report.note(f"torch {torch.__version__}, CUDA {torch.version.cuda}, driver {facts.get('driver')}; logs in "
                 "logs.tar.gz")
     if args.merge:   # the device calls' rows, with their own environment in the table's title

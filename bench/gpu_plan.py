@@ -137,9 +137,10 @@ PREPARE_S = {"build-_C": 60.0, "build-cpu_adam": 50.0, "build-published-adam": 1
              "cuda-tests": 45.0, "check-builds": 10.0}
 CUDA_TESTS_LIMIT_S = 60.0   # the cuda-marked engine tests in call 1; what they leave undone says so in the log
 DIT_SETUP_S = 3.0   # the Flux rows' set-up (gpu_seconds)
-MAXSEQ_S = 20.0   # the longest-sequence search's own budget (the bracket found by then is its row)
+MAXSEQ_S = 20.0   # the longest-sequence search's own budget (the bracket found by then is its row; a probe whose
+                  # estimated seconds would pass it is not started, bench/gpu_measure.py)
 SHELL_S = {1: 15.0, 2: 5.0}   # scripts/gpu-bench.sh's prerequisites and the peers' installs (done in call 1)
-EXPOSED_STEPS = 6   # ours-sync/async on 1.7B: 2 x (1 untimed + 2 timed) calls more for the exposed step
+EXPOSED_STEPS = 7   # ours-sync/async on 1.7B: 1 untimed + 6 forward_backward alone against the 6 timed steps
 
 
 def steps_of(case: Case, warmup: int, steps: int) -> tuple[int, int, bool]:
@@ -159,7 +160,7 @@ def gpu_seconds(case: Case, warmup: int = 2, steps: int = 6) -> float:
     """The GPU part of a full-size case: set-up and its steps at the estimated rate."""
     w, p = case.workload, case.provider
     scale = parameters(w.shape) / QWEN3_1_7B.parameters()
-    if p == "ours-maxseq":   # bisection from 4k: a fresh wrap and one long step a probe, held to MAXSEQ_S
+    if p == "ours-maxseq":   # bisection up to 1.25 x the prediction: a fresh wrap and one long step a probe
         return MAXSEQ_S
     base = p if p in TOKENS_PER_S else "ours-async"
     rate = TOKENS_PER_S[base] / scale * (1.5 if w.lora else 1.0)   # LoRA: no weight gradients, no big step

@@ -116,7 +116,7 @@ def prepare(call: int, smoke: bool, args, out: Path, add_row, run_child, skip_re
                           {"warmup": 0, "steps": 1, "exposed": False})
             seconds = time.perf_counter() - t0
         status = "ok" if "error" not in r else f"failed: {r['error']}"
-        row(f"smoke-{case.provider}", status, seconds, **{"overhead s": r.get("ready_s")})
+        row(f"smoke-{case.provider}", status, seconds, **{"overhead s": r.get("ready_s"), "kernels": r.get("kernels")})
 
     def cuda_tests() -> None:
         log = out / "logs" / "prepare-cuda-tests.log"

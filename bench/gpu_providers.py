@@ -16,9 +16,10 @@ the ids (HF's shifted causal-LM loss, mean over tokens), bf16 compute with fp32 
 Adam state on CUDA (fp32 throughout on CPU), `warmup` steps, then `steps` timed ones.  tokens/s is
 batch * seq * steps over the timed steps' wall time (an asynchronous run's last update included);
 the loss printed is the last step's (the first is kept beside it).  Our rows also measure the step's
-exposed seconds per iteration (spec "exposed"; the parent asks it of ours-sync/async on 1.7B): 2 more
-iterations with the step and 2 with forward_backward alone (the gradients accumulate), each after one
-untimed call; exposed = the difference per iteration.
+exposed seconds per iteration (spec "exposed"; the parent asks it of ours-sync/async on 1.7B): the timed
+steps' per-iteration seconds against as many iterations of forward_backward alone, at least 5 each way
+(bench/gpu_measure.py: the estimator, its spread and "within noise"), and say which of our kernels ran
+(Triton, or the PyTorch reference path and why), read after the steps.
 
 Providers (the spec's "provider"):
 
@@ -33,9 +34,11 @@ Providers (the spec's "provider"):
     deepspeed-zero-offload   deepspeed.initialize, ZeRO stage 2, offload_optimizer to the CPU (its CPU
                              Adam, JIT-built), bf16
     roundpipe-0.1.1          the published RoundPipe: wrap_model_to_roundpipe(use_sequential_preset=True),
-                             its roundpipe.optim.Adam, its default asynchronous step
-    ours-maxseq              the longest sequence (batch 1) ours trains under the cap: bisection, one
-                             full step per probe, within a time budget
+                             its roundpipe.optim.Adam, its default asynchronous step, its own recompute
+                             only (no HF checkpointing), its planner held to the cap (`run_published`)
+    ours-maxseq              the longest sequence (batch 1) ours trains under the cap: bisection up to
+                             1.25 x the planner's prediction, one full step per probe, within a time budget
+    ours-predicted           the planner's prediction (meta device; its process sees no GPU)
 
     Flux-shaped LoRA rows (the spec's hf_config is a diffusers config.json, `_class_name` included):
     ours-async               rp.diffusers.wrap(transformer with a LoRA adapter), rp.optim.AdamW on the
@@ -47,13 +50,14 @@ Providers (the spec's "provider"):
     build-cpu_adam           DeepSpeed's cpu_adam JIT-built (the prepare phase: out of the timed rows)
     build-published-adam     the published RoundPipe's Adam JIT-built, likewise (needs a GPU to import)
 
-Peers (fsdp2, deepspeed, 0.1.1) use HF gradient checkpointing, as ours recomputes the forward.  Every
-optimizer is AdamW-alike with weight decay 0 (the published Adam's default), lr from the spec.  The result
-carries the process's phases: import_s, init_s (the random weights), ready_s (start to the first step),
+FSDP2 and DeepSpeed use HF gradient checkpointing, as ours recomputes the forward; the published RoundPipe
+recomputes on its own (`run_published`).  Every optimizer is AdamW-alike with weight decay 0 (the published
+Adam's default), lr from the spec.  The result carries the process's phases: import_s, init_s (the random weights), ready_s (start to the first step),
 process_s: what the run plan's time estimate takes as the row's overhead.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -68,6 +72,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 START = time.perf_counter()
 PHASES: dict[str, float] = {}   # init_s (the model's initialisation), ready_s (process start to the first step)
+
+
+def _load_sibling(name: str):
+    """bench/<name>.py by its path (bench/ is off sys.path, above), once."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+measure = _load_sibling("gpu_measure")   # pure Python: the exposed step's estimator, the kernels that ran
+search = _load_sibling("gpu_search")     # the longest-sequence search and its prediction
 
 
 def _peak_rss() -> int:
@@ -133,19 +150,30 @@ def batch(spec: dict):
     return torch.randint(0, spec["hf_config"]["vocab_size"], (spec["batch"], spec["seq"]), generator=gen)
 
 
+def iterations(fn, n: int, finish) -> tuple[list, list[float]]:
+    """n calls fn(0..n-1) back to back, then finish(): their results and per-call seconds, each from the previous
+    call's return to its own, the last one's to finish's (so they add up to the block's wall time; no sync in
+    between, so an asynchronous step overlaps the next call as in training)."""
+    marks, results = [time.perf_counter()], []
+    for i in range(n):
+        results.append(fn(i))
+        marks.append(time.perf_counter())
+    finish()
+    marks[-1] = time.perf_counter()
+    return results, [b - a for a, b in zip(marks, marks[1:])]
+
+
 def timed(spec: dict, step, finish) -> dict:
     """Warm-up steps, then timed ones; step(i) returns the loss (a tensor or float)."""
     PHASES.setdefault("ready_s", time.perf_counter() - START)
     PHASES.setdefault("ready_cpu_s", time.process_time())   # the same in CPU seconds: what load does not stretch
     losses = [step(i) for i in range(spec["warmup"])]
     finish()
-    t0 = time.perf_counter()
-    losses += [step(i) for i in range(spec["steps"])]
-    finish()
-    elapsed = time.perf_counter() - t0
-    values = [float(v) for v in losses]
+    more, seconds = iterations(step, spec["steps"], finish)
+    elapsed = sum(seconds)
+    values = [float(v) for v in losses + more]
     return {"tokens_per_s": spec["batch"] * spec["seq"] * spec["steps"] / elapsed, "first_loss": values[0],
-            "final_loss": values[-1], "step_s": elapsed / spec["steps"]}
+            "final_loss": values[-1], "step_s": elapsed / spec["steps"], "iteration_s": seconds}
 
 
 def run_ours(spec: dict) -> dict:
@@ -184,30 +212,30 @@ def run_ours(spec: dict) -> dict:
     try:
         out = timed(spec, step, model.synchronize)
         if spec.get("exposed", True):
-            out["exposed_step_s"] = exposed_step(spec, step, alone, model.synchronize)
+            out["exposed_step"] = exposed_step(out["iteration_s"], step, alone, model.synchronize)
         worker = next(iter(model.memory_stats()["workers"].values()))   # resident weights (docs/planner.md)
         out["kept_layers"] = worker.get("device_step_layers", worker["resident_layers"])
         out["kept_graphs"] = sum(b - a + 1 for a, b in model.memory_stats()["kept_graphs"])   # layers not recomputed
+        out["kernels_patched"] = getattr(model, "kernels_patched", None)
         return out
     finally:
         model.close()
 
 
-def exposed_step(spec: dict, step, alone, finish, calls: int = 2) -> float:
-    """Seconds per iteration the optimizer step adds: `calls` iterations with the step, then as many with
-    forward_backward alone, each run after one untimed call and timed to its sync; the difference per call."""
-    calls = min(calls, spec["steps"])
+def exposed_step(with_step: list[float], step, alone, finish) -> dict:
+    """The optimizer step's exposed seconds per iteration (bench/gpu_measure.py exposed_estimate): the timed steps'
+    per-iteration seconds (a fresh block of EXPOSED_SAMPLES where the row timed fewer) against as many iterations
+    of forward_backward alone, each block after one untimed call."""
+    n = max(measure.EXPOSED_SAMPLES, len(with_step))
 
-    def seconds(fn) -> float:
+    def block(fn) -> list[float]:
         fn(0)
         finish()
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        finish()
-        return (time.perf_counter() - t0) / calls
+        return iterations(fn, n, finish)[1]
 
-    return seconds(step) - seconds(alone)
+    if len(with_step) < n:
+        with_step = block(step)
+    return measure.exposed_estimate(with_step, block(alone))
 
 
 def run_torch(spec: dict) -> dict:
@@ -300,16 +328,26 @@ def run_deepspeed(spec: dict) -> dict:
 
 
 def run_published(spec: dict) -> dict:
+    """The published RoundPipe 0.1.1 as its benchmark/train.py runs it (preset, its Adam, fp32 optimizer state), with
+    two settings made alike to the other providers, both read from its source (roundpipe/run.py, scheduler.py):
+
+    Recompute: its own only, no HF gradient checkpointing.  Its forward runs every layer under torch.no_grad and
+    keeps only each stage's input (run_forward); each backward stage reruns its layers' forward with autograd and
+    then backpropagates (run_backward): checkpointing at the grain of a stage, as ours ("stage", the default of
+    both).  HF checkpointing on top wraps each layer of that rerun in torch.utils.checkpoint, whose backward runs
+    the layer's forward a third time; its benchmark/train.py does not enable it either.
+    Plan: `plan_against_cap` (the cap, not the card's free memory)."""
     published_isolated(spec["peer_path"])
     import torch
 
     import roundpipe as published  # the peer (checked above), never ours
 
     hf = build_model(spec, torch.bfloat16)
-    hf.gradient_checkpointing_enable()
     m = spec.get("microbatches") or 2
+    config = published.RoundPipeRunConfig(num_microbatch=m, recompute_grain="stage")
     model = published.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, use_sequential_preset=True,
-                                              model_run_config=published.RoundPipeRunConfig(num_microbatch=m))
+                                              model_run_config=config)
+    planned = plan_against_cap(published.ModelExecutePlan, spec.get("cap"))
     opt = published.optim.Adam(model.optim_parameters(), lr=spec["lr"], weight_decay=0.0)
     ids = batch(spec)
     mask = torch.ones_like(ids)
@@ -323,73 +361,39 @@ def run_published(spec: dict) -> dict:
 
     def finish():
         model.synchronize()
-        torch.cuda.synchronize()
+        if spec["device"] == "cuda":   # (a CPU run: tests/bench/test_gpu_providers.py, a stand-in of the peer)
+            torch.cuda.synchronize()
 
-    return timed(spec, step, finish)
-
-
-def run_maxseq(spec: dict) -> dict:
-    """Bisection over sequence lengths (batch 1, multiples of `grain`) for the longest at which ours trains
-    one full step under the cap; stops at `budget_s` with the bracket found so far.  Each probe wraps the
-    model afresh (the engine plans at its first call and keeps that plan for later, longer calls)."""
-    import torch
-
-    sys.path.insert(0, str(REPO_ROOT))
-    import roundpipe as rp
-
-    cuda = spec["device"] == "cuda"
-    hf = build_model(spec, torch.float32)
-    options = {"devices": ["cuda:0"] if cuda else ["cpu"], "device_memory": spec["cap"]}
-    if cuda:
-        options["compute_dtype"] = torch.bfloat16
-    vocab, grain = spec["hf_config"]["vocab_size"], spec["grain"]
-    deadline = time.perf_counter() + min(spec["budget_s"], spec.get("search_s") or spec["budget_s"])
-    tried: dict[int, str] = {}
-
-    def fits(t: int) -> bool:
-        ids = torch.randint(0, vocab, (1, t), generator=torch.Generator().manual_seed(t))
-        model = rp.hf.wrap(hf, **options)
-        try:
-            model.forward_backward(input_ids=ids, labels=ids)
-            model.step(rp.optim.AdamW(model.parameters(), lr=spec["lr"]), asynchronous=False)
-            tried[t] = "ok"
-            return True
-        except (ValueError, torch.OutOfMemoryError) as exc:   # the planner's refusal, or the allocator's
-            tried[t] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
-            return False
-        finally:
-            model.close()
-            if cuda:
-                torch.cuda.empty_cache()
-
-    lo, hi = spec["seq_min"], spec["seq_max"]
-    if not fits(lo):
-        out = {"seq_len": 0, "search": f"even {lo} does not train: {tried[lo]}"}
-    elif fits(hi):
-        out = {"seq_len": hi, "search": f">= {hi} (the search's top)"}
-    else:
-        while hi - lo > grain and time.perf_counter() < deadline:
-            mid = (lo + hi) // 2 // grain * grain
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        out = {"seq_len": lo, "search": f"fits {lo}, not {hi}" + ("" if hi - lo <= grain else " (budget out)")}
-    out["probes"] = len(tried)
-    return out
+    return {**timed(spec, step, finish), "planned_gib": planned}
 
 
-def run_prediction(spec: dict) -> dict:
-    """The planner's longest sequence under the cap (rp.hf.max_seq_len: meta device, no GPU)."""
-    import torch
+PLAN_SHARE = 0.6   # the published planner's share of a card's memory for its stages' weights (scheduler.py)
 
-    sys.path.insert(0, str(REPO_ROOT))
-    from transformers import AutoConfig
 
-    import roundpipe as rp
+def plan_against_cap(plan_class, cap: int | None) -> float | None:
+    """Makes the published planner plan against `cap` bytes; returns the GiB it now plans its stages in (None: the
+    card's own, for a full-card row).
 
-    torch.set_num_threads(1)
-    cfg = AutoConfig.for_model(**spec["hf_config"])
-    dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
-    fit = rp.hf.max_seq_len(cfg, device_memory=spec["cap"], dtype=dtype)
-    return {"seq_len": fit.seq_len, "search": f"predicted; binding: {fit.binding.name}"}
+    Its ModelExecutePlan.auto takes `model_memory_limit` (GiB for the stages' weights and gradients, each stage at
+    most half of it), defaulting to 0.6 x get_min_gpu_memory(), the card's free memory plus torch's reserved
+    bytes, read once when its scheduler module is imported (a default argument); its forward and forward_backward
+    call auto() without it, every call (re-planning from the layers' measured times), and no environment variable
+    or module constant reaches it.  The one setting that does, a fixed RoundPipeRunConfig(execute_plan=...),
+    would freeze the stage cut at the first call's size-based estimate.  set_per_process_memory_fraction does not
+    change what torch.cuda.mem_get_info reports, so at 24 GiB on an 80 GB card it would plan stages for ~47 GiB.
+    So auto() is wrapped to pass 0.6 x the cap where no limit is given: the share its default takes of a card,
+    taken of the cap (its recursive call for several models goes through the wrapper too)."""
+    if not cap:
+        return None
+    limit = PLAN_SHARE * cap / (1 << 30)
+    auto = plan_class.auto   # bound to the class: the published classmethod
+
+    def capped(run_type, *models, **options):
+        options.setdefault("model_memory_limit", limit)
+        return auto(run_type, *models, **options)
+
+    plan_class.auto = staticmethod(capped)
+    return limit
 
 
 # ---- the Flux LoRA rows: one diffusion transformer, one adapter, one batch for both providers
@@ -559,8 +563,8 @@ def build_cpu_adam(spec: dict) -> dict:
 
 
 RUNNERS = {"build-published-adam": build_published_adam, "build-cpu_adam": build_cpu_adam, "torch-ckpt": run_torch, "ours-sync": run_ours, "ours-async": run_ours, "ours-device": run_ours, "torch": run_torch,
-           "fsdp2-offload": run_fsdp2, "deepspeed-zero-offload": run_deepspeed, "roundpipe-0.1.1": run_published, "ours-maxseq": run_maxseq,
-           "ours-predicted": run_prediction}
+           "fsdp2-offload": run_fsdp2, "deepspeed-zero-offload": run_deepspeed, "roundpipe-0.1.1": run_published, "ours-maxseq": lambda spec: search.run_maxseq(spec, build_model),
+           "ours-predicted": search.run_prediction}
 
 
 def run(spec: dict) -> dict:
@@ -575,6 +579,10 @@ def run(spec: dict) -> dict:
     out = (DIT_RUNNERS if dit else RUNNERS)[spec["provider"]](spec)
     if spec["device"] == "cuda" and torch.cuda.is_initialized():
         out["device_peak"] = torch.cuda.max_memory_allocated(0)
+    if spec["provider"].startswith("ours") and spec["provider"] != "ours-predicted":   # after the steps: what ran
+        out.update(measure.kernels_ran())
+        if out.get("kernels_patched") is not None:
+            out["kernels_detail"] += f"; {out['kernels_patched']} HF modules patched"
     return {**out, **PHASES}
 
 

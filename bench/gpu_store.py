@@ -23,7 +23,8 @@ from pathlib import Path
 
 from roundpipe.bench.runner import Report
 
-COLUMNS = ["workload", "provider", "cap", "batch x seq", "tokens/s", "exposed step s", "kept layers", "kept graphs",
+COLUMNS = ["workload", "provider", "cap", "batch x seq", "tokens/s", "exposed step s", "kernels", "kept layers",
+           "kept graphs",
            "vs torch", "vs best peer", "first loss", "final loss", "max seq", "device peak GB", "peak RSS GB",
            "overhead s", "s", "status"]
 JSONL, TABLE, ARCHIVE = "gpu_bench.jsonl", "table.txt", "logs.tar.gz"

@@ -38,8 +38,13 @@ def test_dry_run_has_a_row_for_every_provider(tmp_path):
     for provider in ("ours-sync", "ours-async", "ours-device", "torch"):
         assert first[provider]["tokens_per_s"] > 0, first[provider]
     assert first["ours-device"]["kept layers"] > 0, first["ours-device"]   # layers stepped on the worker
-    for provider in ("ours-sync", "ours-async"):   # the step's exposed seconds: a number beside tokens/s
-        assert math.isfinite(first[provider]["exposed step s"]), first[provider]
+    for provider in ("ours-sync", "ours-async"):   # the step's exposed seconds: >= 5 iterations each way, never < 0
+        exposed = first[provider]["exposed_step"]
+        assert exposed["samples"] >= 5 and exposed["seconds"] >= 0 and exposed["spread_s"] >= 0, exposed
+        assert first[provider]["exposed step s"].replace("within noise", "")[:1] in " 0123456789"
+    for provider in ("ours-sync", "ours-async", "ours-device"):   # which kernels ran: none on CPU workers, and why
+        assert first[provider]["kernels"] == "torch", first[provider]
+        assert first[provider]["kernels_detail"].startswith("reference path: "), first[provider]
     torch_loss = first["torch"]["final_loss"]
     # the same fp32 weights, batch and AdamW: the synchronous step trains as PyTorch does (rounding apart);
     # the asynchronous one reads weights one step stale, a few hundredths of a nat after 4 steps at lr 1e-4
@@ -48,3 +53,12 @@ def test_dry_run_has_a_row_for_every_provider(tmp_path):
     assert abs(first["ours-async"]["final_loss"] - torch_loss) < 0.05 * torch_loss
     search = [r for r in rows if r["provider"] in ("ours-maxseq", "ours-predicted")]
     assert all(r["max seq"] and r["max seq"] > 0 for r in search), search
+    predicted = next(r for r in search if r["provider"] == "ours-predicted")
+    assert predicted["cuda_visible_devices"] == "" and predicted["cuda_context"] is False   # its process saw no GPU
+    found = next(r for r in search if r["provider"] == "ours-maxseq")   # its top follows the prediction
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_search import search_bound
+
+    top, first_probe, _ = search_bound(predicted["max seq"], 32, 32, 512)
+    assert found["seq_bound"] == top and found["probes"][0]["t"] == first_probe, found
+    assert all(p["t"] <= top for p in found["probes"]) and f"top {top}: 1.25 x predicted" in found["status"]

@@ -5,6 +5,8 @@ folder installs as gpu-bench.sh installs it and brings the transformers it was w
 Skipped where .whl/peers/ was never filled (it needs PyPI: `bash scripts/fetch-peers.sh`)."""
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -97,3 +99,44 @@ def test_published_roundpipe_folder_brings_its_own_transformers(tmp_path):
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     result = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
     assert "error" not in result and result["tokens_per_s"] > 0, run.stderr[-2000:]
+
+
+def published_source(name: str) -> ast.Module:
+    """roundpipe/<name> from the published RoundPipe's wheel, parsed (never imported)."""
+    folder = next((d for d in FOLDERS if d.name.startswith("roundpipe-")), None)
+    wheel = next(folder.glob("roundpipe-*.whl"), None) if folder else None
+    if wheel is None:
+        pytest.skip("no published RoundPipe wheel in .whl/peers/")
+    with zipfile.ZipFile(wheel) as z:
+        return ast.parse(z.read(f"roundpipe/{name}").decode())
+
+
+def test_published_planner_and_recompute_are_as_the_benchmark_assumes(monkeypatch):
+    """What bench/gpu_providers.py run_published relies on, read from the carried wheel's source: auto()'s
+    model_memory_limit defaults to get_min_gpu_memory() * PLAN_SHARE (the card's free memory, which the allocator's
+    fraction does not change), every plan its forward paths make omits it (so the wrapper's value is the one used),
+    its run config takes recompute_grain, and its forward runs without autograd while each backward stage reruns
+    its layers' forward with it (its own checkpointing: HF's on top would be a third forward)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))   # the script takes bench/ off sys.path when loaded
+    spec = importlib.util.spec_from_file_location("gpu_providers_under_test", REPO / "bench" / "gpu_providers.py")
+    providers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(providers)
+
+    scheduler = published_source("scheduler.py")
+    autos = [f for f in ast.walk(scheduler) if isinstance(f, ast.FunctionDef) and f.name == "auto"
+             and not any("overload" in ast.unparse(d) for d in f.decorator_list)]
+    assert len(autos) == 1
+    names = [a.arg for a in autos[0].args.kwonlyargs]
+    default = ast.unparse(autos[0].args.kw_defaults[names.index("model_memory_limit")])
+    assert default == f"get_min_gpu_memory() * {providers.PLAN_SHARE}", default
+    device = ast.unparse(published_source("device.py"))
+    assert "torch.cuda.mem_get_info" in device
+    calls = [c for c in ast.walk(published_source("roundpipe.py")) if isinstance(c, ast.Call)
+             and ast.unparse(c.func) == "ModelExecutePlan.auto"]
+    assert len(calls) >= 2 and not any(k.arg == "model_memory_limit" for c in calls for k in c.keywords)
+    config = next(f for f in ast.walk(published_source("run_config.py"))
+                  if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    assert "recompute_grain" in [a.arg for a in config.args.args]
+    run = {f.name: f for f in ast.walk(published_source("run.py")) if isinstance(f, ast.FunctionDef)}
+    assert "torch.no_grad()" in [ast.unparse(d) for d in run["run_forward"].decorator_list]
+    assert "torch.enable_grad()" in ast.unparse(run["run_backward"])
