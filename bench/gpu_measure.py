@@ -12,14 +12,12 @@ range.  Where the lower quartile is <= 0 the step's cost is not told apart from 
 says "within noise" (never a negative time: the difference of 2 iterations each way this replaces came out
 negative in a dry run, issue 53).
 
-The kernels.  Which of roundpipe.kernels ran in the process, read after the row's steps from the one module that
-decides (roundpipe/kernels/_triton.py): the Triton kernels launched (its `_warm` specialisation keys) and
-whether any call took the PyTorch reference path (its once-only warning flag, `unavailable_reason()`).
+The kernels.  Which of roundpipe.kernels ran in the process, read after the row's steps from
+`roundpipe.kernels.report()`: the Triton kernels launched and why any call took the PyTorch reference path.
 """
 from __future__ import annotations
 
 import statistics
-import sys
 
 EXPOSED_SAMPLES = 5   # iterations each way, at least (the row's timed steps give 6 on the device)
 
@@ -50,19 +48,13 @@ def exposed_label(estimate: dict | None) -> str | None:
 # ---- the kernels that ran
 
 def kernels_ran() -> dict:
-    """{"kernels": "triton" | "torch" | "triton + torch fallback", "kernels_detail": which and why}, read from
-    roundpipe.kernels' state in this process after the row's steps (module docstring)."""
-    # the one module that knows (its own docstring); its private state is read here, after the steps
-    from roundpipe.kernels import _triton
+    """{"kernels": "triton" | "torch" | "triton + torch fallback", "kernels_detail": which and why}, from
+    roundpipe.kernels.report() in this process after the row's steps."""
+    from roundpipe.kernels import report
 
-    names = {}
-    for name, module in list(sys.modules.items()):
-        if name.startswith("roundpipe.kernels.") and module is not None:
-            for attr, obj in vars(module).items():
-                names.setdefault(id(obj), attr.strip("_").removesuffix("_kernel"))
-    launched = sorted({names.get(key[0], "unnamed") for key in _triton._warm})
-    why = _triton.unavailable_reason()
-    fell_back = bool(_triton._warned) or (not launched and why is not None)
+    done = report()
+    launched, why = done["launched"], "; ".join(done["fell_back"]) or done["unavailable"]
+    fell_back = bool(done["fell_back"]) or (not launched and why is not None)
     kind = ("triton + torch fallback" if launched and fell_back else "triton" if launched
             else "torch")
     detail = []

@@ -87,6 +87,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
     reason = _device_reason(tensor)
     if reason is None:
         return True
+    _fell_back.add(reason)
     if not _warned:
         _warned = True
         warnings.warn(f"roundpipe.kernels: using the PyTorch reference path because {reason}.",
@@ -145,6 +146,8 @@ def check_same(name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor
 # coarser: two launches Triton compiles separately must never share a key.
 _first_launch = threading.Lock()
 _warm: set = set()
+_launched: set[str] = set()    # the kernels launched in this process, by name (report())
+_fell_back: set[str] = set()   # why a call took the PyTorch reference path instead (report())
 # The interpreter (TRITON_INTERPRET=1, CPU tensors) is not safe from several threads at any launch: while it
 # runs a kernel it swaps triton.language's builtins, so two CPU workers running kernels at once fail ("Did you
 # forget to add @triton.jit ?").  Interpreted launches run one at a time.
@@ -192,3 +195,11 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
         else:
             kernel[grid](*args, **meta)
         _warm.add(key)
+        _launched.add((getattr(kernel, "__name__", None) or type(kernel).__name__).strip("_").removesuffix("_kernel"))
+
+
+def report() -> dict:
+    """What the kernels did in this process so far: {"launched": the names of the Triton kernels launched,
+    "fell_back": why calls took the PyTorch reference path instead (empty: none did), "unavailable": why Triton
+    cannot run at all, or None}.  A benchmark reads it after its steps to say which path its numbers are from."""
+    return {"launched": sorted(_launched), "fell_back": sorted(_fell_back), "unavailable": unavailable_reason()}

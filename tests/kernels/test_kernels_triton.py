@@ -26,6 +26,9 @@ with warnings.catch_warnings(record=True) as caught:
 assert x.grad is not None
 msgs = [str(w.message) for w in caught if "roundpipe.kernels" in str(w.message)]
 assert len(msgs) == 1, msgs
+from roundpipe.kernels import report
+done = report()
+assert done["launched"] == [] and len(done["fell_back"]) == 1 and "Triton is not importable" in done["unavailable"], done
 print("OK", msgs[0])
 """
 
@@ -35,6 +38,16 @@ def test_interpreter_makes_kernels_available():
     assert kernels.available(), kernels.unavailable_reason()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert _triton.use_triton(torch.empty(1, device=device))
+
+
+def test_report_names_the_kernels_launched():
+    """kernels.report() names each Triton kernel a call launched in this process (what a benchmark row says it ran)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(3, 8, device=device)
+    kernels.rms_norm(x, torch.ones(8, device=device))
+    done = kernels.report()
+    assert any("rms" in name for name in done["launched"]), done
+    assert done["unavailable"] is None
 
 
 def test_wrong_device_falls_back_with_one_warning(monkeypatch):
