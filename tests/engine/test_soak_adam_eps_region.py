@@ -3,7 +3,7 @@
 tensor's largest; one element of 0.a.weight cancels to -3.5e-8 (fp64), ~1e-6 of the tensor's largest
 gradient and ~3 Adam eps, so fp32 fixes it only within ~20% of itself and Adam's first step
 g / (|g| + eps) turns that into ~1% of lr.  Plain PyTorch with another microbatch order is off by as much or more.
-The soak's master check now takes off each element's allowance for that (tests/soak.py, GRAD_NOISE).
+The soak's master check now takes off each element's allowance for that (tests/soak_checker.py, GRAD_NOISE).
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_allowance_still_tells_a_missed_update():
 
 def test_an_adamw8bit_reference_is_allowed_only_what_its_shadows_differ_by():
     """An AdamW8bit reference (blockwise 8-bit states) gets no first-order allowance: only what its two shadow
-    optimizers' updates differ by (tests/soak.py, Checker._shadow), far below TOL where no moment code flips."""
+    optimizers' updates differ by (tests/soak_checker.py, Checker._shadow), far below TOL where no moment code flips."""
     case = dataclasses.replace(minimised_case(), kind="adamw8bit", optimizer="8bit")
     chk = reference_through_op_6(case)
     weights = dict(chk.ref.cur.named_parameters())
