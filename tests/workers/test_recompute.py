@@ -217,3 +217,33 @@ def test_a_pool_of_mixed_gpu_models_refuses_random_draws(monkeypatch):
         torch.tanh(torch.randn(2, generator=torch.Generator()))   # a generator of the layer's own: not routed
         with pytest.raises(ValueError, match="mix GPU models"):
             torch.rand(3)
+
+
+def test_each_route_of_the_worker_mode_draws_from_the_worker_state():
+    """Under WorkerRng.stream() every kind of draw comes from the worker's generator, seeded as given: a function
+    with generator= (passed one), dropout (a Bernoulli mask from it), a function without one (the default
+    generator with the worker's state swapped in) and attention with dropout; non-random calls and attention
+    without dropout run as they are, and the caller's default generator does not move."""
+    from roundpipe.workers.rng import WorkerRng
+    rng = WorkerRng(torch.device("cpu"))
+    x = torch.ones(64, 8)
+    q = torch.randn(2, 1, 4, 8)
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+
+    def draws():
+        return [torch.rand(5), F.dropout(x, 0.5, training=True), F.alpha_dropout(x, 0.5, training=True),
+                F.scaled_dot_product_attention(q, q, q, dropout_p=0.5), F.scaled_dot_product_attention(q, q, q),
+                torch.tanh(x)]
+    rng.reseed(5)
+    with rng.stream():
+        got = draws()
+    assert torch.equal(torch.get_rng_state(), before)
+    g = torch.Generator().manual_seed(5)
+    assert torch.equal(got[0], torch.rand(5, generator=g))
+    assert torch.equal(got[1], x * torch.empty_like(x).bernoulli_(0.5, generator=g).div_(0.5))
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(g.get_state())
+        assert torch.equal(got[2], F.alpha_dropout(x, 0.5, training=True))
+        assert torch.equal(got[3], F.scaled_dot_product_attention(q, q, q, dropout_p=0.5))
+    assert torch.equal(got[4], F.scaled_dot_product_attention(q, q, q)) and torch.equal(got[5], torch.tanh(x))
