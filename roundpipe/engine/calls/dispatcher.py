@@ -366,6 +366,13 @@ class Watchdog:
         return "\n".join(lines)
 
 
+# How often a waiting caller wakes: the watchdog judges progress at every wake-up, so with a stall_timeout
+# every 20 ms; without one every change the wait tests (the end, an error, `poke`) wakes it, and the timeout
+# only bounds what a missed wake-up would cost.  On a 2-core machine each wake-up is a thread switch taken
+# from the workers' compute (six a step of the default `roundpipe train` at 20 ms, issue 54).
+WATCHED_POLL_S, QUIET_POLL_S = 0.02, 0.25
+
+
 class CallRun:
     """One call's work on the workers: which are still at it, the first error, the end.
 
@@ -460,14 +467,19 @@ class CallRun:
         with self.cv:
             self.cv.notify_all()
 
+    def _poll_s(self) -> float:
+        watched = self.watchdog is not None and self.watchdog.timeout is not None
+        return WATCHED_POLL_S if watched else QUIET_POLL_S
+
     def wait(self, until: Callable[[], bool] | None = None) -> None:
         """Until the end, an error, or `until()`; RoundPipeStalled from the watchdog."""
         since = time.monotonic()
+        poll = self._poll_s()
         while True:
             with self.cv:
                 if self.ended or self.error is not None or (until is not None and until()):
                     return
-                self.cv.wait(0.02)
+                self.cv.wait(poll)
                 if self.ended or self.error is not None or (until is not None and until()):
                     return
             if self.watchdog is not None:
@@ -480,7 +492,7 @@ class CallRun:
             with self.cv:
                 if self.ended:
                     return
-                self.cv.wait(0.1)
+                self.cv.wait(max(0.1, self._poll_s()))
                 if self.ended:
                     return
             if self.watchdog is not None:
