@@ -232,10 +232,23 @@ class _NoKey(Exception):
     """Something in a layer or its input that the fingerprint cannot compare: measure the layer."""
 
 
+_PLAIN_SIZE = type("_Plain", (), {}).__basicsize__   # an instance of a Python class: no field but its dict
+
+
+def _state_in_dict(cls: type) -> bool:
+    """Whether an instance of cls keeps all its state in its __dict__: no C fields (functools.partial, functions
+    and other C types, or Python classes over them, are larger) and no __slots__ in its MRO; nn.Modules and
+    tensors are compared otherwise."""
+    return (cls.__basicsize__ == _PLAIN_SIZE and not issubclass(cls, (nn.Module, torch.Tensor))
+            and not any("__slots__" in vars(b) for b in cls.__mro__))
+
+
 def _value_key(v: Any, depth: int = 0) -> Hashable:
-    """Plain values and nests of them by value (with their types: 1, 1.0 and True differ); anything else
-    (functions, configs, tensors kept as plain attributes) only as the same object (its id; the layers
-    keep it alive for the dry run)."""
+    """Plain values and nests of them by value (with their types: 1, 1.0 and True differ); an instance of a
+    Python class that keeps its state in its __dict__ by its class and that state (diffusers gives every
+    attention block an attention processor of its own, equal to the others: keyed by identity, no two blocks
+    shared a measurement); anything else (functions, tensors kept as plain attributes, C objects) only as the
+    same object (its id; the layers keep it alive for the dry run)."""
     if isinstance(v, _PLAIN):
         return (type(v), v)
     if depth < 8:
@@ -245,6 +258,8 @@ def _value_key(v: Any, depth: int = 0) -> Hashable:
             return (type(v), tuple((_value_key(k, depth + 1), _value_key(o, depth + 1)) for k, o in v.items()))
         if isinstance(v, (set, frozenset)):
             return (type(v), frozenset(_value_key(o, depth + 1) for o in v))
+        if _state_in_dict(type(v)) and hasattr(v, "__dict__"):
+            return (type(v), _value_key(vars(v), depth + 1))
     return (object, id(v))
 
 

@@ -206,3 +206,39 @@ def test_layers_the_fingerprint_cannot_compare_are_measured():
     assert layer_key(quant) is None
     with pytest.raises(TypeError, match="reuse"):
         dry_run_costs([nn.Linear(4, 4)], ((torch.zeros(1, 4),), {}), torch.float32, RATES["cpu"], "cpu", reuse="yes")
+
+
+class Processor:
+    """A stand-in for diffusers' attention processors: every block holds an instance of its own."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __call__(self, x):
+        return torch.tanh(x) * self.scale
+
+
+class ProcessorBlock(nn.Module):
+    def __init__(self, processor):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.processor = processor
+
+    def forward(self, x):
+        return x + self.processor(self.fc(x))
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_blocks_with_equal_objects_of_their_own_share(monkeypatch, device):
+    """Blocks whose settings are distinct but equal objects (a Python class keeping its state in __dict__) share
+    one measurement, with the costs of measuring each; a different state, or objects whose state a __dict__
+    does not hold (functools.partial, functions), keep blocks apart."""
+    import functools
+    blocks = [nn.Linear(8, 8)] + [ProcessorBlock(Processor(0.5)) for _ in range(3)] + [ProcessorBlock(Processor(2.0))]
+    sample = ((torch.randn(2, 8),), {})
+    reused, measured = _costs(monkeypatch, blocks, sample, device, reuse=True, dtype=torch.float32)
+    every, _ = _costs(monkeypatch, blocks, sample, device, reuse=False, dtype=torch.float32)
+    assert measured == ["Linear", "ProcessorBlock", "ProcessorBlock"] and reused == every
+    halves = [ProcessorBlock(functools.partial(torch.mul, other=0.5)) for _ in range(2)]
+    assert layer_key(halves[0]) != layer_key(halves[1])
+    assert layer_key(ProcessorBlock(torch.tanh)) == layer_key(ProcessorBlock(torch.tanh))   # the same function object
