@@ -34,7 +34,7 @@ except ImportError as exc:  # the fallback is the point of this module
     triton = None
     tl = types.SimpleNamespace(constexpr=object)
 
-_warned = False
+_fell_back: set[str] = set()   # why calls took the PyTorch reference path (report(); the first one warns)
 
 
 def jit(fn):
@@ -83,15 +83,13 @@ def can_run(tensor: torch.Tensor) -> bool:
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when the kernels can run on `tensor`'s device; else warns once and returns False."""
-    global _warned
     reason = _device_reason(tensor)
     if reason is None:
         return True
-    _fell_back.add(reason)
-    if not _warned:
-        _warned = True
+    if not _fell_back:
         warnings.warn(f"roundpipe.kernels: using the PyTorch reference path because {reason}.",
                       RuntimeWarning, stacklevel=3)
+    _fell_back.add(reason)
     return False
 
 
@@ -147,7 +145,6 @@ def check_same(name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor
 _first_launch = threading.Lock()
 _warm: set = set()
 _launched: set[str] = set()    # the kernels launched in this process, by name (report())
-_fell_back: set[str] = set()   # why a call took the PyTorch reference path instead (report())
 # The interpreter (TRITON_INTERPRET=1, CPU tensors) is not safe from several threads at any launch: while it
 # runs a kernel it swaps triton.language's builtins, so two CPU workers running kernels at once fail ("Did you
 # forget to add @triton.jit ?").  Interpreted launches run one at a time.
@@ -194,8 +191,9 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
                 kernel[grid](*args, **meta)
         else:
             kernel[grid](*args, **meta)
-        _warm.add(key)
-        _launched.add((getattr(kernel, "__name__", None) or type(kernel).__name__).strip("_").removesuffix("_kernel"))
+        if key not in _warm:   # a first launch: its name for report(), off the warm launches' path
+            _warm.add(key)
+            _launched.add((getattr(kernel, "__name__", None) or type(kernel).__name__).strip("_").removesuffix("_kernel"))
 
 
 def report() -> dict:

@@ -53,7 +53,7 @@ def test_report_names_the_kernels_launched():
 def test_wrong_device_falls_back_with_one_warning(monkeypatch):
     """A tensor the kernels cannot run on takes the reference path, warning once across ops."""
     monkeypatch.setattr(_triton, "_device_reason", lambda tensor: "a test says so")
-    monkeypatch.setattr(_triton, "_warned", False)
+    monkeypatch.setattr(_triton, "_fell_back", set())
     x, w = torch.randn(4, 16), torch.rand(16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
