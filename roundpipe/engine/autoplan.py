@@ -209,6 +209,11 @@ class AutoPlanner:
         self.remove_waits = devices[0].type == "cuda" and len(set(devices)) == len(devices)
         self.compute_dtype = compute_dtype
         self.memory_budget = device_budget(devices) if config.memory_budget == "device" else config.memory_budget
+        # One worker without a budget: the whole batch fits whatever it holds and that worker runs every layer, so
+        # the first call's costs only seed the profiler's split of the timed stage: parameter counts x tokens do,
+        # without a dry run's second forward and backward (0.18 s of the default `roundpipe train`'s first call
+        # on 2 cores, issue 54).  Its costs then hold no activation bytes: no predicted peak is made from them.
+        self.sized_only = self.memory_budget is None and len(devices) == 1
         self.enabled = config.enabled and fixed is None
         self.profiler: Profiler | None = None
         self.replanner: Replanner | None = None
@@ -307,15 +312,11 @@ class AutoPlanner:
             fits = False
             if self.replanner is None:   # a forward-only first call planned already: keep its plan
                 mb = each()
-                # One worker without a budget: the whole batch fits whatever it holds, and one worker runs
-                # every layer, so the costs only seed the profiler's split of the timed stage: parameter
-                # counts do, without a dry run's second forward and backward (0.18 s of the default
-                # `roundpipe train`'s first call on 2 cores, issue 54).
-                alone = self.memory_budget is None and self.workers == 1
                 costs = size_costs(self.layers, (mb.args[0], mb.kwargs[0]), self.compute_dtype, self.device_type,
-                                   None if loss_fn is None else (loss_fn, mb.labels[0]), dry_run=not alone)
-                fits = alone or (self.memory_budget is None or one_stage_bytes(costs) <= self.memory_budget) and (
-                    len(mb) == 1 or host_room(self.layers, len(mb), self.compute_dtype))
+                                   None if loss_fn is None else (loss_fn, mb.labels[0]), dry_run=not self.sized_only)
+                within = self.memory_budget is None or one_stage_bytes(costs) <= self.memory_budget
+                fits = self.sized_only or within and (len(mb) == 1 or host_room(self.layers, len(mb),
+                                                                                self.compute_dtype))
                 self._first_costs = costs if fits else None
             self._whole = (fits, batch)
         fits, size = self._whole
@@ -341,7 +342,8 @@ class AutoPlanner:
         if self.replanner is None:   # first call: the size-based plan for these inputs
             costs, self._first_costs = self._first_costs, None
             if costs is None:
-                costs = size_costs(self.layers, sample, self.compute_dtype, self.device_type, loss)
+                costs = size_costs(self.layers, sample, self.compute_dtype, self.device_type, loss,
+                                   dry_run=not self.sized_only)
             self.profiler = Profiler(costs, alpha=self.config.alpha)
             self.replanner = self._bounded(lambda budget: Replanner(
                 self.profiler, self.workers, num_microbatches, budget, self.config.threshold, self._solver),

@@ -159,8 +159,8 @@ class PeakPredictions:
         L = len(host)
         if self.resident_layers is not None:
             sched.resident = min(self.resident_layers, L) if self.auto_resident else 0
-        if autoplan.profiler is None and not any(c is not None for c in self.caps.values()):
-            return {}   # a fixed plan without caps: no dry run just for the figure
+        if (autoplan.profiler is None or autoplan.sized_only) and not any(c is not None for c in self.caps.values()):
+            return {}   # a fixed plan, or one worker planned without a dry run, without caps: none just for the figure
         weights, grads = layer_bytes(host)
         prefetches = any(w.prefetches for w in self.workers)
         mem = autoplan.layer_memory(sample, loss)

@@ -395,8 +395,9 @@ def test_a_model_that_fits_one_worker_trains_unsplit_without_recompute():
 def test_one_worker_without_a_budget_plans_its_first_call_without_a_dry_run(monkeypatch):
     """One worker and no budget fit the whole batch whatever it holds, and the costs only seed the profiler:
     the first call makes no dry run (issue 54: 0.18 s of the default `roundpipe train`'s first call), its
-    prior is the parameter-count estimate for the sample's tokens, and the gradients are PyTorch's.  Two
-    workers or a cap still dry-run."""
+    prior is the parameter-count estimate for the sample's tokens, and the gradients are PyTorch's.  Costs
+    without activation bytes make no predicted peak (it would leave the activations out).  Two workers or a
+    cap still dry-run, and predict peaks."""
     from roundpipe.engine import autoplan
     from roundpipe.models.tiny_decoder import loss_fn
     runs = []
@@ -411,6 +412,7 @@ def test_one_worker_without_a_budget_plans_its_first_call_without_a_dry_run(monk
         assert runs == []
         prior = size_costs(build_layers(cfg, seed=0), ((x,), {}), torch.float32, "cpu", dry_run=False)
         assert model.autoplan.profiler.costs() == prior   # nothing timed yet: the warm-up calls come first
+        assert "predicted_peak" not in model.memory_stats()["workers"]["cpu:0"]
         ref = torch.nn.Sequential(*build_layers(cfg, seed=0))
         loss_fn(ref(x), y).backward()
         for p, q in zip(model.parameters(), ref.parameters()):
@@ -420,7 +422,9 @@ def test_one_worker_without_a_budget_plans_its_first_call_without_a_dry_run(monk
         with rp.RoundPipe(build_layers(cfg, seed=0), **kwargs) as model:
             model.forward_backward(x, labels=y, loss_fn=loss_fn)
             model.synchronize()
+            peaks = [w["predicted_peak"] for w in model.memory_stats()["workers"].values()]
         assert runs, kwargs
+        assert all(p > sum(q.numel() * 4 for q in model.parameters()) for p in peaks), (kwargs, peaks)
 
 
 def _stages_run(model, x, y, loss_fn) -> dict[str, list[str]]:
